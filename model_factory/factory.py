@@ -1,0 +1,150 @@
+"""ModelFactory.from_huggingface: a checkpoint directory (or a hub name already in the local
+Hugging Face cache) becomes a `Model` ready for a Pipeline."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from rtpkv.config import RuntimeConfig, Settings, make_options, resolve
+from rtpkv.errors import ConfigError
+from rtpkv.model_factory.llama import CausalLM
+from rtpkv.model_factory.model_config import ModelConfig
+from rtpkv.model_factory.spec import ModelSpec
+from rtpkv.model_factory.weights import iter_tensors, weight_files, weights_digest
+
+log = logging.getLogger("rtpkv")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Model:
+    """A loaded checkpoint: the torch module, its tokenizer, and the resolved options."""
+
+    module: CausalLM
+    spec: ModelSpec
+    tokenizer: Any
+    config: RuntimeConfig
+    path: Path
+    fingerprint: str
+    tasks: Optional[list[dict[str, Any]]] = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dtype: torch.dtype = torch.float32
+
+
+def resolve_model_dir(name: Union[str, os.PathLike], revision: Optional[str] = None) -> Path:
+    """A local directory as is; otherwise a hub id looked up in the local Hugging Face cache,
+    downloaded only when the environment allows network access."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    text = str(name)
+    if path.is_absolute() or text.startswith(".") or text.count("/") > 1:
+        raise FileNotFoundError(f"model directory {text!r} does not exist")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(text, revision=revision, local_files_only=True))
+    except Exception:
+        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "on", "yes"):
+            raise FileNotFoundError(
+                f"model {text!r} is not a local directory and is not in the local Hugging Face "
+                "cache (HF_HUB_OFFLINE is set, so it was not downloaded)"
+            ) from None
+    try:
+        return Path(snapshot_download(text, revision=revision))
+    except Exception as exc:
+        raise FileNotFoundError(
+            f"model {text!r} is not a local directory, is not in the local Hugging Face cache, "
+            f"and could not be downloaded ({type(exc).__name__})"
+        ) from None
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} is invalid: CUDA is not available on this machine")
+    return device
+
+
+def _pick_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    dtype = _DTYPES.get(str(spec.torch_dtype).removeprefix("torch."), torch.float32)
+    if dtype == torch.float16 and device.type == "cpu":
+        return torch.float32  # float16 matmuls are slow on CPUs; bfloat16 and float32 are not
+    return dtype
+
+
+def _max_seq_len(config: RuntimeConfig, spec: ModelSpec) -> int:
+    limit = spec.max_position_embeddings
+    if spec.sliding_window and spec.sliding_window < limit:
+        log.info("max_seq_len capped at the sliding window (%d tokens): attention then never "
+                 "needs the window mask", spec.sliding_window)
+        limit = spec.sliding_window
+    if config.max_seq_len and config.max_seq_len > limit:
+        raise ConfigError(f"max_seq_len={config.max_seq_len} is invalid: this checkpoint "
+                          f"accepts at most {limit} tokens")
+    return config.max_seq_len or limit
+
+
+class ModelFactory:
+    @staticmethod
+    def from_huggingface(model_path_or_name: Union[str, os.PathLike],
+                         revision: Union[str, ModelConfig, None] = None,
+                         model_config: Optional[ModelConfig] = None,
+                         show_progress: bool = True) -> Model:
+        """Load a Llama-family checkpoint. rtp-llm's tutorials pass the ModelConfig second:
+        a ModelConfig given as `revision` is taken as `model_config`."""
+        if isinstance(revision, ModelConfig):
+            revision, model_config = None, revision
+        model_config = model_config or ModelConfig()
+        settings = Settings.from_env()
+        config = resolve(settings, make_options(ModelConfig, model_config.options()))
+        model_dir = resolve_model_dir(model_path_or_name, revision)
+        config_path = model_dir / "config.json"
+        if not config_path.exists():
+            raise FileNotFoundError(f"{model_dir}: no config.json")
+        spec = ModelSpec.from_config(json.loads(config_path.read_text()), str(config_path))
+        device = _pick_device(config.device)
+        dtype = _pick_dtype(config.dtype, spec, device)
+        max_seq_len = _max_seq_len(config, spec)
+        config = config.replace(max_seq_len=max_seq_len)
+
+        files = weight_files(model_dir)
+        with torch.device("meta"):
+            module = CausalLM(spec)
+        state = {}
+        for name, tensor in iter_tensors(files, show_progress):
+            state[name] = tensor.to(device=device, dtype=dtype)
+        if spec.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        expected = set(module.state_dict()) - ({"lm_head.weight"} if spec.tie_word_embeddings else set())
+        missing = sorted(expected - set(state))
+        if missing:
+            raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        state = {k: v for k, v in state.items() if k in expected}
+        module.load_state_dict(state, strict=False, assign=True)
+        module.prepare(max_seq_len)
+        module.eval()
+
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        fingerprint = hashlib.sha256(
+            f"{spec.architecture}|{weights_digest(files)}|{dtype}".encode()
+        ).hexdigest()
+        log.info("loaded %s from %s (%s, %s, max_seq_len=%d)", spec.architecture, model_dir,
+                 dtype, device, max_seq_len)
+        return Model(module=module, spec=spec, tokenizer=tokenizer, config=config, path=model_dir,
+                     fingerprint=fingerprint, tasks=model_config.tasks, device=device, dtype=dtype)

@@ -1,0 +1,149 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Parameter names follow the Hugging Face checkpoints so a state dict loads as is; `fuse()` then
+concatenates q/k/v and gate/up projections so each layer runs two fewer matmuls.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rtpkv.kernels import AttentionMetadata, apply_rope, attention_backend, rms_norm, rope_table
+from rtpkv.model_factory.spec import ModelSpec
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.q_proj = nn.Linear(spec.hidden_size, self.q_size, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, self.kv_size, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+        self.scale = spec.head_dim ** -0.5
+        self.qkv: Optional[nn.Linear] = None
+
+    def fuse(self) -> None:
+        q, k, v = self.q_proj, self.k_proj, self.v_proj
+        fused = nn.Linear(q.in_features, self.q_size + 2 * self.kv_size, bias=q.bias is not None,
+                          device=q.weight.device, dtype=q.weight.dtype)
+        fused.weight.data = torch.cat([q.weight, k.weight, v.weight])
+        if q.bias is not None:
+            fused.bias.data = torch.cat([q.bias, k.bias, v.bias])
+        self.qkv = fused
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                attend) -> torch.Tensor:
+        t = x.shape[0]
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, k, cos, sin)
+        out = attend(q, k, v, kv[0], kv[1], meta, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up: Optional[nn.Linear] = None
+
+    def fuse(self) -> None:
+        g, u = self.gate_proj, self.up_proj
+        fused = nn.Linear(g.in_features, 2 * g.out_features, bias=False,
+                          device=g.weight.device, dtype=g.weight.dtype)
+        fused.weight.data = torch.cat([g.weight, u.weight])
+        self.gate_up = fused
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.self_attn = Attention(spec)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM: `forward` fills the KV pool and returns hidden states; `logits` projects
+    only the rows that need sampling."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.model = Backbone(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.cos: Optional[torch.Tensor] = None
+        self.sin: Optional[torch.Tensor] = None
+
+    def prepare(self, max_positions: int) -> None:
+        """After weights are loaded: tie, fuse, build the RoPE table, pick the attention kernel."""
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        weight = self.model.embed_tokens.weight
+        self.cos, self.sin = rope_table(self.spec.inv_freq(), max_positions, weight.dtype, weight.device)
+        self.attention_name, self.attend = attention_backend(weight.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.cos[positions], self.sin[positions]
+        for layer, kv in zip(self.model.layers, kv_caches):
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv, meta, self.attend)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,129 @@
+"""Tiny checkpoints for the demo, the tests and the benchmarks: random weights from a real
+`transformers` config saved with `save_pretrained` (safetensors), and a sentencepiece tokenizer
+trained on the spot on a generated corpus. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from tqdm.auto import tqdm
+
+_WORDS = (
+    "hello what's your name how old are you the a an of to in is it that for on with as was "
+    "at by from this be or not but have system assistant user helpful careful answer question "
+    "model cache block reuse prompt token memory disk host remote engine request batch stream "
+    "python code function return value error test check time fast slow first last next every "
+    "day night city river mountain cat dog bird tree house book story world people program "
+    "you're I we they he she good bad new old big small long short please thank tell me about"
+).split()
+
+ARCHITECTURE_CONFIGS = {
+    "LlamaForCausalLM": "LlamaConfig",
+    "MistralForCausalLM": "MistralConfig",
+    "Qwen2ForCausalLM": "Qwen2Config",
+    "Qwen3ForCausalLM": "Qwen3Config",
+}
+
+
+def _corpus(path: Path, lines: int, seed: int) -> None:
+    rng = random.Random(seed)
+    punct = [".", ",", "?", "!", ":", ""]
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(lines):
+            n = rng.randint(4, 16)
+            words = [rng.choice(_WORDS) for _ in range(n)]
+            if rng.random() < 0.3:
+                words.append(str(rng.randint(0, 999)))
+            f.write(" ".join(words).capitalize() + rng.choice(punct) + "\n")
+
+
+def train_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0) -> None:
+    """A byte-fallback BPE sentencepiece model (`tokenizer.model`) that AutoTokenizer loads."""
+    import sentencepiece as spm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "corpus.txt"
+        _corpus(corpus, 4000, seed)
+        spm.SentencePieceTrainer.train(
+            input=str(corpus), model_prefix=str(out_dir / "tokenizer"), vocab_size=vocab_size,
+            model_type="bpe", hard_vocab_limit=False, byte_fallback=True, character_coverage=1.0,
+            unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2, num_threads=1,
+        )
+    (out_dir / "tokenizer.vocab").unlink(missing_ok=True)
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "model_max_length": 1 << 20,
+    }))
+
+
+def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCausalLM", *,
+                          vocab_size: int = 1024, hidden_size: int = 64,
+                          intermediate_size: int = 128, num_layers: int = 2, num_heads: int = 4,
+                          num_kv_heads: int = 2, max_position_embeddings: int = 1024,
+                          tie_word_embeddings: bool = False,
+                          rope_scaling: Optional[dict[str, Any]] = None,
+                          tokenizer_vocab_size: int = 600, seed: int = 0,
+                          dtype: str = "float32") -> Path:
+    """Write a random-initialised checkpoint of `architecture` with its tokenizer to out_dir."""
+    import torch
+    import transformers
+
+    if architecture not in ARCHITECTURE_CONFIGS:
+        raise ValueError(f"architecture {architecture!r} unknown; "
+                         f"known: {', '.join(ARCHITECTURE_CONFIGS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config_cls = getattr(transformers, ARCHITECTURE_CONFIGS[architecture])
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2,
+        head_dim=hidden_size // num_heads,
+    )
+    if rope_scaling:
+        kwargs["rope_scaling"] = rope_scaling
+    if architecture == "MistralForCausalLM":
+        kwargs["sliding_window"] = max_position_embeddings
+    config = config_cls(**kwargs)
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    # A wider init than the default 0.02 makes random models produce varied, non-degenerate
+    # greedy text, which makes token-for-token comparisons meaningful.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+    model.save_pretrained(out, safe_serialization=True)
+    train_tokenizer(out, min(tokenizer_vocab_size, vocab_size), seed)
+    return out
+
+
+def cached_tiny_checkpoint(name: str = "demo", cache_dir: Optional[os.PathLike] = None,
+                           show_progress: bool = True, **kwargs: Any) -> Path:
+    """Build once into the user's cache dir (keyed by the arguments) and reuse afterwards."""
+    root = Path(cache_dir or os.environ.get("RTPKV_CACHE_DIR")
+                or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rtpkv")
+    key = hashlib.sha256(json.dumps(kwargs, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    target = root / f"{name}-{key}"
+    if (target / "tokenizer.model").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with tqdm(total=1, desc=f"Building tiny checkpoint {target.name}", disable=not show_progress) as bar:
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
+        build_tiny_checkpoint(tmp, **kwargs)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished the same build first
+            shutil.rmtree(tmp, ignore_errors=True)
+        bar.update(1)
+    return target

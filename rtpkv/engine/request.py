@@ -1,0 +1,113 @@
+"""Request: one generation as the engine sees it — its tokens, blocks, progress and timings."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from rtpkv.generate_config import GenerateConfig
+
+_ids = itertools.count(1)
+
+
+class FinishReason(str, enum.Enum):
+    EOS = "eos"
+    LENGTH = "length"
+    STOP = "stop"
+    PREFILLED = "prefilled"
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+
+
+@dataclass
+class StepOutput:
+    """What one engine step hands a request's consumer."""
+
+    new_token_ids: list[int]
+    finished: bool = False
+    error: Optional[BaseException] = None
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    config: GenerateConfig
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    reuse: bool = True
+    prefill_only: bool = False
+    stop_text: Optional[Callable[[list[int]], bool]] = None  # stop_words_str check on output
+    request_id: int = field(default_factory=lambda: next(_ids))
+    # cache state (see KVCacheManager.CacheSequence)
+    token_ids: list[int] = field(init=False)
+    block_table: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)
+    salt: bytes = b""
+    num_computed: int = 0
+    # reporting
+    reuse_len: Optional[int] = None
+    iter_count: int = 0
+    num_preemptions: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    admitted_at: Optional[float] = None
+    first_token_at: Optional[float] = None
+    finished_at: Optional[float] = None
+    finish_reason: Optional[FinishReason] = None
+    pinned_blocks: list[int] = field(default_factory=list)
+    # hand-off to the consumer
+    outputs: "queue.Queue[StepOutput]" = field(default_factory=queue.Queue)
+    done: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False
+    generator: Optional[torch.Generator] = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+        self.salt = (self.config.cache_salt or "").encode()
+        if self.config.random_seed is not None:
+            self.generator = torch.Generator().manual_seed(self.config.random_seed)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def deadline(self) -> Optional[float]:
+        ms = self.config.timeout_ms
+        return None if ms is None else self.arrival + ms / 1000.0
+
+    def aux_info(self) -> dict[str, Any]:
+        now = time.monotonic()
+        end = self.finished_at or now
+        first = self.first_token_at
+        admitted = self.admitted_at
+        return {
+            "reuse_len": self.reuse_len or 0,
+            "local_reuse_len": self.reuse_len or 0,
+            "output_len": self.num_output,
+            "iter_count": self.iter_count,
+            "cost_time": (end - self.arrival) * 1000.0,
+            "first_token_cost_time": ((first - self.arrival) * 1000.0) if first else None,
+            "wait_time": ((admitted if admitted else now) - self.arrival) * 1000.0,
+            "num_preemptions": self.num_preemptions,
+            "finish_reason": self.finish_reason.value if self.finish_reason else None,
+        }

@@ -1,0 +1,51 @@
+"""Sampler: next tokens from the last-position logits of the requests that need one.
+
+Processing order follows transformers: repetition penalty, min-new-tokens EOS ban, then
+temperature, top-k and top-p; greedy takes the arg-max. A request with `random_seed` draws from
+its own generator, so the same seed gives the same output whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rtpkv.engine.request import Request
+
+
+def _plain_greedy(req: Request) -> bool:
+    cfg = req.config
+    return cfg.greedy and cfg.repetition_penalty == 1.0 and req.num_output >= cfg.min_new_tokens
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """logits: (n, vocab) float32, one row per request in `requests`."""
+    if all(_plain_greedy(r) for r in requests):
+        return logits.argmax(dim=-1).tolist()
+    return [_sample_one(logits[i], req) for i, req in enumerate(requests)]
+
+
+def _sample_one(row: torch.Tensor, req: Request) -> int:
+    cfg = req.config
+    row = row.clone()
+    if cfg.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.token_ids)), dtype=torch.long, device=row.device)
+        scores = row[seen]
+        row[seen] = torch.where(scores < 0, scores * cfg.repetition_penalty,
+                                scores / cfg.repetition_penalty)
+    if req.num_output < cfg.min_new_tokens:
+        banned = list(req.eos_token_ids) + [s[0] for s in cfg.stop_words_list if len(s) == 1]
+        if banned:
+            row[torch.tensor(banned, device=row.device)] = float("-inf")
+    if cfg.greedy:
+        return int(row.argmax())
+    row = row / cfg.temperature
+    if cfg.top_k > 0 and cfg.top_k < row.numel():
+        kth = torch.topk(row, cfg.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_logits, order = torch.sort(row, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= cfg.top_p  # keep the token that crosses top_p
+        row[order[drop]] = float("-inf")
+    probs = row.softmax(-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=req.generator))

@@ -1,0 +1,74 @@
+"""GenerateConfig: the per-request options of `pipeline(prompt, generate_config=...)`.
+
+Names follow rtp-llm's generate_config where it has one. Unknown keys are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from rtpkv.errors import ConfigError
+
+
+class GenerateConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: Optional[int] = Field(None, ge=1)  # None: up to 256, within max_seq_len
+    min_new_tokens: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0)              # 0: no top-k filter; 1: greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0)  # 0: greedy
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    random_seed: Optional[int] = None
+    stop_words_str: list[str] = Field(default_factory=list)
+    stop_words_list: list[list[int]] = Field(default_factory=list)
+    ignore_eos: bool = False
+    task_id: Optional[Union[str, int]] = None
+    reuse_cache: bool = True
+    cache_salt: Optional[str] = Field(None, max_length=256)
+    return_incremental: bool = False
+    timeout_ms: Optional[int] = Field(None, ge=1)
+
+    @field_validator("task_id")
+    @classmethod
+    def _task_id_as_text(cls, value: Any) -> Optional[str]:
+        return None if value is None else str(value)
+
+    @field_validator("stop_words_str")
+    @classmethod
+    def _no_empty_stop(cls, value: list[str]) -> list[str]:
+        if any(not s for s in value):
+            raise ValueError("stop words must be non-empty strings")
+        return value
+
+    @field_validator("stop_words_list")
+    @classmethod
+    def _no_empty_stop_ids(cls, value: list[list[int]]) -> list[list[int]]:
+        if any(not s for s in value):
+            raise ValueError("stop word id lists must be non-empty")
+        return value
+
+    @property
+    def greedy(self) -> bool:
+        return self.top_k == 1 or self.temperature == 0.0
+
+    @classmethod
+    def build(cls, base: Optional[dict[str, Any]], overrides: dict[str, Any]) -> "GenerateConfig":
+        """generate_config merged with keyword arguments; errors name the key and the rule."""
+        values = dict(base or {})
+        values.update(overrides)
+        unknown = sorted(set(values) - set(cls.model_fields))
+        if unknown:
+            raise ConfigError(f"unknown generate_config key(s) {unknown}; "
+                              f"accepted: {sorted(cls.model_fields)}")
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            parts = []
+            for err in exc.errors():
+                key = ".".join(str(p) for p in err["loc"])
+                msg = err["msg"].removeprefix("Value error, ")
+                parts.append(f"generate_config[{key!r}]={err.get('input')!r} is invalid: {msg}")
+            raise ConfigError("; ".join(parts)) from None

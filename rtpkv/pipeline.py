@@ -1,0 +1,230 @@
+"""Pipeline: prompt in, streaming responses out, with aux info on what the cache reused.
+
+    pipeline = Pipeline(model, model.tokenizer)
+    for res in pipeline("hello", generate_config={"top_k": 1, "max_new_tokens": 32}):
+        print(res.batch_response, res.aux_info["reuse_len"])
+    pipeline.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
+
+from rtpkv.cache.prefix_index import HashFn, sha256
+from rtpkv.engine import Engine, Request, StepOutput
+from rtpkv.errors import ConfigError, RequestError
+from rtpkv.generate_config import GenerateConfig
+from rtpkv.model_factory.factory import Model
+from rtpkv.tasks import Task, TaskPrompt, TaskRegistry, parse_tasks, tasks_from_config
+from rtpkv.text_stream import TextStream
+
+log = logging.getLogger("rtpkv")
+
+DEFAULT_MAX_NEW_TOKENS = 256
+Prompt = Union[str, Sequence[int]]
+
+
+@dataclass
+class Response:
+    """One streamed update. `batch_response` is rtp-llm's name for `generate_texts`."""
+
+    generate_texts: list[str]
+    finished: bool
+    output_ids: list[int]
+    aux_info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch_response(self) -> list[str]:
+        return self.generate_texts
+
+
+class _ResponseBuilder:
+    """Folds a request's StepOutputs into Responses (cumulative text, or deltas)."""
+
+    def __init__(self, req: Request, stream: TextStream, incremental: bool, aux: dict[str, Any]):
+        self.req, self.stream, self.incremental, self.aux = req, stream, incremental, aux
+        self.ids: list[int] = []
+        self.shown = ""
+
+    def feed(self, out: StepOutput) -> Optional[Response]:
+        if out.error is not None:
+            raise out.error
+        self.ids.extend(out.new_token_ids)
+        if self.stream.stopped and not out.finished:
+            return None
+        text = self.stream.visible(self.ids, out.finished)
+        if not out.finished and text == self.shown:
+            return None
+        delta = text[len(self.shown):] if text.startswith(self.shown) else text
+        self.shown = text
+        aux = {**self.aux, **self.req.aux_info()}
+        return Response([delta if self.incremental else text], out.finished, list(self.ids), aux)
+
+
+class Pipeline:
+    def __init__(self, model: Model, tokenizer: Any = None, *,
+                 tasks: Optional[Sequence[Union[dict[str, Any], TaskPrompt]]] = None,
+                 hash_fn: HashFn = sha256, **options: Any):
+        """`options` are ModelConfig field names (reuse_cache=True, seq_size_per_block=16, ...)
+        overriding the environment and the model's ModelConfig. `tasks` are task prompts given
+        in code; otherwise ModelConfig.tasks, MULTI_TASK_PROMPT or MULTI_TASK_PROMPT_STR."""
+        self.model = model
+        self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+        config = model.config.replace(**options)
+        task_list = self._initial_tasks(tasks, model, config)
+        if task_list and not config.reuse_cache:
+            log.info("task prompts loaded: turning reuse_cache on")
+            config = config.replace(reuse_cache=True)
+        self.config = config
+        eos = set(model.spec.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.engine = Engine(model, config, hash_fn=hash_fn)
+        self.tasks = TaskRegistry()
+        try:
+            for task in task_list:
+                self.add_task(task.task_id, task.prompt)
+        except Exception:
+            self.engine.stop()
+            raise
+
+    @staticmethod
+    def _initial_tasks(tasks: Any, model: Model, config: Any) -> list[TaskPrompt]:
+        if tasks is not None:
+            return parse_tasks([t.model_dump() if isinstance(t, TaskPrompt) else t for t in tasks],
+                               "Pipeline(tasks=...)")
+        if model.tasks is not None:
+            return parse_tasks(model.tasks, "ModelConfig.tasks")
+        return tasks_from_config(config)
+
+    # ------------------------------------------------------------------ tasks
+    def add_task(self, task_id: Union[str, int], prompt: str) -> None:
+        """Prefill `prompt` once and pin its full blocks; requests name it by task_id."""
+        entry = parse_tasks([{"task_id": task_id, "prompt": prompt}], "add_task")[0]
+        if entry.task_id in self.tasks:
+            raise ConfigError(f"task_id {entry.task_id!r} already exists; remove it first")
+        ids = list(self.tokenizer(entry.prompt).input_ids)
+        B = self.config.seq_size_per_block
+        half = self.engine.pool.num_blocks // 2
+        pinned = self.engine.call(self.engine.cache.num_pinned)
+        if pinned + len(ids) // B > half:
+            raise ConfigError(
+                f"task {entry.task_id!r}: pinned task prompts would take {pinned + len(ids) // B} "
+                f"KV blocks ({len(ids)} tokens in this one), more than half of the pool "
+                f"({self.engine.pool.num_blocks} blocks of {B} tokens)")
+        req = Request(ids, GenerateConfig(), max_new_tokens=0, prefill_only=True)
+        self.engine.submit(req)
+        req.done.wait()
+        out = req.outputs.get()
+        if out.error is not None:
+            raise out.error
+        self.tasks.add(Task(entry.task_id, entry.prompt, ids, req.pinned_blocks))
+        log.info("task %r: %d tokens, %d blocks pinned", entry.task_id, len(ids), len(req.pinned_blocks))
+
+    def remove_task(self, task_id: Union[str, int]) -> None:
+        """Forget the task; its blocks are unpinned and become ordinary cached blocks."""
+        task = self.tasks.pop(task_id)
+        self.engine.call(lambda: self.engine.cache.unpin(task.pinned_blocks))
+
+    # ------------------------------------------------------------------ requests
+    def _request(self, prompt: Prompt, generate_config: Optional[dict[str, Any]],
+                 kwargs: dict[str, Any]) -> tuple[Request, _ResponseBuilder]:
+        if self.engine.stopped:
+            raise RequestError("the pipeline has been stopped")
+        cfg = generate_config if isinstance(generate_config, GenerateConfig) else \
+            GenerateConfig.build(generate_config, kwargs)
+        prefix: list[int] = []
+        if cfg.task_id is not None:
+            prefix = self.tasks.get(cfg.task_id).token_ids
+        own = self._tokenize(prompt, with_special=not prefix)
+        ids = prefix + own
+        limit = self.config.max_seq_len
+        room = limit - len(ids)
+        if room < 1:
+            raise RequestError(f"prompt is {len(ids)} tokens ({len(prefix)} of them the task "
+                               f"prompt); max_seq_len is {limit}, leaving no room to generate")
+        max_new = cfg.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, room)
+        if max_new > room:
+            raise RequestError(f"prompt of {len(ids)} tokens + max_new_tokens {max_new} exceeds "
+                               f"max_seq_len {limit}")
+        stream = TextStream(self.tokenizer, cfg.stop_words_str)
+        req = Request(ids, cfg, max_new_tokens=max_new, eos_token_ids=self.eos_token_ids,
+                      reuse=cfg.reuse_cache, stop_text=stream.stop_check())
+        aux = {"input_len": len(own), "prefix_len": len(prefix)}
+        self.engine.submit(req)
+        return req, _ResponseBuilder(req, stream, cfg.return_incremental, aux)
+
+    def _tokenize(self, prompt: Prompt, with_special: bool) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt is empty; pass a non-empty string or token id list")
+            if with_special:
+                return list(self.tokenizer(prompt).input_ids)
+            return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+        if isinstance(prompt, (list, tuple)) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise RequestError("prompt is an empty token id list")
+            vocab = self.model.spec.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            return list(prompt)
+        raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def __call__(self, prompt: Prompt, generate_config: Optional[dict[str, Any]] = None,
+                 **kwargs: Any) -> Iterator[Response]:
+        """Validate and submit now (errors raise here); iterate for streamed responses.
+        Stopping the iteration early cancels the request."""
+        req, builder = self._request(prompt, generate_config, kwargs)
+        return self._stream(req, builder)
+
+    def _stream(self, req: Request, builder: _ResponseBuilder) -> Iterator[Response]:
+        try:
+            while True:
+                out = req.outputs.get()
+                res = builder.feed(out)
+                if res is not None:
+                    yield res
+                if out.finished:
+                    return
+        finally:
+            if not req.done.is_set():
+                self.engine.abort(req)
+
+    async def pipeline_async(self, prompt: Prompt, generate_config: Optional[dict[str, Any]] = None,
+                             **kwargs: Any) -> AsyncIterator[Response]:
+        """The same stream for asyncio callers: `async for res in pipeline.pipeline_async(...)`."""
+        req, builder = self._request(prompt, generate_config, kwargs)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                out = await loop.run_in_executor(None, req.outputs.get)
+                res = builder.feed(out)
+                if res is not None:
+                    yield res
+                if out.finished:
+                    return
+        finally:
+            if not req.done.is_set():
+                self.engine.abort(req)
+
+    # ------------------------------------------------------------------ lifecycle, stats
+    def cache_stats(self) -> dict[str, Any]:
+        return self.engine.cache_stats()
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+
+    def stop(self) -> None:
+        self.engine.stop()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
