@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from rtpkv.config import CacheOptions
+from pydantic import ValidationError
+
+from rtpkv.config import CacheOptions, describe_validation_error
+from rtpkv.errors import ConfigError
 
 
 class ModelConfig(CacheOptions):
@@ -13,6 +16,12 @@ class ModelConfig(CacheOptions):
     as a list of {"task_id", "prompt"} entries."""
 
     tasks: Optional[list[dict[str, Union[int, str]]]] = None
+
+    def __init__(self, **values: Any):
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ConfigError(describe_validation_error(exc)) from None
 
     def options(self) -> dict[str, Any]:
         """The CacheOptions part, for merging with the environment."""

@@ -24,12 +24,17 @@ _WORDS = (
     "you're I we they he she good bad new old big small long short please thank tell me about"
 ).split()
 
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
+
 ARCHITECTURE_CONFIGS = {
     "LlamaForCausalLM": "LlamaConfig",
     "MistralForCausalLM": "MistralConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
 }
+
+
+BYTE_LEVEL_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 def _corpus(path: Path, lines: int, seed: int) -> None:
@@ -44,24 +49,38 @@ def _corpus(path: Path, lines: int, seed: int) -> None:
             f.write(" ".join(words).capitalize() + rng.choice(punct) + "\n")
 
 
-def train_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0) -> None:
-    """A byte-fallback BPE sentencepiece model (`tokenizer.model`) that AutoTokenizer loads."""
-    import sentencepiece as spm
-
+def train_tokenizer(out_dir: Path, vocab_size: int, seed: int = 0, byte_level: bool = False) -> None:
+    """Train a tokenizer on a generated corpus and write it where AutoTokenizer finds it:
+    a byte-fallback BPE sentencepiece `tokenizer.model` (Llama, Mistral), or a byte-level BPE
+    `vocab.json` + `merges.txt` with Qwen's special tokens (`byte_level`, Qwen2/Qwen3)."""
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.txt"
         _corpus(corpus, 4000, seed)
-        spm.SentencePieceTrainer.train(
-            input=str(corpus), model_prefix=str(out_dir / "tokenizer"), vocab_size=vocab_size,
-            model_type="bpe", hard_vocab_limit=False, byte_fallback=True, character_coverage=1.0,
-            unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2, num_threads=1,
-        )
-    (out_dir / "tokenizer.vocab").unlink(missing_ok=True)
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "model_max_length": 1 << 20,
-    }))
+        if byte_level:
+            from tokenizers import ByteLevelBPETokenizer
+
+            bpe = ByteLevelBPETokenizer()
+            bpe.train([str(corpus)], vocab_size=vocab_size, min_frequency=1, show_progress=False,
+                      special_tokens=list(QWEN_SPECIAL_TOKENS))
+            bpe.save_model(str(out_dir))
+            tokenizer_config = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None,
+                                "eos_token": QWEN_SPECIAL_TOKENS[2],
+                                "pad_token": QWEN_SPECIAL_TOKENS[0]}
+        else:
+            import sentencepiece as spm
+
+            spm.SentencePieceTrainer.train(
+                input=str(corpus), model_prefix=str(out_dir / "tokenizer"), vocab_size=vocab_size,
+                model_type="bpe", hard_vocab_limit=False, byte_fallback=True,
+                character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2,
+                num_threads=1,
+            )
+            (out_dir / "tokenizer.vocab").unlink(missing_ok=True)
+            tokenizer_config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True,
+                                "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>",
+                                "unk_token": "<unk>"}
+    tokenizer_config["model_max_length"] = 1 << 20
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
 
 
 def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCausalLM", *,
@@ -86,7 +105,8 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=tie_word_embeddings, eos_token_id=2,
+        bos_token_id=None if architecture in BYTE_LEVEL_ARCHITECTURES else 1,
         head_dim=hidden_size // num_heads,
     )
     if rope_scaling:
@@ -104,7 +124,8 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
             if param.dim() == 2:
                 param.normal_(0.0, 0.08 if "embed" not in name else 1.0)
     model.save_pretrained(out, safe_serialization=True)
-    train_tokenizer(out, min(tokenizer_vocab_size, vocab_size), seed)
+    train_tokenizer(out, min(tokenizer_vocab_size, vocab_size), seed,
+                    byte_level=architecture in BYTE_LEVEL_ARCHITECTURES)
     return out
 
 
@@ -115,7 +136,7 @@ def cached_tiny_checkpoint(name: str = "demo", cache_dir: Optional[os.PathLike] 
                 or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rtpkv")
     key = hashlib.sha256(json.dumps(kwargs, sort_keys=True, default=str).encode()).hexdigest()[:12]
     target = root / f"{name}-{key}"
-    if (target / "tokenizer.model").exists():
+    if (target / "config.json").exists():  # the directory appears whole (os.replace)
         return target
     root.mkdir(parents=True, exist_ok=True)
     with tqdm(total=1, desc=f"Building tiny checkpoint {target.name}", disable=not show_progress) as bar:

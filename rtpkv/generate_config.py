@@ -29,6 +29,7 @@ class GenerateConfig(BaseModel):
     reuse_cache: bool = True
     cache_salt: Optional[str] = Field(None, max_length=256)
     return_incremental: bool = False
+    return_logits: bool = False              # each response carries the logits of its tokens
     timeout_ms: Optional[int] = Field(None, ge=1)
 
     @field_validator("task_id")

@@ -13,6 +13,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
+import torch
+
 from rtpkv.cache.prefix_index import HashFn, sha256
 from rtpkv.engine import Engine, Request, StepOutput
 from rtpkv.errors import ConfigError, RequestError
@@ -35,6 +37,7 @@ class Response:
     finished: bool
     output_ids: list[int]
     aux_info: dict[str, Any] = field(default_factory=dict)
+    logits: Optional[torch.Tensor] = None  # (output_len, vocab) float32, with return_logits
 
     @property
     def batch_response(self) -> list[str]:
@@ -47,12 +50,15 @@ class _ResponseBuilder:
     def __init__(self, req: Request, stream: TextStream, incremental: bool, aux: dict[str, Any]):
         self.req, self.stream, self.incremental, self.aux = req, stream, incremental, aux
         self.ids: list[int] = []
+        self.logits: list[torch.Tensor] = []
         self.shown = ""
 
     def feed(self, out: StepOutput) -> Optional[Response]:
         if out.error is not None:
             raise out.error
         self.ids.extend(out.new_token_ids)
+        if out.logits is not None:
+            self.logits.append(out.logits)
         if self.stream.stopped and not out.finished:
             return None
         text = self.stream.visible(self.ids, out.finished)
@@ -61,7 +67,9 @@ class _ResponseBuilder:
         delta = text[len(self.shown):] if text.startswith(self.shown) else text
         self.shown = text
         aux = {**self.aux, **self.req.aux_info()}
-        return Response([delta if self.incremental else text], out.finished, list(self.ids), aux)
+        logits = torch.cat(self.logits) if self.logits else None
+        return Response([delta if self.incremental else text], out.finished, list(self.ids), aux,
+                        logits)
 
 
 class Pipeline:
@@ -75,14 +83,11 @@ class Pipeline:
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         config = model.config.replace(**options)
         task_list = self._initial_tasks(tasks, model, config)
-        if task_list and not config.reuse_cache:
-            log.info("task prompts loaded: turning reuse_cache on")
-            config = config.replace(reuse_cache=True)
-        self.config = config
         eos = set(model.spec.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.config = config
         self.engine = Engine(model, config, hash_fn=hash_fn)
         self.tasks = TaskRegistry()
         try:
@@ -107,6 +112,10 @@ class Pipeline:
         entry = parse_tasks([{"task_id": task_id, "prompt": prompt}], "add_task")[0]
         if entry.task_id in self.tasks:
             raise ConfigError(f"task_id {entry.task_id!r} already exists; remove it first")
+        if not self.config.reuse_cache:
+            log.info("task prompts loaded: turning reuse_cache on")
+            self.config = self.config.replace(reuse_cache=True)
+            self.engine.call(self.engine.enable_reuse)
         ids = list(self.tokenizer(entry.prompt).input_ids)
         B = self.config.seq_size_per_block
         half = self.engine.pool.num_blocks // 2

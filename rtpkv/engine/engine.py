@@ -142,6 +142,11 @@ class Engine:
             tables = [r.block_table for r in self.scheduler.running]
             self.cache.check_integrity(tables)
 
+    def enable_reuse(self) -> None:
+        """Turn prefix reuse on (task prompts need it); call under the lock."""
+        self.scheduler.reuse = True
+        log.info("reuse_cache: True")
+
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run fn under the engine lock (between steps)."""
         with self.lock:
@@ -187,8 +192,9 @@ class Engine:
                 c.request.num_computed += c.num_tokens
                 c.request.iter_count += 1
             new_tokens = sample(logits, [c.request for c in sampled_chunks]) if sampled_chunks else []
-            for c, token in zip(sampled_chunks, new_tokens):
-                self._append(c.request, token)
+            for row, (c, token) in enumerate(zip(sampled_chunks, new_tokens)):
+                self._append(c.request, token,
+                             logits[row:row + 1].clone() if c.request.config.return_logits else None)
             for c in chunks:
                 req = c.request
                 if self.scheduler.reuse and req.reuse and req.finish_reason != FinishReason.ERROR:
@@ -220,7 +226,7 @@ class Engine:
                     f"request {req.request_id} did not finish within timeout_ms="
                     f"{req.config.timeout_ms} ({req.num_output} tokens generated)"))
 
-    def _append(self, req: Request, token: int) -> None:
+    def _append(self, req: Request, token: int, logits: Optional[torch.Tensor]) -> None:
         req.token_ids.append(token)
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
@@ -242,7 +248,7 @@ class Engine:
         if reason is None and n >= req.max_new_tokens:
             reason = FinishReason.LENGTH
         req.finish_reason = reason
-        req.outputs.put(StepOutput([token], finished=False))
+        req.outputs.put(StepOutput([token], finished=False, logits=logits))
 
     def _finish(self, req: Request, reason: FinishReason, error: Optional[BaseException] = None) -> None:
         if req.done.is_set():

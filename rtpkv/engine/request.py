@@ -33,6 +33,7 @@ class StepOutput:
 
     new_token_ids: list[int]
     finished: bool = False
+    logits: Optional[torch.Tensor] = None    # (len(new_token_ids), vocab) with return_logits
     error: Optional[BaseException] = None
 
 

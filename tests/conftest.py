@@ -1,0 +1,102 @@
+"""Shared fixtures: tiny checkpoints built once per session, pipelines that are always stopped
+and integrity-checked, and a helper to run a prompt to completion."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from rtpkv.model_factory import Model, ModelConfig, ModelFactory
+from rtpkv.model_factory.tiny import build_tiny_checkpoint
+from rtpkv.pipeline import Pipeline
+
+torch.set_num_threads(2)
+
+ENV_VARS = ("REUSE_CACHE", "SEQ_SIZE_PER_BLOCK", "MULTI_TASK_PROMPT", "MULTI_TASK_PROMPT_STR",
+            "KV_CACHE_MEM_MB", "KV_CACHE_MAX_TOKENS", "MAX_SEQ_LEN", "CAPACITY_SCHEDULER_POLICY",
+            "CONTEXT_CHUNKING_POLICY", "MAX_NUM_BATCHED_TOKENS", "CONCURRENCY_LIMIT",
+            "SCHEDULE_POLICY", "DTYPE", "DEVICE")
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+# Each architecture with the features its family brings: GQA everywhere, llama3 RoPE scaling,
+# Qwen2's q/k/v bias, Qwen3's q/k norm, tied and untied embeddings.
+ARCHITECTURES = {
+    "llama": dict(architecture="LlamaForCausalLM", rope_scaling=LLAMA3_ROPE),
+    "mistral": dict(architecture="MistralForCausalLM", tie_word_embeddings=True),
+    "qwen2": dict(architecture="Qwen2ForCausalLM"),
+    "qwen3": dict(architecture="Qwen3ForCausalLM", tie_word_embeddings=True),
+    "llama_linear_rope": dict(architecture="LlamaForCausalLM", num_kv_heads=4,
+                              rope_scaling={"rope_type": "linear", "factor": 2.0}),
+}
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """Tests start from an environment that sets none of rtpkv's variables."""
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> Callable[[str], Path]:
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build_tiny_checkpoint(tmp_path_factory.mktemp(name), **ARCHITECTURES[name])
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_path(checkpoints) -> Path:
+    return checkpoints("llama")
+
+
+def load(path: Path, **config: Any) -> Model:
+    return ModelFactory.from_huggingface(path, ModelConfig(**config), show_progress=False)
+
+
+@pytest.fixture
+def make_pipeline(llama_path):
+    """make_pipeline(path=None, tasks=None, hash_fn=..., **options) -> a Pipeline that is
+    integrity-checked and stopped after the test."""
+    made: list[Pipeline] = []
+
+    def make(path: Path | None = None, **options: Any) -> Pipeline:
+        extra = {k: options.pop(k) for k in ("tasks", "hash_fn") if k in options}
+        options.setdefault("kv_cache_max_tokens", 8192)
+        model = load(path or llama_path, **options)
+        pipe = Pipeline(model, model.tokenizer, **extra)
+        made.append(pipe)
+        return pipe
+
+    yield make
+    for pipe in made:
+        if not pipe.engine.stopped:
+            pipe.check_integrity()
+        pipe.stop()
+
+
+def run(pipe: Pipeline, prompt, **config: Any):
+    """Run to completion; returns the last response."""
+    config.setdefault("top_k", 1)
+    config.setdefault("ignore_eos", True)
+    res = None
+    for res in pipe(prompt, generate_config=config):
+        pass
+    assert res is not None and res.finished
+    return res
+
+
+def idle_in_use(pipe: Pipeline) -> int:
+    """Blocks in use that are not pinned: must be 0 once every request has ended."""
+    stats = pipe.cache_stats()
+    return stats["blocks_in_use"] - stats["blocks_pinned"]

@@ -1,0 +1,221 @@
+"""The Pipeline contract: responses, aux info, streaming text, stop words, async, stop(),
+sampling options, concurrency, and clear errors for bad input."""
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from conftest import idle_in_use, load, run
+from rtpkv.errors import ConfigError, EngineStoppedError, RequestError
+from rtpkv.model_factory import ModelConfig, ModelFactory
+from rtpkv.pipeline import Pipeline
+from rtpkv.text_stream import TextStream
+
+PROMPT = "hello, what's your name"
+
+
+def test_seed_api_and_aux_info(make_pipeline):
+    pipe = make_pipeline()
+    responses = list(pipe(PROMPT, generate_config={"top_k": 1, "max_new_tokens": 12}))
+    last = responses[-1]
+    assert last.finished and not any(r.finished for r in responses[:-1])
+    assert last.batch_response == last.generate_texts and isinstance(last.batch_response[0], str)
+    aux = last.aux_info
+    for key in ("input_len", "prefix_len", "reuse_len", "output_len", "iter_count", "cost_time",
+                "first_token_cost_time", "wait_time"):
+        assert key in aux
+    assert aux["input_len"] == len(pipe.tokenizer(PROMPT).input_ids)
+    assert aux["prefix_len"] == 0 and aux["reuse_len"] == 0
+    assert aux["output_len"] == len(last.output_ids) <= 12
+    assert aux["cost_time"] >= aux["first_token_cost_time"] > 0
+
+
+def test_token_id_prompt_is_used_as_given(make_pipeline):
+    pipe = make_pipeline()
+    ids = pipe.tokenizer(PROMPT).input_ids
+    a = run(pipe, PROMPT, max_new_tokens=8)
+    b = run(pipe, list(ids), max_new_tokens=8)
+    assert a.output_ids == b.output_ids and b.aux_info["input_len"] == len(ids)
+
+
+def test_incremental_text_concatenates_to_cumulative(make_pipeline):
+    pipe = make_pipeline()
+    deltas = [r.batch_response[0] for r in pipe(PROMPT, top_k=1, max_new_tokens=20,
+                                                 ignore_eos=True, return_incremental=True)]
+    full = run(pipe, PROMPT, max_new_tokens=20).batch_response[0]
+    assert "".join(deltas) == full
+    assert not any(d.endswith("\ufffd") for d in deltas[:-1])
+
+
+def test_incomplete_utf8_is_held_back(make_pipeline):
+    pipe = make_pipeline()
+    ids = pipe.tokenizer("你好", add_special_tokens=False).input_ids
+    assert len(ids) >= 6, "expected byte-fallback tokens"
+    stream = TextStream(pipe.tokenizer, [])
+    partial = [stream.visible(ids[:n], finished=False) for n in range(1, len(ids) + 1)]
+    assert all("\ufffd" not in p for p in partial)
+    assert "你" in [p.strip() for p in partial] and partial[-1].strip() == "你好"
+
+
+def test_stop_words_are_cut_and_held_back(make_pipeline):
+    pipe = make_pipeline()
+    base = run(pipe, PROMPT, max_new_tokens=24)
+    text = base.batch_response[0]
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), f"need a visible stop word, got {stop!r} from {text!r}"
+    seen = []
+    for res in pipe(PROMPT, top_k=1, max_new_tokens=24, ignore_eos=True, stop_words_str=[stop]):
+        seen.append(res.batch_response[0])
+    assert res.finished and seen[-1] == text[: text.find(stop)]
+    assert all(stop not in s for s in seen)
+    assert res.aux_info["output_len"] < 24
+
+
+def test_stop_words_list_stops_on_token_ids(make_pipeline):
+    pipe = make_pipeline()
+    base = run(pipe, PROMPT, max_new_tokens=16)
+    stop = base.output_ids[5:7]
+    res = run(pipe, PROMPT, max_new_tokens=16, stop_words_list=[stop])
+    assert res.output_ids[-2:] == stop and len(res.output_ids) <= 7
+
+
+def test_eos_and_min_new_tokens(make_pipeline):
+    pipe = make_pipeline()
+    base = run(pipe, PROMPT, max_new_tokens=12)
+    eos = base.output_ids[3]
+    pipe.eos_token_ids = frozenset({eos})  # pretend that token is EOS
+    stopped = run(pipe, PROMPT, max_new_tokens=12, ignore_eos=False)
+    assert stopped.output_ids == base.output_ids[: base.output_ids.index(eos) + 1]
+    longer = run(pipe, PROMPT, max_new_tokens=12, ignore_eos=False, min_new_tokens=8)
+    assert len(longer.output_ids) >= 8
+
+
+def test_sampling_is_reproducible_with_a_seed(make_pipeline):
+    pipe = make_pipeline()
+    cfg = dict(top_k=50, top_p=0.9, temperature=1.3, repetition_penalty=1.2, max_new_tokens=16)
+    a = run(pipe, PROMPT, random_seed=7, **cfg).output_ids
+    b = run(pipe, PROMPT, random_seed=7, **cfg).output_ids
+    c = run(pipe, PROMPT, random_seed=8, **cfg).output_ids
+    assert a == b and a != c
+
+
+def test_concurrent_threads_get_the_tokens_they_get_alone(make_pipeline):
+    pipe = make_pipeline()
+    prompts = [f"tell me about the {w} number {i}" for i, w in
+               enumerate(["cat", "dog", "river", "city"] * 4)]
+    alone = {p: run(pipe, p, max_new_tokens=12).output_ids for p in prompts}
+    results = {}
+
+    def worker(chunk):
+        for p in chunk:
+            results[p] = run(pipe, p, max_new_tokens=12).output_ids
+
+    threads = [threading.Thread(target=worker, args=(prompts[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == alone
+    assert max(len(s) for s in pipe.engine.step_log) > 1, "decodes were never batched"
+
+
+def test_async_stream(make_pipeline):
+    pipe = make_pipeline()
+    expected = run(pipe, PROMPT, max_new_tokens=10).output_ids
+
+    async def main():
+        last = None
+        async for res in pipe.pipeline_async(PROMPT, {"top_k": 1, "max_new_tokens": 10},
+                                             ignore_eos=True):
+            last = res
+        return last
+
+    assert asyncio.run(main()).output_ids == expected
+
+
+def test_stop_ends_in_flight_streams(make_pipeline):
+    pipe = make_pipeline()
+    stream = pipe(PROMPT, top_k=1, max_new_tokens=200, ignore_eos=True)
+    next(stream)
+    pipe.stop()
+    with pytest.raises(EngineStoppedError):
+        for _ in stream:
+            pass
+    with pytest.raises(RequestError):
+        pipe(PROMPT)
+
+
+def test_context_manager_stops(llama_path):
+    model = load(llama_path, kv_cache_max_tokens=1024)
+    with Pipeline(model, model.tokenizer) as pipe:
+        run(pipe, PROMPT, max_new_tokens=4)
+    assert pipe.engine.stopped and not pipe.engine._thread.is_alive()
+
+
+@pytest.mark.parametrize("prompt,match", [("", "empty"), (None, "NoneType"), (42, "int"),
+                                          ([], "empty"), ([1, 10**9], "outside")])
+def test_bad_prompts(make_pipeline, prompt, match):
+    pipe = make_pipeline()
+    with pytest.raises(RequestError, match=match):
+        pipe(prompt)
+    assert run(pipe, PROMPT, max_new_tokens=2).finished  # still serving
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"max_new_token": 3}, "max_new_token"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"cache_salt": "x" * 300}, "cache_salt"),
+])
+def test_bad_generate_config(make_pipeline, config, match):
+    pipe = make_pipeline()
+    with pytest.raises(ConfigError, match=match):
+        pipe(PROMPT, generate_config=config)
+    assert run(pipe, PROMPT, max_new_tokens=2).finished
+
+
+def test_over_long_prompt(make_pipeline):
+    pipe = make_pipeline(max_seq_len=64)
+    with pytest.raises(RequestError, match="max_seq_len 64"):
+        pipe(list(range(3, 40)), max_new_tokens=40)
+    with pytest.raises(RequestError, match="no room"):
+        pipe(list(range(3, 67)))
+    assert run(pipe, list(range(3, 40)), max_new_tokens=20).aux_info["output_len"] == 20
+    assert idle_in_use(pipe) == 0
+
+
+def test_missing_directory_and_unsupported_architecture(tmp_path, llama_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ModelFactory.from_huggingface(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache"):
+        ModelFactory.from_huggingface("no-such-org/no-such-model-rtpkv")
+    bad = tmp_path / "gpt2"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        ModelFactory.from_huggingface(bad)
+
+
+def test_model_config_positional_and_keyword(llama_path):
+    a = ModelFactory.from_huggingface(llama_path, ModelConfig(seq_size_per_block=8), show_progress=False)
+    b = ModelFactory.from_huggingface(llama_path, model_config=ModelConfig(seq_size_per_block=8),
+                                      show_progress=False)
+    assert a.config.seq_size_per_block == b.config.seq_size_per_block == 8
+
+
+def test_invalid_environment_is_refused_by_name(llama_path, monkeypatch):
+    monkeypatch.setenv("SEQ_SIZE_PER_BLOCK", "48")
+    with pytest.raises(ConfigError, match=r"SEQ_SIZE_PER_BLOCK='48'.*power of two from 1 to 1024"):
+        load(llama_path)
+    monkeypatch.setenv("SEQ_SIZE_PER_BLOCK", "16")
+    monkeypatch.setenv("REUSE_CACHE", "maybe")
+    with pytest.raises(ConfigError, match=r"REUSE_CACHE='maybe'.*1/0, true/false, on/off"):
+        load(llama_path)
+    monkeypatch.setenv("REUSE_CACHE", "On")
+    model = load(llama_path)
+    assert model.config.reuse_cache and model.config.seq_size_per_block == 16
+    assert load(llama_path, seq_size_per_block=4).config.seq_size_per_block == 4  # code wins
+    with pytest.raises(ConfigError, match="dtype"):
+        load(llama_path, dtype="float8")
