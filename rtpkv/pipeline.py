@@ -107,16 +107,18 @@ class Pipeline:
         return tasks_from_config(config)
 
     # ------------------------------------------------------------------ tasks
-    def add_task(self, task_id: Union[str, int], prompt: str) -> None:
-        """Prefill `prompt` once and pin its full blocks; requests name it by task_id."""
-        entry = parse_tasks([{"task_id": task_id, "prompt": prompt}], "add_task")[0]
+    def add_task(self, task_id: Union[str, int], prompt: Prompt) -> None:
+        """Prefill `prompt` (text, or token ids used as given) once and pin its full blocks;
+        requests name it by task_id."""
+        text = prompt if isinstance(prompt, str) else f"<{len(prompt)} token ids>"
+        entry = parse_tasks([{"task_id": task_id, "prompt": text}], "add_task")[0]
         if entry.task_id in self.tasks:
             raise ConfigError(f"task_id {entry.task_id!r} already exists; remove it first")
+        ids = self._tokenize(prompt, with_special=True)
         if not self.config.reuse_cache:
             log.info("task prompts loaded: turning reuse_cache on")
             self.config = self.config.replace(reuse_cache=True)
             self.engine.call(self.engine.enable_reuse)
-        ids = list(self.tokenizer(entry.prompt).input_ids)
         B = self.config.seq_size_per_block
         half = self.engine.pool.num_blocks // 2
         pinned = self.engine.call(self.engine.cache.num_pinned)

@@ -1,0 +1,75 @@
+"""Shared benchmark helpers: the BENCHMARKS.md model, token workloads, timing, tables."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# The model of ../shared/BENCHMARKS.md: random Llama, vocab 8000, hidden 512, intermediate 1408,
+# 8 layers, 8 heads, 4 KV heads, float32 safetensors (31.8M parameters).
+BENCH_CHECKPOINT = dict(architecture="LlamaForCausalLM", vocab_size=8000, hidden_size=512,
+                        intermediate_size=1408, num_layers=8, num_heads=8, num_kv_heads=4,
+                        max_position_embeddings=4096, tokenizer_vocab_size=2000)
+
+
+def setup_threads(threads: int = 2) -> None:
+    torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+def bench_checkpoint() -> Path:
+    from rtpkv.model_factory.tiny import cached_tiny_checkpoint
+
+    return cached_tiny_checkpoint("bench", show_progress=False, **BENCH_CHECKPOINT)
+
+
+def random_ids(n: int, seed: int, vocab: int = 8000) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def pipeline(**options: Any):
+    from rtpkv.model_factory import ModelConfig, ModelFactory
+    from rtpkv.pipeline import Pipeline
+
+    options.setdefault("kv_cache_mem_mb", 2048)
+    model = ModelFactory.from_huggingface(bench_checkpoint(), ModelConfig(**options),
+                                          show_progress=False)
+    return Pipeline(model, model.tokenizer)
+
+
+def timed_request(pipe, ids: Sequence[int], max_new_tokens: int, **cfg: Any) -> tuple[float, float, Any]:
+    """(TTFT seconds, total seconds, last response) measured by the caller's clock."""
+    t0 = time.perf_counter()
+    ttft = None
+    res = None
+    for res in pipe(list(ids), top_k=1, ignore_eos=True, max_new_tokens=max_new_tokens, **cfg):
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+    return ttft, time.perf_counter() - t0, res
+
+
+def median_of(runs: int, fn: Callable[[], float]) -> float:
+    return statistics.median(fn() for _ in range(runs))
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if value < 100 else f"{value:.0f}"
+    return str(value)
