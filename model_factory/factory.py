@@ -19,6 +19,7 @@ from rtpkv.model_factory.llama import CausalLM
 from rtpkv.model_factory.model_config import ModelConfig
 from rtpkv.model_factory.spec import ModelSpec
 from rtpkv.model_factory.weights import iter_tensors, weight_files, weights_digest
+from rtpkv.torch_threads import serial_torch
 
 log = logging.getLogger("rtpkv")
 
@@ -98,6 +99,25 @@ def _max_seq_len(config: RuntimeConfig, spec: ModelSpec) -> int:
     return config.max_seq_len or limit
 
 
+def _load_module(spec: ModelSpec, files: list[Path], device: torch.device, dtype: torch.dtype,
+                 max_seq_len: int, show_progress: bool, model_dir: Path) -> CausalLM:
+    with torch.device("meta"):
+        module = CausalLM(spec)
+    state = {}
+    for name, tensor in iter_tensors(files, show_progress):
+        state[name] = tensor.to(device=device, dtype=dtype)
+    if spec.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = set(module.state_dict()) - ({"lm_head.weight"} if spec.tie_word_embeddings else set())
+    missing = sorted(expected - set(state))
+    if missing:
+        raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    module.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False,
+                           assign=True)
+    module.prepare(max_seq_len)
+    return module.eval()
+
+
 class ModelFactory:
     @staticmethod
     def from_huggingface(model_path_or_name: Union[str, os.PathLike],
@@ -122,21 +142,8 @@ class ModelFactory:
         config = config.replace(max_seq_len=max_seq_len)
 
         files = weight_files(model_dir)
-        with torch.device("meta"):
-            module = CausalLM(spec)
-        state = {}
-        for name, tensor in iter_tensors(files, show_progress):
-            state[name] = tensor.to(device=device, dtype=dtype)
-        if spec.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        expected = set(module.state_dict()) - ({"lm_head.weight"} if spec.tie_word_embeddings else set())
-        missing = sorted(expected - set(state))
-        if missing:
-            raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-        state = {k: v for k, v in state.items() if k in expected}
-        module.load_state_dict(state, strict=False, assign=True)
-        module.prepare(max_seq_len)
-        module.eval()
+        with serial_torch():
+            module = _load_module(spec, files, device, dtype, max_seq_len, show_progress, model_dir)
 
         from transformers import AutoTokenizer
 

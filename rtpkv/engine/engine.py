@@ -27,6 +27,7 @@ from rtpkv.engine.sampler import sample
 from rtpkv.engine.scheduler import ScheduledChunk, Scheduler
 from rtpkv.errors import CapacityError, EngineStoppedError, RequestTimeoutError
 from rtpkv.model_factory.factory import Model
+from rtpkv.torch_threads import serial_torch
 
 log = logging.getLogger("rtpkv")
 
@@ -68,8 +69,9 @@ class Engine:
         self.block_size = config.seq_size_per_block
         spec = model.spec
         num_blocks = pool_blocks(model, config)
-        self.pool = BlockPool(spec.num_layers, num_blocks, self.block_size, spec.num_kv_heads,
-                              spec.head_dim, model.dtype, model.device)
+        with serial_torch():
+            self.pool = BlockPool(spec.num_layers, num_blocks, self.block_size, spec.num_kv_heads,
+                                  spec.head_dim, model.dtype, model.device)
         self.cache = KVCacheManager(self.pool, PrefixIndex(model.fingerprint, self.block_size,
                                                            hash_fn))
         self.scheduler = Scheduler(config, self.cache, reuse=config.reuse_cache)
@@ -79,6 +81,7 @@ class Engine:
         self.steps = 0
         self._inbox: "queue.Queue[Optional[Request]]" = queue.Queue()
         self._stopped = threading.Event()
+        self._threads = torch.get_num_threads()
         log.info("reuse_cache: %s", config.reuse_cache)
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB), attention backend: %s",
                  num_blocks, self.block_size, self.pool.kv.numel() * self.pool.kv.element_size() / 2**20,
@@ -154,6 +157,7 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
+        torch.set_num_threads(self._threads)  # thread counts are per OS thread
         while not self._stopped.is_set():
             try:
                 if not self.scheduler.has_work() or not self.step():
