@@ -44,8 +44,10 @@ def torch_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     n = meta.num_decodes
     if n:
         qd = q[:n].unsqueeze(2)                                  # (n, H, 1, d)
-        kd = k_cache[meta.decode_slots].transpose(1, 2)          # (n, KVH, L, d)
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        shape = (*meta.decode_slots.shape, *k_cache.shape[1:])   # (n, L, KVH, d)
+        flat = meta.decode_slots.flatten()
+        kd = k_cache.index_select(0, flat).view(shape).transpose(1, 2)   # (n, KVH, L, d)
+        vd = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
                                             scale=scale, enable_gqa=True)
         out[:n] = od.squeeze(2)
@@ -54,9 +56,9 @@ def torch_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if chunk.ctx_slots is None:
             ks = k[chunk.start:chunk.end]
             vs = v[chunk.start:chunk.end]
-        else:
-            ks = k_cache[chunk.ctx_slots]
-            vs = v_cache[chunk.ctx_slots]
+        else:  # index_select: several times faster than advanced indexing on CPU
+            ks = k_cache.index_select(0, chunk.ctx_slots)
+            vs = v_cache.index_select(0, chunk.ctx_slots)
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.mask,

@@ -121,7 +121,7 @@ class Pipeline:
             self.engine.call(self.engine.enable_reuse)
         B = self.config.seq_size_per_block
         half = self.engine.pool.num_blocks // 2
-        pinned = self.engine.call(self.engine.cache.num_pinned)
+        pinned = self.engine.cache.num_pinned
         if pinned + len(ids) // B > half:
             raise ConfigError(
                 f"task {entry.task_id!r}: pinned task prompts would take {pinned + len(ids) // B} "

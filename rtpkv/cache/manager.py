@@ -32,6 +32,7 @@ class KVCacheManager:
         self.policy = policy or LRUEvictionPolicy()
         self.block_size = pool.block_size
         self._next_serial = 1
+        self.num_pinned = 0               # blocks with pin_count > 0
         self.query_tokens = 0
         self.hit_tokens = 0
         self.evictions = 0
@@ -48,9 +49,6 @@ class KVCacheManager:
     def num_allocatable(self) -> int:
         """Blocks that an allocation can take now: free ones, then evictable cached ones."""
         return len(self.pool.free_ids) + len(self.policy)
-
-    def num_pinned(self) -> int:
-        return sum(1 for b in self.pool.blocks if b.pin_count)
 
     def allocate(self, n: int) -> Optional[list[int]]:
         """n blocks with one reference each, fresh blocks before evicting cached ones;
@@ -166,11 +164,15 @@ class KVCacheManager:
     def pin(self, block_ids: Iterable[int]) -> None:
         for block_id in block_ids:
             self.acquire([block_id])
-            self.pool.blocks[block_id].pin_count += 1
+            block = self.pool.blocks[block_id]
+            block.pin_count += 1
+            self.num_pinned += block.pin_count == 1
 
     def unpin(self, block_ids: Sequence[int]) -> None:
         for block_id in block_ids:
-            self.pool.blocks[block_id].pin_count -= 1
+            block = self.pool.blocks[block_id]
+            block.pin_count -= 1
+            self.num_pinned -= block.pin_count == 0
         self.release(block_ids)
 
     # ------------------------------------------------------------------ visibility
@@ -184,7 +186,7 @@ class KVCacheManager:
             "blocks_free": self.num_free,
             "blocks_cached": self.num_cached,
             "blocks_in_use": in_use,
-            "blocks_pinned": self.num_pinned(),
+            "blocks_pinned": self.num_pinned,
             "evictions": self.evictions,
             "block_size": self.block_size,
         }
@@ -210,6 +212,7 @@ class KVCacheManager:
             assert blocks[block_id].key is not None and blocks[block_id].ref_count == 0
         for block in blocks:
             assert block.ref_count >= block.pin_count >= 0, f"block {block.block_id} refs"
+        assert self.num_pinned == sum(1 for b in blocks if b.pin_count), "pinned count drifted"
         for key, block_id in self.index.items():
             block = blocks[block_id]
             assert block.key == key, f"index key of block {block_id} is stale"

@@ -93,7 +93,7 @@ class Engine:
     def submit(self, req: Request) -> Request:
         if self._stopped.is_set():
             raise EngineStoppedError("the pipeline has been stopped")
-        usable = self.pool.num_blocks - self.cache.num_pinned()
+        usable = self.pool.num_blocks - self.cache.num_pinned
         need = self.scheduler.blocks_for(req)
         if need > usable:
             raise CapacityError(
