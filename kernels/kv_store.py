@@ -1,13 +1,23 @@
-"""The KV write: new keys and values go to their slots in the paged pool.
+"""The KV layout and the KV write.
 
-A pool layer is a tensor of shape (num_blocks * block_size, kv_heads, head_dim); the slot of
-token position p of a sequence is `block_table[p // B] * B + p % B`.
+A pool layer is a tensor of shape (kv_heads * num_slots, head_dim), head-major: row
+`h * num_slots + s` holds head h of slot s, and the slot of token position p of a sequence is
+`block_table[p // B] * B + p % B`. Head-major rows let one `index_select` gather a batch's
+context straight into the contiguous (batch, kv_heads, length, head_dim) shape attention wants.
 """
 
 import torch
 
 
+def head_major_rows(slots: torch.Tensor, kv_heads: int, num_slots: int) -> torch.Tensor:
+    """Rows of `slots` (any shape S) for every head, shape (*S[:-1], kv_heads, S[-1])."""
+    heads = torch.arange(kv_heads, device=slots.device) * num_slots
+    return slots.unsqueeze(-2) + heads[:, None]
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+             rows: torch.Tensor) -> None:
+    """k, v: (T, kv_heads, d) new tokens; rows: (kv_heads, T) their rows in the pool layer."""
+    d = k.shape[-1]
+    k_cache.index_copy_(0, rows.flatten(), k.transpose(0, 1).reshape(-1, d))
+    v_cache.index_copy_(0, rows.flatten(), v.transpose(0, 1).reshape(-1, d))

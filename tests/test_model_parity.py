@@ -6,6 +6,7 @@ import torch
 import transformers
 
 from rtpkv.kernels import AttentionMetadata, PrefillChunk
+from rtpkv.kernels.kv_store import head_major_rows
 from conftest import ARCHITECTURES, load, run
 from rtpkv.pipeline import Pipeline
 
@@ -24,9 +25,11 @@ def test_prefill_logits_match_transformers(checkpoints, arch):
     hf = _hf(path)
     ids = model.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
     n = ids.shape[1]
-    k_cache = torch.zeros(n, model.spec.num_kv_heads, model.spec.head_dim)
-    caches = [(k_cache.clone(), k_cache.clone()) for _ in range(model.spec.num_layers)]
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillChunk(0, n)])
+    kv_heads, head_dim = model.spec.num_kv_heads, model.spec.head_dim
+    caches = [(torch.zeros(kv_heads * n, head_dim), torch.zeros(kv_heads * n, head_dim))
+              for _ in range(model.spec.num_layers)]
+    meta = AttentionMetadata(write_rows=head_major_rows(torch.arange(n), kv_heads, n),
+                             prefills=[PrefillChunk(0, n)])
     with torch.inference_mode():
         ours = model.module.logits(model.module(ids[0], torch.arange(n), caches, meta))
         theirs = hf(ids).logits[0]

@@ -1,8 +1,8 @@
 """BlockPool: the paged KV memory the model reads, and each block's bookkeeping.
 
 The K and V of every layer live in one tensor of shape
-(2, num_layers, num_blocks * block_size, kv_heads, head_dim); block b holds token slots
-[b * B, (b + 1) * B). A block is in exactly one state: free (in the free list), cached
+(2, num_layers, kv_heads, num_blocks * block_size, head_dim); block b holds token slots
+[b * B, (b + 1) * B) of every head (the head-major layout of rtpkv.kernels.kv_store). A block is in exactly one state: free (in the free list), cached
 (unreferenced but registered in the PrefixIndex, so still hittable; the EvictionPolicy orders
 these), or in use (ref_count > 0; pinned task blocks hold a reference too).
 """
@@ -42,7 +42,8 @@ class BlockPool:
         self.block_size = block_size
         # zeros, not empty: padded slots read by batched decode are masked, and a NaN in
         # uninitialised memory would still poison the masked product.
-        self.kv = torch.zeros((2, num_layers, num_blocks * block_size, kv_heads, head_dim),
+        self.num_slots = num_blocks * block_size
+        self.kv = torch.zeros((2, num_layers, kv_heads, self.num_slots, head_dim),
                               dtype=dtype, device=device)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(num_blocks))
@@ -53,7 +54,10 @@ class BlockPool:
         return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(self.kv[0, i], self.kv[1, i]) for i in range(self.kv.shape[1])]
+        """Per layer, K and V as (kv_heads * num_slots, head_dim) views."""
+        d = self.kv.shape[-1]
+        return [(self.kv[0, i].view(-1, d), self.kv[1, i].view(-1, d))
+                for i in range(self.kv.shape[1])]
 
     def take_free(self) -> int:
         return self.free_ids.popleft()
