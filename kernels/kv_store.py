@@ -2,17 +2,19 @@
 
 A pool layer is a tensor of shape (kv_heads * num_slots, head_dim), head-major: row
 `h * num_slots + s` holds head h of slot s, and the slot of token position p of a sequence is
-`block_table[p // B] * B + p % B`. Head-major rows let one `index_select` gather a batch's
+`block_table[p // B] * B + p % B`. Viewed as (kv_heads * num_blocks, B * head_dim), row
+`h * num_blocks + b` is head h of block b: one `index_select` of whole blocks gathers a batch's
 context straight into the contiguous (batch, kv_heads, length, head_dim) shape attention wants.
 """
 
 import torch
 
 
-def head_major_rows(slots: torch.Tensor, kv_heads: int, num_slots: int) -> torch.Tensor:
-    """Rows of `slots` (any shape S) for every head, shape (*S[:-1], kv_heads, S[-1])."""
-    heads = torch.arange(kv_heads, device=slots.device) * num_slots
-    return slots.unsqueeze(-2) + heads[:, None]
+def head_major_rows(index: torch.Tensor, kv_heads: int, per_head: int) -> torch.Tensor:
+    """Rows of slots (per_head = num_slots) or blocks (per_head = num_blocks) for every head:
+    `index` of shape (..., n) gives rows of shape (..., kv_heads, n)."""
+    heads = torch.arange(kv_heads, device=index.device) * per_head
+    return index.unsqueeze(-2) + heads[:, None]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
