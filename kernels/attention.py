@@ -23,7 +23,7 @@ class PrefillChunk:
     start: int                      # first row of the chunk in the flat batch
     end: int                        # one past its last row
     ctx_blocks: Optional[torch.Tensor] = None  # (kv_heads, blocks) rows of prefix + chunk
-    mask: Optional[torch.Tensor] = None        # (1, 1, chunk, blocks * B) causal mask
+    mask: Optional[torch.Tensor] = None        # (1, 1, chunk, prefix + chunk) causal mask
 
 
 @dataclass
@@ -34,7 +34,8 @@ class AttentionMetadata:
     block_size: int = 1
     num_decodes: int = 0                     # the first rows of the batch are decode tokens
     decode_blocks: Optional[torch.Tensor] = None  # (num_decodes, kv_heads, max_blocks)
-    decode_mask: Optional[torch.Tensor] = None    # (num_decodes, 1, 1, max_blocks * B)
+    decode_len: int = 0                           # longest decode context, in tokens
+    decode_mask: Optional[torch.Tensor] = None    # (num_decodes, 1, 1, decode_len); None if all equal
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Reused gather buffers (flat, big enough for the largest gather of the step): a fresh
     # multi-MB tensor per gather costs page faults that can exceed the copy itself.
@@ -50,13 +51,14 @@ class AttentionMetadata:
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int,
-            buffer: Optional[torch.Tensor]) -> torch.Tensor:
-    """(..., kv_heads, n) block rows -> (..., kv_heads, n * B, d), contiguous (in `buffer`)."""
+            buffer: Optional[torch.Tensor], length: int) -> torch.Tensor:
+    """(..., kv_heads, n) block rows -> (..., kv_heads, length, d): whole blocks copied into
+    `buffer`, then viewed up to `length` tokens (each head's rows stay contiguous)."""
     d = cache.shape[-1]
     width = block_size * d
     out = None if buffer is None else buffer[: blocks.numel() * width].view(-1, width)
     rows = torch.index_select(cache.view(-1, width), 0, blocks.flatten(), out=out)
-    return rows.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, d)
+    return rows.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, d)[..., :length, :]
 
 
 def torch_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -68,9 +70,10 @@ def torch_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     n, B = meta.num_decodes, meta.block_size
     if n:
         od = F.scaled_dot_product_attention(
-            q[:n].unsqueeze(2), _gather(k_cache, meta.decode_blocks, B, meta.k_buffer),
-            _gather(v_cache, meta.decode_blocks, B, meta.v_buffer), attn_mask=meta.decode_mask, scale=scale,
-            enable_gqa=True)   # (n, H, 1, d)
+            q[:n].unsqueeze(2),
+            _gather(k_cache, meta.decode_blocks, B, meta.k_buffer, meta.decode_len),
+            _gather(v_cache, meta.decode_blocks, B, meta.v_buffer, meta.decode_len),
+            attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)   # (n, H, 1, d)
         out[:n] = od.squeeze(2)
     for chunk in meta.prefills:
         qs = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)   # (1, H, c, d)
@@ -78,8 +81,9 @@ def torch_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ks = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
             vs = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
         else:
-            ks = _gather(k_cache, chunk.ctx_blocks, B, meta.k_buffer).unsqueeze(0)
-            vs = _gather(v_cache, chunk.ctx_blocks, B, meta.v_buffer).unsqueeze(0)
+            ctx = chunk.mask.shape[-1]
+            ks = _gather(k_cache, chunk.ctx_blocks, B, meta.k_buffer, ctx).unsqueeze(0)
+            vs = _gather(v_cache, chunk.ctx_blocks, B, meta.v_buffer, ctx).unsqueeze(0)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.mask,
                                            is_causal=chunk.mask is None, scale=scale,
                                            enable_gqa=True)

@@ -17,6 +17,7 @@ import torch
 
 from rtpkv.cache.prefix_index import HashFn, sha256
 from rtpkv.engine import Engine, Request, StepOutput
+from rtpkv.engine.request import OutputSink
 from rtpkv.errors import ConfigError, RequestError
 from rtpkv.generate_config import GenerateConfig
 from rtpkv.model_factory.factory import Model
@@ -45,7 +46,8 @@ class Response:
 
 
 class _ResponseBuilder:
-    """Folds a request's StepOutputs into Responses (cumulative text, or deltas)."""
+    """Folds a request's StepOutputs into Responses (cumulative text, or deltas): one response
+    per generated token, even when the token adds no visible text yet."""
 
     def __init__(self, req: Request, stream: TextStream, incremental: bool, aux: dict[str, Any]):
         self.req, self.stream, self.incremental, self.aux = req, stream, incremental, aux
@@ -62,14 +64,23 @@ class _ResponseBuilder:
         if self.stream.stopped and not out.finished:
             return None
         text = self.stream.visible(self.ids, out.finished)
-        if not out.finished and text == self.shown:
-            return None
         delta = text[len(self.shown):] if text.startswith(self.shown) else text
         self.shown = text
         aux = {**self.aux, **self.req.aux_info()}
         logits = torch.cat(self.logits) if self.logits else None
         return Response([delta if self.incremental else text], out.finished, list(self.ids), aux,
                         logits)
+
+
+@dataclass
+class _LoopSink:
+    """Hands engine outputs to an asyncio queue from the engine thread: no thread per stream."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: "asyncio.Queue[StepOutput]"
+
+    def put(self, item: StepOutput) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class Pipeline:
@@ -143,7 +154,8 @@ class Pipeline:
 
     # ------------------------------------------------------------------ requests
     def _request(self, prompt: Prompt, generate_config: Optional[dict[str, Any]],
-                 kwargs: dict[str, Any]) -> tuple[Request, _ResponseBuilder]:
+                 kwargs: dict[str, Any], sink: Optional[OutputSink] = None
+                 ) -> tuple[Request, _ResponseBuilder]:
         if self.engine.stopped:
             raise RequestError("the pipeline has been stopped")
         cfg = generate_config if isinstance(generate_config, GenerateConfig) else \
@@ -165,6 +177,8 @@ class Pipeline:
         stream = TextStream(self.tokenizer, cfg.stop_words_str)
         req = Request(ids, cfg, max_new_tokens=max_new, eos_token_ids=self.eos_token_ids,
                       reuse=cfg.reuse_cache, stop_text=stream.stop_check())
+        if sink is not None:
+            req.outputs = sink
         aux = {"input_len": len(own), "prefix_len": len(prefix)}
         self.engine.submit(req)
         return req, _ResponseBuilder(req, stream, cfg.return_incremental, aux)
@@ -210,11 +224,12 @@ class Pipeline:
     async def pipeline_async(self, prompt: Prompt, generate_config: Optional[dict[str, Any]] = None,
                              **kwargs: Any) -> AsyncIterator[Response]:
         """The same stream for asyncio callers: `async for res in pipeline.pipeline_async(...)`."""
-        req, builder = self._request(prompt, generate_config, kwargs)
         loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
+        req, builder = self._request(prompt, generate_config, kwargs, _LoopSink(loop, outputs))
         try:
             while True:
-                out = await loop.run_in_executor(None, req.outputs.get)
+                out = await outputs.get()
                 res = builder.feed(out)
                 if res is not None:
                     yield res

@@ -135,6 +135,24 @@ def test_async_stream(make_pipeline):
     assert asyncio.run(main()).output_ids == expected
 
 
+def test_many_async_streams_at_once(make_pipeline):
+    pipe = make_pipeline()
+    prompts = [f"tell me about the river number {i}" for i in range(12)]
+    expected = [run(pipe, p, max_new_tokens=8).output_ids for p in prompts]
+
+    async def one(prompt):
+        last = None
+        async for res in pipe.pipeline_async(prompt, top_k=1, max_new_tokens=8, ignore_eos=True):
+            last = res
+        return last.output_ids
+
+    async def main():
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    assert asyncio.run(main()) == expected
+    assert max(len(s) for s in pipe.engine.step_log) >= 7, "async streams were not batched"
+
+
 def test_stop_ends_in_flight_streams(make_pipeline):
     pipe = make_pipeline()
     stream = pipe(PROMPT, top_k=1, max_new_tokens=200, ignore_eos=True)

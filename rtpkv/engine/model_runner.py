@@ -59,9 +59,11 @@ class ModelRunner:
             tables = [c.request.block_table[:width] for c in decodes]
             padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
             meta.decode_blocks = head_major_rows(padded, self.kv_heads, self.pool.num_blocks)
-            lengths = torch.tensor(ctx, device=self.device)
-            mask = torch.arange(width * B, device=self.device)[None, :] < lengths[:, None]
-            meta.decode_mask = mask[:, None, None, :]
+            meta.decode_len = max(ctx)
+            if min(ctx) != meta.decode_len:
+                lengths = torch.tensor(ctx, device=self.device)
+                mask = torch.arange(meta.decode_len, device=self.device)[None, :] < lengths[:, None]
+                meta.decode_mask = mask[:, None, None, :]
             for c in decodes:
                 ids.append(c.request.token_ids[c.start])
                 positions.append(c.start)
@@ -77,7 +79,7 @@ class ModelRunner:
             if start:
                 blocks = self._blocks(table, end)
                 q_pos = torch.arange(start, end, device=self.device)[:, None]
-                k_pos = torch.arange(blocks.shape[-1] * B, device=self.device)[None, :]
+                k_pos = torch.arange(end, device=self.device)[None, :]
                 chunk.ctx_blocks, chunk.mask = blocks, (k_pos <= q_pos)[None, None]
             meta.prefills.append(chunk)
             row += c.num_tokens

@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -25,6 +25,12 @@ class FinishReason(str, enum.Enum):
     CANCELLED = "cancelled"
     TIMEOUT = "timeout"
     ERROR = "error"
+
+
+class OutputSink(Protocol):
+    """Where the engine hands a request's outputs: a queue.Queue, or an asyncio bridge."""
+
+    def put(self, item: "StepOutput") -> None: ...
 
 
 @dataclass
@@ -64,7 +70,7 @@ class Request:
     finish_reason: Optional[FinishReason] = None
     pinned_blocks: list[int] = field(default_factory=list)
     # hand-off to the consumer
-    outputs: "queue.Queue[StepOutput]" = field(default_factory=queue.Queue)
+    outputs: OutputSink = field(default_factory=queue.Queue)
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
     generator: Optional[torch.Generator] = None
