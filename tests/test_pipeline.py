@@ -237,3 +237,10 @@ def test_invalid_environment_is_refused_by_name(llama_path, monkeypatch):
     assert load(llama_path, seq_size_per_block=4).config.seq_size_per_block == 4  # code wins
     with pytest.raises(ConfigError, match="dtype"):
         load(llama_path, dtype="float8")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_incremental_detokenization_equals_a_full_decode(make_pipeline, checkpoints, arch):
+    pipe = make_pipeline(checkpoints(arch))
+    res = run(pipe, PROMPT, max_new_tokens=200)
+    assert res.batch_response[0] == pipe.tokenizer.decode(res.output_ids, skip_special_tokens=True)

@@ -38,8 +38,16 @@ def test_seed_prompts_reuse_what_the_formula_predicts(make_pipeline):
     assert rb.aux_info["reuse_len"] % 4 == 0
 
 
-def test_reuse_is_off_by_default(make_pipeline):
-    pipe = make_pipeline(seq_size_per_block=2)
+def test_start_up_log_says_whether_reuse_is_on(make_pipeline, caplog):
+    with caplog.at_level("INFO", logger="rtpkv"):
+        make_pipeline(reuse_cache=True)
+    assert "reuse_cache: True" in caplog.text
+
+
+def test_reuse_is_off_by_default(make_pipeline, caplog):
+    with caplog.at_level("INFO", logger="rtpkv"):
+        pipe = make_pipeline(seq_size_per_block=2)
+    assert "reuse_cache: False" in caplog.text
     run(pipe, [1, 2, 3, 4, 5, 6, 7], max_new_tokens=2)
     assert run(pipe, [1, 2, 3, 4, 5, 6, 7], max_new_tokens=2).aux_info["reuse_len"] == 0
     assert pipe.cache_stats()["queries"] == 0
