@@ -33,8 +33,11 @@ class TextStream:
             return
         before = self.decode(ids[self._prefix:self._read])
         after = self.decode(ids[self._prefix:])
-        if len(after) > len(before) and (finished or not after.endswith("\ufffd")):
-            self.text += after[len(before):]
+        added = after[len(before):]
+        # U+FFFD marks bytes not yet decodable: an incomplete character, or invalid bytes
+        # that only a wider window decodes as the full text does. Wait for more tokens.
+        if added and (finished or "\ufffd" not in added):
+            self.text += added
             self._prefix, self._read = self._read, len(ids)
 
     def visible(self, ids: Sequence[int], finished: bool) -> str:
