@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -55,10 +54,6 @@ def timed_request(pipe, ids: Sequence[int], max_new_tokens: int, **cfg: Any) -> 
         if ttft is None:
             ttft = time.perf_counter() - t0
     return ttft, time.perf_counter() - t0, res
-
-
-def median_of(runs: int, fn: Callable[[], float]) -> float:
-    return statistics.median(fn() for _ in range(runs))
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

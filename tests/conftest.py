@@ -3,7 +3,6 @@ and integrity-checked, and a helper to run a prompt to completion."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Callable
 

@@ -188,4 +188,4 @@ def test_lpm_admits_the_longest_cached_prefix_first(make_pipeline):
         warm = pipe(cached + [7, 8], top_k=1, max_new_tokens=1)
     w, c, o = list(warm)[-1], list(cold)[-1], list(other)[-1]
     assert w.aux_info["reuse_len"] == 40
-    assert w.aux_info["wait_time"] < c.aux_info["wait_time"]
+    assert w.aux_info["wait_time"] < min(c.aux_info["wait_time"], o.aux_info["wait_time"])

@@ -24,7 +24,7 @@ from rtpkv.config import RuntimeConfig
 from rtpkv.engine.model_runner import ModelRunner
 from rtpkv.engine.request import FinishReason, Request, StepOutput
 from rtpkv.engine.sampler import sample
-from rtpkv.engine.scheduler import ScheduledChunk, Scheduler
+from rtpkv.engine.scheduler import Scheduler
 from rtpkv.errors import CapacityError, EngineStoppedError, RequestTimeoutError
 from rtpkv.model_factory.factory import Model
 from rtpkv.torch_threads import serial_torch

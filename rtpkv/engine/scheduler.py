@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
 
 from rtpkv.cache import KVCacheManager
 from rtpkv.config import CapacitySchedulerPolicy, ContextChunkingPolicy, RuntimeConfig, SchedulePolicy
@@ -72,28 +71,27 @@ class Scheduler:
                     budget -= 1
         prefilling = [r for r in self.running if r not in plan]
         if self.config.context_chunking_policy == ContextChunkingPolicy.EQUAL_PROGRESS:
-            budget = self._admit_all(prefilling, budget)
+            self._admit_all(prefilling, budget)
             self._equal_progress(prefilling, budget, plan)
         else:
-            budget = self._first_come_first_served(prefilling, budget, plan)
+            self._first_come_first_served(prefilling, budget, plan)
         return [ScheduledChunk(req, n) for req, n in plan.items()
                 if req in self.running and n > 0]
 
     def _first_come_first_served(self, prefilling: list[Request], budget: int,
-                                 plan: dict[Request, int]) -> int:
+                                 plan: dict[Request, int]) -> None:
         for req in prefilling:
             if budget <= 0:
-                return budget
+                return
             if req in self.running:
                 budget -= self._give(req, budget, plan)
         while budget > 0 and self._admit_next():
             budget -= self._give(self.running[-1], budget, plan)
-        return budget
 
-    def _admit_all(self, prefilling: list[Request], budget: int) -> int:
+    def _admit_all(self, prefilling: list[Request], budget: int) -> None:
+        """Admit while every prompt being prefilled can still get a token of the budget."""
         while budget > len(prefilling) and self._admit_next():
             prefilling.append(self.running[-1])
-        return budget
 
     def _equal_progress(self, prefilling: list[Request], budget: int,
                         plan: dict[Request, int]) -> None:
