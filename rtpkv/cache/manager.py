@@ -103,9 +103,9 @@ class KVCacheManager:
         self.query_tokens += queried_tokens
         self.hit_tokens += hit_tokens
 
-    def commit_full_blocks(self, seq: CacheSequence, num_filled: int, register: bool) -> None:
+    def commit_full_blocks(self, seq: CacheSequence, num_filled: int) -> None:
         """Blocks of `seq` whose B slots now hold K/V (num_filled tokens in all) get their key,
-        tokens and lineage; with `register` they become hittable at once, even while `seq` runs.
+        tokens and lineage, and become hittable at once, even while `seq` runs.
         A block already cached under the same key with the same content replaces the fresh
         copy in `seq`'s table (the copy is freed)."""
         B = self.block_size
@@ -122,7 +122,7 @@ class KVCacheManager:
                 block.serial, self._next_serial = self._next_serial, self._next_serial + 1
                 block.parent_serial, block.parent_key = parent_serial, parent_key
                 block.tokens, block.extra = tokens, extra
-            if not register or block.key is not None:
+            if block.key is not None:  # a hit: already registered
                 continue
             existing_id = self.index.get(key)
             if existing_id is not None:

@@ -202,7 +202,7 @@ class Engine:
             for c in chunks:
                 req = c.request
                 if self.scheduler.reuse and req.reuse and req.finish_reason != FinishReason.ERROR:
-                    self.cache.commit_full_blocks(req, req.num_computed, register=True)
+                    self.cache.commit_full_blocks(req, req.num_computed)
                 if req.prefill_only and req.num_computed == req.num_tokens:
                     req.pinned_blocks = req.block_table[: req.num_tokens // self.block_size]
                     self.cache.pin(req.pinned_blocks)
