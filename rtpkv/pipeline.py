@@ -72,6 +72,33 @@ class _ResponseBuilder:
                         logits)
 
 
+class ResponseStream(Iterator[Response]):
+    """The iterator `pipeline(...)` returns. Unlike a generator, it cancels its request when
+    closed or garbage-collected even if it was never iterated."""
+
+    def __init__(self, engine: Engine, req: Request, builder: _ResponseBuilder):
+        self._engine, self._req, self._builder = engine, req, builder
+        self._ended = False
+
+    def __next__(self) -> Response:
+        while not self._ended:
+            out = self._req.outputs.get()
+            self._ended = out.finished
+            res = self._builder.feed(out)
+            if res is not None:
+                return res
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop early: the request leaves the engine within one step, its blocks released."""
+        self._ended = True
+        if not self._req.done.is_set():
+            self._engine.abort(self._req)
+
+    def __del__(self) -> None:
+        self.close()
+
+
 @dataclass
 class _LoopSink:
     """Hands engine outputs to an asyncio queue from the engine thread: no thread per stream."""
@@ -202,24 +229,11 @@ class Pipeline:
         raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def __call__(self, prompt: Prompt, generate_config: Optional[dict[str, Any]] = None,
-                 **kwargs: Any) -> Iterator[Response]:
+                 **kwargs: Any) -> "ResponseStream":
         """Validate and submit now (errors raise here); iterate for streamed responses.
-        Stopping the iteration early cancels the request."""
+        Closing or dropping the stream, even before its first response, cancels the request."""
         req, builder = self._request(prompt, generate_config, kwargs)
-        return self._stream(req, builder)
-
-    def _stream(self, req: Request, builder: _ResponseBuilder) -> Iterator[Response]:
-        try:
-            while True:
-                out = req.outputs.get()
-                res = builder.feed(out)
-                if res is not None:
-                    yield res
-                if out.finished:
-                    return
-        finally:
-            if not req.done.is_set():
-                self.engine.abort(req)
+        return ResponseStream(self.engine, req, builder)
 
     async def pipeline_async(self, prompt: Prompt, generate_config: Optional[dict[str, Any]] = None,
                              **kwargs: Any) -> AsyncIterator[Response]:

@@ -141,6 +141,19 @@ def test_dropped_generator_cancels(make_pipeline):
     assert pipe.cache_stats()["blocks_in_use"] == 0
 
 
+def test_stream_dropped_before_iterating_cancels(make_pipeline):
+    pipe = make_pipeline(seq_size_per_block=4)
+    stream = pipe(list(range(10, 50)), top_k=1, max_new_tokens=400, ignore_eos=True)
+    del stream
+    deadline = time.monotonic() + 5
+    while pipe.cache_stats()["requests_running"] + pipe.cache_stats()["requests_waiting"] \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = pipe.cache_stats()
+    assert stats["requests_running"] == 0 and stats["blocks_in_use"] == 0
+    assert pipe.engine.steps < 400, "the dropped request ran to completion"
+
+
 def test_request_that_can_never_fit_is_refused_at_once(make_pipeline):
     pipe = make_pipeline(seq_size_per_block=4, kv_cache_max_tokens=64)  # 16 blocks
     with pytest.raises(CapacityError, match=r"needs 25 KV blocks.*pool has 16 usable blocks"):
