@@ -198,7 +198,4 @@ def resolve(*layers: "CacheOptions | RuntimeConfig | None") -> RuntimeConfig:
         for key, value in items.items():
             if value is not None and key in values:
                 values[key] = value
-    try:
-        return RuntimeConfig(**values)
-    except ValidationError as exc:  # pragma: no cover - layers are validated models
-        raise ConfigError(describe_validation_error(exc)) from None
+    return RuntimeConfig(**values)

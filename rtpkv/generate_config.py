@@ -56,8 +56,12 @@ class GenerateConfig(BaseModel):
         return self.top_k == 1 or self.temperature == 0.0
 
     @classmethod
-    def build(cls, base: Optional[dict[str, Any]], overrides: dict[str, Any]) -> "GenerateConfig":
-        """generate_config merged with keyword arguments; errors name the key and the rule."""
+    def build(cls, base: "dict[str, Any] | GenerateConfig | None",
+              overrides: dict[str, Any]) -> "GenerateConfig":
+        """generate_config (a dict or a GenerateConfig) merged with keyword arguments; errors
+        name the key and the rule."""
+        if isinstance(base, GenerateConfig):
+            base = base.model_dump(exclude_unset=True)
         values = dict(base or {})
         values.update(overrides)
         unknown = sorted(set(values) - set(cls.model_fields))

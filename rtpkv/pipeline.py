@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
 import torch
 
 from rtpkv.cache.prefix_index import HashFn, sha256
+from rtpkv.config import RuntimeConfig
 from rtpkv.engine import Engine, Request, StepOutput
 from rtpkv.engine.request import OutputSink
 from rtpkv.errors import ConfigError, RequestError
@@ -125,7 +126,6 @@ class Pipeline:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.config = config
         self.engine = Engine(model, config, hash_fn=hash_fn)
         self.tasks = TaskRegistry()
         try:
@@ -134,6 +134,11 @@ class Pipeline:
         except Exception:
             self.engine.stop()
             raise
+
+    @property
+    def config(self) -> RuntimeConfig:
+        """The options in force (the engine's: add_task may turn reuse on)."""
+        return self.engine.config
 
     @staticmethod
     def _initial_tasks(tasks: Any, model: Model, config: Any) -> list[TaskPrompt]:
@@ -155,7 +160,6 @@ class Pipeline:
         ids = self._tokenize(prompt, with_special=True)
         if not self.config.reuse_cache:
             log.info("task prompts loaded: turning reuse_cache on")
-            self.config = self.config.replace(reuse_cache=True)
             self.engine.call(self.engine.enable_reuse)
         B = self.config.seq_size_per_block
         half = self.engine.pool.num_blocks // 2
@@ -185,8 +189,7 @@ class Pipeline:
                  ) -> tuple[Request, _ResponseBuilder]:
         if self.engine.stopped:
             raise RequestError("the pipeline has been stopped")
-        cfg = generate_config if isinstance(generate_config, GenerateConfig) else \
-            GenerateConfig.build(generate_config, kwargs)
+        cfg = GenerateConfig.build(generate_config, kwargs)
         prefix: list[int] = []
         if cfg.task_id is not None:
             prefix = self.tasks.get(cfg.task_id).token_ids
@@ -203,7 +206,7 @@ class Pipeline:
                                f"max_seq_len {limit}")
         stream = TextStream(self.tokenizer, cfg.stop_words_str)
         req = Request(ids, cfg, max_new_tokens=max_new, eos_token_ids=self.eos_token_ids,
-                      reuse=cfg.reuse_cache, stop_text=stream.stop_check())
+                      stop_text=stream.stop_check())
         if sink is not None:
             req.outputs = sink
         aux = {"input_len": len(own), "prefix_len": len(prefix)}

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import idle_in_use, load, run
 from rtpkv.errors import ConfigError, EngineStoppedError, RequestError
+from rtpkv.generate_config import GenerateConfig
 from rtpkv.model_factory import ModelConfig, ModelFactory
 from rtpkv.pipeline import Pipeline
 from rtpkv.text_stream import TextStream
@@ -90,6 +91,14 @@ def test_eos_and_min_new_tokens(make_pipeline):
     assert stopped.output_ids == base.output_ids[: base.output_ids.index(eos) + 1]
     longer = run(pipe, PROMPT, max_new_tokens=12, ignore_eos=False, min_new_tokens=8)
     assert len(longer.output_ids) >= 8
+
+
+def test_generate_config_object_merges_with_keywords(make_pipeline):
+    pipe = make_pipeline()
+    res = run(pipe, PROMPT, max_new_tokens=3)
+    again = list(pipe(PROMPT, GenerateConfig(top_k=1, max_new_tokens=9), max_new_tokens=3,
+                      ignore_eos=True))[-1]
+    assert again.output_ids == res.output_ids
 
 
 def test_sampling_is_reproducible_with_a_seed(make_pipeline):

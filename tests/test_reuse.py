@@ -4,7 +4,6 @@ import threading
 
 import pytest
 import torch
-
 from conftest import idle_in_use, run
 
 B2 = dict(reuse_cache=True, seq_size_per_block=2)
@@ -213,7 +212,7 @@ def test_eviction_order_lru_tail_first(make_pipeline):
     run(pipe, a, max_new_tokens=1)
     run(pipe, b, max_new_tokens=1)
     run(pipe, a, max_new_tokens=1)  # a is now more recent than b
-    # 12 fresh tokens need 4 blocks beyond the 8 free ones... fill the pool to force 2 evictions
+    # 41 fresh tokens need 11 blocks: the 8 free ones, then 3 evicted from b's tail
     run(pipe, list(range(700, 741)), max_new_tokens=1)
     stats = pipe.cache_stats()
     assert stats["evictions"] > 0

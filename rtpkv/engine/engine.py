@@ -74,7 +74,7 @@ class Engine:
                                   spec.head_dim, model.dtype, model.device)
         self.cache = KVCacheManager(self.pool, PrefixIndex(model.fingerprint, self.block_size,
                                                            hash_fn))
-        self.scheduler = Scheduler(config, self.cache, reuse=config.reuse_cache)
+        self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model.module, self.pool)
         self.lock = threading.RLock()
         self.step_log: deque[list[tuple[int, int, str]]] = deque(maxlen=STEP_LOG_SIZE)
@@ -117,15 +117,8 @@ class Engine:
         self._inbox.put(None)
         self._thread.join()
         with self.lock:
-            pending = list(self.scheduler.running) + list(self.scheduler.waiting)
-            while True:
-                try:
-                    item = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    pending.append(item)
-            for req in pending:
+            self._take_inbox()
+            for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self._finish(req, FinishReason.ERROR,
                              EngineStoppedError("the pipeline was stopped before this request finished"))
 
@@ -147,7 +140,7 @@ class Engine:
 
     def enable_reuse(self) -> None:
         """Turn prefix reuse on (task prompts need it); call under the lock."""
-        self.scheduler.reuse = True
+        self.config = self.scheduler.config = self.config.replace(reuse_cache=True)
         log.info("reuse_cache: True")
 
     def call(self, fn: Callable[[], Any]) -> Any:
@@ -201,7 +194,7 @@ class Engine:
                              logits[row:row + 1].clone() if c.request.config.return_logits else None)
             for c in chunks:
                 req = c.request
-                if self.scheduler.reuse and req.reuse and req.finish_reason != FinishReason.ERROR:
+                if self.config.reuse_cache and req.reuse and req.finish_reason != FinishReason.ERROR:
                     self.cache.commit_full_blocks(req, req.num_computed)
                 if req.prefill_only and req.num_computed == req.num_tokens:
                     req.pinned_blocks = req.block_table[: req.num_tokens // self.block_size]

@@ -49,7 +49,6 @@ class Request:
     config: GenerateConfig
     max_new_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
-    reuse: bool = True
     prefill_only: bool = False
     stop_text: Optional[Callable[[list[int]], bool]] = None  # stop_words_str check on output
     request_id: int = field(default_factory=lambda: next(_ids))
@@ -80,6 +79,11 @@ class Request:
         self.salt = (self.config.cache_salt or "").encode()
         if self.config.random_seed is not None:
             self.generator = torch.Generator().manual_seed(self.config.random_seed)
+
+    @property
+    def reuse(self) -> bool:
+        """Whether this request looks up and registers cached blocks (its generate_config)."""
+        return self.config.reuse_cache
 
     @property
     def num_prompt(self) -> int:

@@ -38,10 +38,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: RuntimeConfig, cache: KVCacheManager, reuse: bool):
+    def __init__(self, config: RuntimeConfig, cache: KVCacheManager):
         self.config = config
         self.cache = cache
-        self.reuse = reuse
         self.block_size = cache.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []       # in admission order
@@ -64,6 +63,8 @@ class Scheduler:
         # STATIC_BATCH admits only into an empty engine, then runs that batch to completion.
         self._admitting = (self.config.capacity_scheduler_policy != CapacitySchedulerPolicy.STATIC_BATCH
                            or not self.running)
+        if self._admitting:
+            self._order_waiting()
         for req in list(self.running):                       # decodes first
             if budget and req in self.running and req.num_tokens - req.num_computed == 1:
                 if self._grow(req, 1, plan):
@@ -159,7 +160,7 @@ class Scheduler:
         return sum(max(0, self.blocks_for(r) - len(r.block_table)) for r in self.running)
 
     def _cached_prefix(self, req: Request) -> list[int]:
-        if not (self.reuse and req.reuse):
+        if not (self.config.reuse_cache and req.reuse):
             return []
         return self.cache.match(req.token_ids, req.salt, (req.num_tokens - 1) // self.block_size)
 
@@ -176,7 +177,6 @@ class Scheduler:
         policy = self.config.capacity_scheduler_policy
         if not self._admitting:
             return False
-        self._order_waiting()
         req = self.waiting[0]
         hits = self._cached_prefix(req)
         cached_hits = sum(1 for b in hits if self.cache.pool.blocks[b].ref_count == 0)
@@ -195,7 +195,7 @@ class Scheduler:
         req.num_computed = len(hits) * self.block_size
         if req.reuse_len is None:
             req.reuse_len = req.num_computed
-            if self.reuse and req.reuse:
+            if self.config.reuse_cache and req.reuse:
                 self.cache.record_lookup(req.num_prompt, req.num_computed)
         if req.admitted_at is None:
             req.admitted_at = time.monotonic()
