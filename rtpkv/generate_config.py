@@ -10,6 +10,7 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rtpkv.cache.retention import KvCacheRetentionConfig
+from rtpkv.config import describe_validation_error
 from rtpkv.errors import ConfigError
 
 
@@ -76,9 +77,5 @@ class GenerateConfig(BaseModel):
         try:
             return cls(**values)
         except ValidationError as exc:
-            parts = []
-            for err in exc.errors():
-                key = ".".join(str(p) for p in err["loc"])
-                msg = err["msg"].removeprefix("Value error, ")
-                parts.append(f"generate_config[{key!r}]={err.get('input')!r} is invalid: {msg}")
-            raise ConfigError("; ".join(parts)) from None
+            raise ConfigError(describe_validation_error(
+                exc, lambda key: f"generate_config[{key!r}]")) from None

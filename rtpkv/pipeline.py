@@ -21,6 +21,7 @@ from rtpkv.engine import Engine, Request, StepOutput
 from rtpkv.engine.request import OutputSink
 from rtpkv.errors import ConfigError, RequestError
 from rtpkv.generate_config import GenerateConfig
+from rtpkv.locked_tokenizer import LockedTokenizer
 from rtpkv.model_factory.factory import Model
 from rtpkv.tasks import Task, TaskPrompt, TaskRegistry, parse_tasks, tasks_from_config
 from rtpkv.text_stream import TextStream
@@ -119,7 +120,8 @@ class Pipeline:
         overriding the environment and the model's ModelConfig. `tasks` are task prompts given
         in code; otherwise ModelConfig.tasks, MULTI_TASK_PROMPT or MULTI_TASK_PROMPT_STR."""
         self.model = model
-        self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+        # One lock for every tokenizer call: the engine thread, stream consumers and callers.
+        self.tokenizer = LockedTokenizer(tokenizer if tokenizer is not None else model.tokenizer)
         config = model.config.replace(**options)
         task_list = self._initial_tasks(tasks, model, config)
         eos = set(model.spec.eos_token_ids)
