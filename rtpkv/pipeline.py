@@ -206,7 +206,8 @@ class Pipeline:
         if max_new > room:
             raise RequestError(f"prompt of {len(ids)} tokens + max_new_tokens {max_new} exceeds "
                                f"max_seq_len {limit}")
-        stream = TextStream(self.tokenizer, cfg.stop_words_str, cfg.min_new_tokens)
+        stream = TextStream(self.tokenizer, cfg.stop_words_str, cfg.min_new_tokens,
+                            cfg.skip_special_tokens)
         req = Request(ids, cfg, max_new_tokens=max_new, eos_token_ids=self.eos_token_ids,
                       stop_text=stream.stop_check())
         if sink is not None:

@@ -21,8 +21,10 @@ class TextStream:
     boundary (plus the chunk before it, for word boundaries), so a long generation costs O(1)
     per token rather than a full re-decode; one full decode makes the final text exact."""
 
-    def __init__(self, tokenizer: Any, stop_words: Sequence[str], min_new_tokens: int = 0):
+    def __init__(self, tokenizer: Any, stop_words: Sequence[str], min_new_tokens: int = 0,
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stop_words = list(stop_words)
         self.min_new_tokens = min_new_tokens
         self.stopped = False
@@ -35,7 +37,7 @@ class TextStream:
         self._longest_stop = max((len(w) for w in self.stop_words), default=0)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
 
     def _catch_up(self, ids: Sequence[int], finished: bool) -> None:
         if finished:
