@@ -11,19 +11,9 @@ from pydantic import ConfigDict, ValidationError
 
 from rtpkv.config import RuntimeConfig, describe_validation_error
 from rtpkv.errors import ConfigError
+from rtpkv.rtp_llm_compat import MODEL_CONFIG_IGNORED_FIELDS
 
 log = logging.getLogger("rtpkv")
-
-# rtp-llm's ModelConfig / ModelArgs fields that rtpkv ignores: the checkpoint path and type come
-# from `ModelFactory.from_huggingface(path)`, the weights load in `dtype`, and LoRA, p-tuning,
-# speculative decoding and quantisation are not implemented.
-RTP_LLM_IGNORED_FIELDS = frozenset({
-    "model_type", "ckpt_path", "tokenizer_path", "weight_type", "act_type", "quantization",
-    "gen_num_per_circle", "ptuning_path", "lora_infos", "ref_module", "ref_dict", "sp_type",
-    "task_type", "extra_data_path", "local_extra_data_path", "mla_ops_type",
-    "json_model_override_args", "phy2log_path", "enable_fp32_lm_head",
-    "enable_output_vocab_pruning", "use_new_loader", "require_weight_update",
-})
 
 
 class ModelConfig(RuntimeConfig):
@@ -36,11 +26,11 @@ class ModelConfig(RuntimeConfig):
     tasks: Optional[list[dict[str, Union[int, str]]]] = None
 
     def __init__(self, **values: Any):
-        unknown = sorted(set(values) - set(type(self).model_fields) - RTP_LLM_IGNORED_FIELDS)
+        unknown = sorted(set(values) - set(type(self).model_fields) - MODEL_CONFIG_IGNORED_FIELDS)
         if unknown:
             raise ConfigError(f"unknown ModelConfig field(s) {unknown}; accepted: "
                               f"{sorted(type(self).model_fields)}")
-        ignored = sorted(set(values) & RTP_LLM_IGNORED_FIELDS)
+        ignored = sorted(set(values) & MODEL_CONFIG_IGNORED_FIELDS)
         if ignored:
             log.warning("ModelConfig: rtp-llm field(s) %s have no effect in rtpkv", ignored)
         given = {k: v for k, v in values.items() if v is not None and k not in ignored}

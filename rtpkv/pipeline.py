@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
@@ -18,7 +20,6 @@ import torch
 from rtpkv.cache.prefix_index import HashFn, sha256
 from rtpkv.config import RuntimeConfig
 from rtpkv.engine import Engine, Request, StepOutput
-from rtpkv.engine.request import OutputSink
 from rtpkv.errors import ConfigError, RequestError
 from rtpkv.generate_config import GenerateConfig
 from rtpkv.locked_tokenizer import LockedTokenizer
@@ -74,22 +75,74 @@ class _ResponseBuilder:
                         logits)
 
 
-class ResponseStream(Iterator[Response]):
-    """The iterator `pipeline(...)` returns. Unlike a generator, it cancels its request when
-    closed or garbage-collected even if it was never iterated."""
+class _StreamOutputs:
+    """A request's outputs as the engine hands them over: a thread-safe queue for `for`, moved
+    to an asyncio queue (no thread per stream) the first time the stream is awaited."""
 
-    def __init__(self, engine: Engine, req: Request, builder: _ResponseBuilder):
-        self._engine, self._req, self._builder = engine, req, builder
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: "queue.Queue[StepOutput]" = queue.Queue()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._async_queue: Optional["asyncio.Queue[StepOutput]"] = None
+
+    def put(self, item: StepOutput) -> None:
+        """From the engine thread."""
+        with self._lock:
+            if self._loop is None:
+                self._queue.put(item)
+            elif not self._loop.is_closed():  # a closed loop has no consumer left
+                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, item)
+
+    def get(self) -> StepOutput:
+        if self._loop is not None:
+            raise RuntimeError("this stream is iterated with `async for`; keep to it")
+        return self._queue.get()
+
+    async def get_async(self) -> StepOutput:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._loop is None:
+                self._loop, self._async_queue = loop, asyncio.Queue()
+                while not self._queue.empty():
+                    self._async_queue.put_nowait(self._queue.get_nowait())
+            elif self._loop is not loop:
+                raise RuntimeError("this stream is awaited from another event loop")
+        return await self._async_queue.get()
+
+
+class ResponseStream(Iterator[Response], AsyncIterator[Response]):
+    """What `pipeline(...)` returns: iterate it with `for` or `async for`. Unlike a generator,
+    it cancels its request when closed or garbage-collected even if it was never iterated."""
+
+    def __init__(self, engine: Engine, req: Request, outputs: _StreamOutputs,
+                 builder: _ResponseBuilder):
+        self._engine, self._req, self._outputs, self._builder = engine, req, outputs, builder
         self._ended = False
 
     def __next__(self) -> Response:
         while not self._ended:
-            out = self._req.outputs.get()
+            out = self._outputs.get()
             self._ended = out.finished
             res = self._builder.feed(out)
             if res is not None:
                 return res
         raise StopIteration
+
+    def __aiter__(self) -> "ResponseStream":
+        return self
+
+    async def __anext__(self) -> Response:
+        try:
+            while not self._ended:
+                out = await self._outputs.get_async()
+                self._ended = out.finished
+                res = self._builder.feed(out)
+                if res is not None:
+                    return res
+        except BaseException:  # an error, or the awaiting task was cancelled
+            self.close()
+            raise
+        raise StopAsyncIteration
 
     def close(self) -> None:
         """Stop early: the request leaves the engine within one step, its blocks released."""
@@ -97,19 +150,11 @@ class ResponseStream(Iterator[Response]):
         if not self._req.done.is_set():
             self._engine.abort(self._req)
 
-    def __del__(self) -> None:
+    async def aclose(self) -> None:
         self.close()
 
-
-@dataclass
-class _LoopSink:
-    """Hands engine outputs to an asyncio queue from the engine thread: no thread per stream."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: "asyncio.Queue[StepOutput]"
-
-    def put(self, item: StepOutput) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def __del__(self) -> None:
+        self.close()
 
 
 class Pipeline:
@@ -182,8 +227,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------ requests
     def _request(self, prompt: Prompt, generate_config: Optional[dict[str, Any]],
-                 kwargs: dict[str, Any], sink: Optional[OutputSink] = None
-                 ) -> tuple[Request, _ResponseBuilder]:
+                 kwargs: dict[str, Any]) -> ResponseStream:
         if self.engine.stopped:
             raise RequestError("the pipeline has been stopped")
         cfg = GenerateConfig.build(generate_config, kwargs)
@@ -203,16 +247,17 @@ class Pipeline:
         if max_new > room:
             raise RequestError(f"prompt of {len(ids)} tokens + max_new_tokens {max_new} exceeds "
                                f"max_seq_len {limit}")
-        stream = TextStream(self.tokenizer, cfg.stop_words_str)
+        stream = TextStream(self.tokenizer, cfg.stop_words_str, cfg.min_new_tokens,
+                            cfg.skip_special_tokens)
         req = Request(ids, cfg, max_new_tokens=max_new, eos_token_ids=self.eos_token_ids,
                       stop_text=stream.stop_check(), prefix_handle=task.pinned if task else None)
         if cfg.kv_cache_retention_config is not None and not self.config.reuse_cache:
             self._note_retention_without_reuse()
-        if sink is not None:
-            req.outputs = sink
+        outputs = req.outputs = _StreamOutputs()
         aux = {"input_len": len(own), "prefix_len": len(prefix)}
         self.engine.submit(req)
-        return req, _ResponseBuilder(req, stream, cfg.return_incremental, aux)
+        return ResponseStream(self.engine, req, outputs,
+                              _ResponseBuilder(req, stream, cfg.return_incremental, aux))
 
     def _tokenize(self, prompt: Prompt, with_special: bool) -> list[int]:
         if isinstance(prompt, str):
@@ -234,28 +279,20 @@ class Pipeline:
 
     def __call__(self, prompt: Prompt, generate_config: Optional[dict[str, Any]] = None,
                  **kwargs: Any) -> "ResponseStream":
-        """Validate and submit now (errors raise here); iterate for streamed responses.
-        Closing or dropping the stream, even before its first response, cancels the request."""
-        req, builder = self._request(prompt, generate_config, kwargs)
-        return ResponseStream(self.engine, req, builder)
+        """Validate and submit now (errors raise here); iterate the stream with `for` or
+        `async for`. Closing or dropping it, even before its first response, cancels the request."""
+        return self._request(prompt, generate_config, kwargs)
 
     async def pipeline_async(self, prompt: Prompt, generate_config: Optional[dict[str, Any]] = None,
                              **kwargs: Any) -> AsyncIterator[Response]:
-        """The same stream for asyncio callers: `async for res in pipeline.pipeline_async(...)`."""
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
-        req, builder = self._request(prompt, generate_config, kwargs, _LoopSink(loop, outputs))
+        """`async for res in pipeline.pipeline_async(...)`: the same as `async for res in
+        pipeline(...)`, as an async generator."""
+        stream = self._request(prompt, generate_config, kwargs)
         try:
-            while True:
-                out = await outputs.get()
-                res = builder.feed(out)
-                if res is not None:
-                    yield res
-                if out.finished:
-                    return
+            async for res in stream:
+                yield res
         finally:
-            if not req.done.is_set():
-                self.engine.abort(req)
+            stream.close()
 
     def _note_retention_without_reuse(self) -> None:
         """A client may send a retention config everywhere: with reuse off it has no effect,

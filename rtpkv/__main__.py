@@ -1,0 +1,5 @@
+"""`python -m rtpkv ...` is the `rtpkv` command."""
+
+from rtpkv.cli import main
+
+main()
