@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from rtpkv.cache.prefix_index import HashFn, sha256
+from rtpkv.chat import Messages, render_chat
 from rtpkv.config import RuntimeConfig
 from rtpkv.engine import Engine, Request, StepOutput
-from rtpkv.engine.request import OutputSink
-from rtpkv.errors import ConfigError, RequestError
+from rtpkv.errors import ConfigError, PromptTooLongError, RequestError
 from rtpkv.generate_config import GenerateConfig
 from rtpkv.model_factory.factory import Model
 from rtpkv.tasks import Task, TaskPrompt, TaskRegistry, parse_tasks, tasks_from_config
@@ -73,42 +74,118 @@ class _ResponseBuilder:
                         logits)
 
 
-class ResponseStream(Iterator[Response]):
-    """The iterator `pipeline(...)` returns. Unlike a generator, it cancels its request when
-    closed or garbage-collected even if it was never iterated."""
+@dataclass
+class BatchResponse:
+    """One streamed update of a batch (`pipeline(["a", "b"])`): one entry per prompt, in order.
+    Each update follows a new token of any member; members not started yet show ""."""
 
-    def __init__(self, engine: Engine, req: Request, builder: _ResponseBuilder):
-        self._engine, self._req, self._builder = engine, req, builder
-        self._ended = False
+    responses: list[Response]
 
-    def __next__(self) -> Response:
-        while not self._ended:
-            out = self._req.outputs.get()
-            self._ended = out.finished
-            res = self._builder.feed(out)
-            if res is not None:
-                return res
-        raise StopIteration
+    @property
+    def generate_texts(self) -> list[str]:
+        return [r.generate_texts[0] for r in self.responses]
+
+    @property
+    def batch_response(self) -> list[str]:
+        return self.generate_texts
+
+    @property
+    def finished(self) -> bool:
+        return all(r.finished for r in self.responses)
+
+    @property
+    def output_ids(self) -> list[list[int]]:
+        return [r.output_ids for r in self.responses]
+
+    @property
+    def aux_info(self) -> list[dict[str, Any]]:
+        return [r.aux_info for r in self.responses]
+
+
+@dataclass
+class _TaggedSink:
+    """Routes one member's outputs into a stream's shared queue, tagged with its index."""
+
+    put_tagged: Callable[[tuple[int, StepOutput]], None]
+    index: int
+
+    def put(self, item: StepOutput) -> None:
+        self.put_tagged((self.index, item))
+
+
+class _Streams:
+    """The requests behind one `pipeline(...)` call (one prompt, or a batch) folded into
+    responses. Closing it, or dropping it, cancels whatever has not finished."""
+
+    def __init__(self, engine: Engine, members: list[tuple[Request, _ResponseBuilder]],
+                 batch: bool):
+        self._engine, self._members, self._batch = engine, members, batch
+        self._open = len(members)
+        self._latest = [Response([""], False, []) for _ in members]
+
+    @property
+    def requests(self) -> list[Request]:
+        return [req for req, _ in self._members]
+
+    def _fold(self, index: int, out: StepOutput) -> "Response | BatchResponse | None":
+        if out.finished:
+            self._open -= 1
+        try:
+            res = self._members[index][1].feed(out)
+        except BaseException:
+            self.close()
+            raise
+        if res is None or not self._batch:
+            return res
+        self._latest[index] = res
+        return BatchResponse(list(self._latest))
 
     def close(self) -> None:
-        """Stop early: the request leaves the engine within one step, its blocks released."""
-        self._ended = True
-        if not self._req.done.is_set():
-            self._engine.abort(self._req)
+        """Stop early: unfinished requests leave the engine within one step, blocks released."""
+        self._open = 0
+        for req, _ in self._members:
+            if not req.done.is_set():
+                self._engine.abort(req)
 
     def __del__(self) -> None:
         self.close()
 
 
-@dataclass
-class _LoopSink:
-    """Hands engine outputs to an asyncio queue from the engine thread: no thread per stream."""
+class ResponseStream(_Streams, Iterator[Union[Response, BatchResponse]]):
+    """The iterator `pipeline(...)` returns. Unlike a generator, it cancels its requests when
+    closed or garbage-collected even if it was never iterated."""
 
-    loop: asyncio.AbstractEventLoop
-    queue: "asyncio.Queue[StepOutput]"
+    def __init__(self, engine: Engine, members: list[tuple[Request, _ResponseBuilder]],
+                 outputs: "queue.Queue[tuple[int, StepOutput]]", batch: bool):
+        super().__init__(engine, members, batch)
+        self._outputs = outputs
 
-    def put(self, item: StepOutput) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def __next__(self) -> Union[Response, BatchResponse]:
+        while self._open:
+            res = self._fold(*self._outputs.get())
+            if res is not None:
+                return res
+        raise StopIteration
+
+
+class AsyncResponseStream(_Streams, AsyncIterator[Union[Response, BatchResponse]]):
+    """What `pipeline_async(...)` returns: the same stream for asyncio, fed from the engine
+    thread through the event loop (no thread per stream)."""
+
+    def __init__(self, engine: Engine, members: list[tuple[Request, _ResponseBuilder]],
+                 outputs: "asyncio.Queue[tuple[int, StepOutput]]", batch: bool):
+        super().__init__(engine, members, batch)
+        self._outputs = outputs
+
+    async def __anext__(self) -> Union[Response, BatchResponse]:
+        while self._open:
+            res = self._fold(*await self._outputs.get())
+            if res is not None:
+                return res
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 class Pipeline:
@@ -184,9 +261,8 @@ class Pipeline:
         self.engine.call(lambda: self.engine.cache.unpin(task.pinned_blocks))
 
     # ------------------------------------------------------------------ requests
-    def _request(self, prompt: Prompt, generate_config: Optional[dict[str, Any]],
-                 kwargs: dict[str, Any], sink: Optional[OutputSink] = None
-                 ) -> tuple[Request, _ResponseBuilder]:
+    def _prepare(self, prompt: Prompt, generate_config: Optional[dict[str, Any]],
+                 kwargs: dict[str, Any]) -> tuple[Request, _ResponseBuilder]:
         if self.engine.stopped:
             raise RequestError("the pipeline has been stopped")
         cfg = GenerateConfig.build(generate_config, kwargs)
@@ -198,19 +274,16 @@ class Pipeline:
         limit = self.config.max_seq_len
         room = limit - len(ids)
         if room < 1:
-            raise RequestError(f"prompt is {len(ids)} tokens ({len(prefix)} of them the task "
+            raise PromptTooLongError(f"prompt is {len(ids)} tokens ({len(prefix)} of them the task "
                                f"prompt); max_seq_len is {limit}, leaving no room to generate")
         max_new = cfg.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, room)
         if max_new > room:
-            raise RequestError(f"prompt of {len(ids)} tokens + max_new_tokens {max_new} exceeds "
+            raise PromptTooLongError(f"prompt of {len(ids)} tokens + max_new_tokens {max_new} exceeds "
                                f"max_seq_len {limit}")
         stream = TextStream(self.tokenizer, cfg.stop_words_str)
         req = Request(ids, cfg, max_new_tokens=max_new, eos_token_ids=self.eos_token_ids,
                       stop_text=stream.stop_check())
-        if sink is not None:
-            req.outputs = sink
         aux = {"input_len": len(own), "prefix_len": len(prefix)}
-        self.engine.submit(req)
         return req, _ResponseBuilder(req, stream, cfg.return_incremental, aux)
 
     def _tokenize(self, prompt: Prompt, with_special: bool) -> list[int]:
@@ -231,30 +304,64 @@ class Pipeline:
             return list(prompt)
         raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def __call__(self, prompt: Prompt, generate_config: Optional[dict[str, Any]] = None,
-                 **kwargs: Any) -> "ResponseStream":
-        """Validate and submit now (errors raise here); iterate for streamed responses.
-        Closing or dropping the stream, even before its first response, cancels the request."""
-        req, builder = self._request(prompt, generate_config, kwargs)
-        return ResponseStream(self.engine, req, builder)
-
-    async def pipeline_async(self, prompt: Prompt, generate_config: Optional[dict[str, Any]] = None,
-                             **kwargs: Any) -> AsyncIterator[Response]:
-        """The same stream for asyncio callers: `async for res in pipeline.pipeline_async(...)`."""
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
-        req, builder = self._request(prompt, generate_config, kwargs, _LoopSink(loop, outputs))
+    def _submit(self, prompt: Union[Prompt, list[str], None], messages: Optional[Messages],
+                generate_config: Optional[dict[str, Any]], kwargs: dict[str, Any],
+                put: Callable[[tuple[int, StepOutput]], None]
+                ) -> tuple[list[tuple[Request, _ResponseBuilder]], bool]:
+        """Validate every prompt first, then submit them all: a bad member fails the call
+        before anything reaches the engine."""
+        if messages is not None:
+            if prompt is not None:
+                raise RequestError("pass either prompt or messages, not both")
+            prompt = self.chat_prompt(messages)
+        if prompt is None:
+            raise RequestError("prompt is missing (got NoneType); pass a string, token ids, a "
+                               "list of strings (a batch) or messages=[...]")
+        batch = isinstance(prompt, (list, tuple)) and bool(prompt) and all(
+            isinstance(p, str) for p in prompt)
+        prompts = list(prompt) if batch else [prompt]
+        prepared = [self._prepare(p, generate_config, kwargs) for p in prompts]
+        members = []
         try:
-            while True:
-                out = await outputs.get()
-                res = builder.feed(out)
-                if res is not None:
-                    yield res
-                if out.finished:
-                    return
-        finally:
-            if not req.done.is_set():
+            for index, (req, builder) in enumerate(prepared):
+                req.outputs = _TaggedSink(put, index)
+                self.engine.submit(req)
+                members.append((req, builder))
+        except BaseException:
+            for req, _ in members:
                 self.engine.abort(req)
+            raise
+        return members, batch
+
+    def __call__(self, prompt: Union[Prompt, list[str], None] = None,
+                 generate_config: Optional[dict[str, Any]] = None, *,
+                 messages: Optional[Messages] = None, **kwargs: Any) -> ResponseStream:
+        """Validate and submit now (errors raise here); iterate for streamed responses.
+        `prompt` is text, token ids, or a list of strings (a batch: each update is a
+        BatchResponse with one entry per prompt); `messages` are chat messages rendered with
+        the checkpoint's chat template. Closing or dropping the stream, even before its first
+        response, cancels the request(s)."""
+        outputs: queue.Queue[tuple[int, StepOutput]] = queue.Queue()
+        members, batch = self._submit(prompt, messages, generate_config, kwargs, outputs.put)
+        return ResponseStream(self.engine, members, outputs, batch)
+
+    def pipeline_async(self, prompt: Union[Prompt, list[str], None] = None,
+                       generate_config: Optional[dict[str, Any]] = None, *,
+                       messages: Optional[Messages] = None, **kwargs: Any) -> AsyncResponseStream:
+        """The same stream for asyncio callers, called from a coroutine:
+        `async for res in pipeline.pipeline_async(...)`. Validates and submits at the call."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[tuple[int, StepOutput]] = asyncio.Queue()
+
+        def put(item: tuple[int, StepOutput]) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+        members, batch = self._submit(prompt, messages, generate_config, kwargs, put)
+        return AsyncResponseStream(self.engine, members, outputs, batch)
+
+    def chat_prompt(self, messages: Messages) -> list[int]:
+        """The token ids of `messages` rendered for the assistant's reply (rtpkv.chat)."""
+        return render_chat(self.tokenizer, messages)
 
     # ------------------------------------------------------------------ lifecycle, stats
     def cache_stats(self) -> dict[str, Any]:
