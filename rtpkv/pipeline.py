@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -138,7 +138,10 @@ class _Streams:
         if res is None or not self._batch:
             return res
         self._latest[index] = res
-        return BatchResponse(list(self._latest))
+        batch = BatchResponse(list(self._latest))
+        self._latest = [replace(r, generate_texts=[""]) if b.incremental else r
+                        for r, (_, b) in zip(self._latest, self._members)]
+        return batch
 
     def close(self) -> None:
         """Stop early: unfinished requests leave the engine within one step, blocks released."""
