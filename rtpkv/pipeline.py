@@ -277,12 +277,13 @@ class Pipeline:
         limit = self.config.max_seq_len
         room = limit - len(ids)
         if room < 1:
-            raise PromptTooLongError(f"prompt is {len(ids)} tokens ({len(prefix)} of them the task "
-                               f"prompt); max_seq_len is {limit}, leaving no room to generate")
+            raise PromptTooLongError(f"prompt is {len(ids)} tokens ({len(prefix)} of them the "
+                                     f"task prompt); max_seq_len is {limit}, leaving no room to "
+                                     "generate")
         max_new = cfg.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, room)
         if max_new > room:
-            raise PromptTooLongError(f"prompt of {len(ids)} tokens + max_new_tokens {max_new} exceeds "
-                               f"max_seq_len {limit}")
+            raise PromptTooLongError(f"prompt of {len(ids)} tokens + max_new_tokens {max_new} "
+                                     f"exceeds max_seq_len {limit}")
         stream = TextStream(self.tokenizer, cfg.stop_words_str)
         req = Request(ids, cfg, max_new_tokens=max_new, eos_token_ids=self.eos_token_ids,
                       stop_text=stream.stop_check())

@@ -67,6 +67,7 @@ def local_text(pipe: Pipeline, prompt=None, **config) -> tuple[str, dict]:
 
 
 GREEDY = {"top_k": 1, "ignore_eos": True, "max_new_tokens": 12}
+HI = [{"role": "user", "content": "hi"}]
 
 
 # ---------------------------------------------------------------------- native POST /
@@ -77,7 +78,8 @@ def test_native_matches_the_python_api(client, served):
     assert res.status_code == 200
     body = res.json()
     assert body["response"] == expected and body["finished"] is True
-    assert body["aux_info"]["output_len"] == 12 and body["aux_info"]["input_len"] == aux["input_len"]
+    assert body["aux_info"]["output_len"] == 12
+    assert body["aux_info"]["input_len"] == aux["input_len"]
     assert body["aux_info"]["reuse_len"] > 0  # the same prompt ran just before
 
 
@@ -123,7 +125,8 @@ def test_native_top_level_keys_are_generate_config_keys(client, served):
 
 def test_native_task_prompt(client, served):
     _, pipe = served
-    body = client.post("/", json={"prompt": PROMPT, "generate_config": {**GREEDY, "task_id": "t1"}}).json()
+    config = {**GREEDY, "task_id": "t1"}
+    body = client.post("/", json={"prompt": PROMPT, "generate_config": config}).json()
     expected, aux = local_text(pipe, PROMPT, task_id="t1", **GREEDY)
     assert body["response"] == expected
     assert body["aux_info"]["prefix_len"] == aux["prefix_len"] > 0
@@ -219,9 +222,10 @@ def test_disconnect_mid_stream_cancels_and_frees_blocks(client, served):
         with other.stream("POST", "/", json=body) as res:
             lines = sse_data(res.iter_lines())
             for _ in range(3):
-                event = json.loads(next(lines))
+                json.loads(next(lines))
             stats = client.get("/cache_status").json()
-            assert stats["requests_running"] == 1 and stats["blocks_in_use"] > stats["blocks_pinned"]
+            assert stats["requests_running"] == 1
+            assert stats["blocks_in_use"] > stats["blocks_pinned"]
             pipe.engine.lock.acquire()  # pause the engine: no token is sent meanwhile
     try:
         (req,) = pipe.engine.scheduler.running
@@ -280,8 +284,8 @@ def test_chat_stream_with_the_openai_client(oai, served):
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == expected
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert finishes == ["length"]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert [f for f in finishes if f] == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     assert all(c.id == chunks[0].id and c.object == "chat.completion.chunk" for c in chunks)
 
@@ -331,9 +335,9 @@ def test_openai_extras_reach_generate_config(oai, served):
 
 
 @pytest.mark.parametrize("body,param,words", [
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens", ["max_tokens"]),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n", ["n"]),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature", ["temperature"]),
+    ({"messages": HI, "max_tokens": 0}, "max_tokens", ["max_tokens"]),
+    ({"messages": HI, "n": 2}, "n", ["n"]),
+    ({"messages": HI, "temperature": 3}, "temperature", ["temperature"]),
     ({"messages": "hi"}, "messages", ["messages"]),
     ({}, "messages", ["messages", "missing"]),
     ({"messages": [{"role": "robot", "content": "hi"}]}, None, ["messages[0].role", "robot"]),
@@ -364,7 +368,8 @@ def test_openai_prompt_too_long(client, served):
 def test_health_cache_status_metrics(client):
     assert client.get("/health").json() == {"status": "ok"}
     stats = client.get("/cache_status").json()
-    assert stats["blocks_total"] == stats["blocks_free"] + stats["blocks_cached"] + stats["blocks_in_use"]
+    assert stats["blocks_total"] == (stats["blocks_free"] + stats["blocks_cached"]
+                                     + stats["blocks_in_use"])
     assert stats["task_ids"] == ["t1"]
     client.post("/", json={"prompt": PROMPT, "max_new_tokens": 3, "top_k": 1})
     metrics = client.get("/metrics")
@@ -375,7 +380,8 @@ def test_health_cache_status_metrics(client):
                  "rtpkv_generation_tokens_total", "rtpkv_reused_tokens_total",
                  'rtpkv_kv_blocks{state="pinned"}', "rtpkv_cache_hit_rate"):
         assert name in text, name
-    pinned = [line for line in text.splitlines() if line.startswith('rtpkv_kv_blocks{state="pinned"}')]
+    pinned = [line for line in text.splitlines()
+              if line.startswith('rtpkv_kv_blocks{state="pinned"}')]
     assert float(pinned[0].split()[-1]) == stats["blocks_pinned"] > 0
 
 
@@ -390,7 +396,7 @@ def test_engine_stopped_gives_503(llama_path):
             assert c.get("/health").status_code == 503
             res = c.post("/", json={"prompt": PROMPT})
             assert res.status_code == 503 and res.json()["error_code"] == 503
-            res = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+            res = c.post("/v1/chat/completions", json={"messages": HI})
             assert res.status_code == 503
             assert res.json()["error"]["type"] == "service_unavailable_error"
 

@@ -34,7 +34,8 @@ class NativeRequest:
         return len(self.prompt) if self.batch else 1
 
 
-def _bad(message: str, param: str, code: ErrorCode = ErrorCode.ERROR_INPUT_FORMAT_ERROR) -> ApiError:
+def _bad(message: str, param: str,
+         code: ErrorCode = ErrorCode.ERROR_INPUT_FORMAT_ERROR) -> ApiError:
     return ApiError(400, code, message, param)
 
 
@@ -83,7 +84,8 @@ def body(res: Union[Response, BatchResponse]) -> dict[str, Any]:
     return _one(res)
 
 
-async def events(responses: AsyncGenerator[Union[Response, BatchResponse], None]) -> AsyncIterator[str]:
+async def events(responses: AsyncGenerator[Union[Response, BatchResponse], None]
+                 ) -> AsyncIterator[str]:
     """`data:<json>` per update, then `data:[done]`; an error mid-stream becomes a last
     `data:{"error_code", "message"}` event."""
     try:
