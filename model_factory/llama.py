@@ -6,13 +6,13 @@ concatenates q/k/v and gate/up projections so each layer runs two fewer matmuls.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rtpkv.kernels import AttentionMetadata, apply_rope, attention_backend, rms_norm, rope_table
+from rtpkv.kernels import AttentionBackend, apply_rope, attention_backend, rms_norm, rope_table
 from rtpkv.model_factory.spec import ModelSpec
 
 
@@ -54,8 +54,8 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                attend) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor], meta: Any,
+                attention: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv is not None:
             q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -67,7 +67,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, cos, sin)
-        out = attend(q, k, v, kv[0], kv[1], meta, self.scale)
+        out = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -133,15 +133,20 @@ class CausalLM(nn.Module):
             layer.mlp.fuse()
         weight = self.model.embed_tokens.weight
         self.cos, self.sin = rope_table(self.spec.inv_freq(), max_positions, weight.dtype, weight.device)
-        self.attention_name, self.attend = attention_backend(weight.device)
+        self.attention = attention_backend(weight.device, weight.dtype, self.spec.head_dim)
+
+    @property
+    def attention_name(self) -> str:
+        return self.attention.name
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: Any) -> torch.Tensor:
+        """`meta` comes from `self.attention.build` for this batch."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.cos[positions], self.sin[positions]
         for layer, kv in zip(self.model.layers, kv_caches):
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv, meta, self.attend)
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv, meta, self.attention)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)
 
