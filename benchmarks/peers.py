@@ -26,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -95,7 +96,9 @@ class Vllm:
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen([python, str(worker), str(bench_checkpoint()), dtype, str(block)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=env)
+                                     env=env, cwd=tempfile.gettempdir())
+        # (not the repository root: its kernels/ folder would shadow the `kernels` package
+        # that transformers probes for)
         self._read()  # ready
 
     def _read(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rtpkv.kernels import AttentionBackend, apply_rope, attention_backend, rms_norm, rope_table
+from rtpkv.kernels.linear import InferenceLinear, linear_path
 from rtpkv.model_factory.spec import ModelSpec
 
 
@@ -125,13 +126,21 @@ class CausalLM(nn.Module):
         self.sin: Optional[torch.Tensor] = None
 
     def prepare(self, max_positions: int) -> None:
-        """After weights are loaded: tie, fuse, build the RoPE table, pick the attention kernel."""
+        """After weights are loaded: tie, fuse, choose the GEMM path (kernels/linear.py), build the
+        RoPE table, pick the attention backend."""
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
         weight = self.model.embed_tokens.weight
+        self.linear_path = linear_path(weight.dtype, weight.device)
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.fuse()
+            mlp.fuse()
+            attn.qkv = InferenceLinear(attn.qkv, self.linear_path)
+            attn.o_proj = InferenceLinear(attn.o_proj, self.linear_path)
+            mlp.gate_up = InferenceLinear(mlp.gate_up, self.linear_path)
+            mlp.down_proj = InferenceLinear(mlp.down_proj, self.linear_path)
+        self.lm_head = InferenceLinear(self.lm_head, self.linear_path)
         self.cos, self.sin = rope_table(self.spec.inv_freq(), max_positions, weight.dtype, weight.device)
         self.attention = attention_backend(weight.device, weight.dtype, self.spec.head_dim)
 
