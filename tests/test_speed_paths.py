@@ -150,3 +150,15 @@ def test_without_a_compiler_attention_falls_back_to_torch(monkeypatch, tmp_path,
             attention_backend(CPU, torch.float32, D, "cpu-paged")
     finally:
         cpu_build.load_library.cache_clear()
+
+
+def test_auto_dtype_on_cpu_is_the_fastest_exact_one(tmp_path, llama_path):
+    from conftest import load
+
+    from rtpkv.model_factory.tiny import build_tiny_checkpoint
+
+    bf16_checkpoint = build_tiny_checkpoint(tmp_path / "bf16", dtype="bfloat16")
+    expected = torch.bfloat16 if bf16_gemm_supported() else torch.float32
+    assert load(bf16_checkpoint).dtype == expected
+    assert load(llama_path).dtype == torch.float32
+    assert load(bf16_checkpoint, dtype="bfloat16").dtype == torch.bfloat16
