@@ -89,6 +89,7 @@ class RuntimeConfig(BaseModel):
     seq_size_per_block: int = 64
     kv_cache_mem_mb: Optional[float] = Field(None, gt=0)
     kv_cache_max_tokens: Optional[int] = Field(None, gt=0)
+    kv_cache_event_buffer_max_size: int = Field(0, ge=0)  # 0: KV cache events off
     reuse_cache: bool = False
     multi_task_prompt: Optional[str] = None
     multi_task_prompt_str: Optional[str] = None

@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from rtpkv.cache.retention import KvCacheRetentionConfig
 from rtpkv.config import describe_validation_error
 from rtpkv.errors import ConfigError
 from rtpkv.rtp_llm_compat import from_rtp_llm
@@ -37,6 +38,10 @@ class GenerateConfig(BaseModel):
     return_logits: bool = False              # each response carries the logits of its tokens
     timeout_ms: Optional[int] = Field(None, ge=1)  # -1 (rtp-llm's default): no timeout
     skip_special_tokens: bool = True         # in the response text
+    kv_cache_retention_config: Optional[KvCacheRetentionConfig] = None  # object or plain dict
+    enable_memory_cache: bool = True         # rtp-llm's per-request tier switches
+    enable_disk_cache: bool = True
+    enable_remote_cache: bool = True
 
     @field_validator("timeout_ms", mode="before")
     @classmethod
