@@ -33,6 +33,27 @@ def test_seed_api_and_aux_info(make_pipeline):
     assert aux["cost_time"] >= aux["first_token_cost_time"] > 0
 
 
+def test_one_response_per_generated_token_the_last_one_finished(make_pipeline):
+    pipe = make_pipeline()
+    responses = list(pipe(PROMPT, top_k=1, max_new_tokens=5, ignore_eos=True))
+    assert [len(r.output_ids) for r in responses] == [1, 2, 3, 4, 5]
+    assert [r.finished for r in responses] == [False] * 4 + [True]
+    assert responses[-1].aux_info["finish_reason"] == "length"
+    stopped = list(pipe(PROMPT, top_k=1, max_new_tokens=20, ignore_eos=True,
+                        stop_words_list=[responses[2].output_ids[2:3]]))
+    assert len(stopped) == 3 and stopped[-1].finished and not stopped[-2].finished
+
+
+def test_a_request_ended_before_its_first_token_gets_one_final_response(make_pipeline):
+    pipe = make_pipeline()
+    with pipe.engine.lock:  # cancelled before the engine ever schedules it
+        stream = pipe(PROMPT, top_k=1, max_new_tokens=5)
+        pipe.engine.abort(stream._req)
+    responses = list(stream)
+    assert len(responses) == 1 and responses[0].finished and responses[0].output_ids == []
+    assert responses[0].aux_info["finish_reason"] == "cancelled"
+
+
 def test_token_id_prompt_is_used_as_given(make_pipeline):
     pipe = make_pipeline()
     ids = pipe.tokenizer(PROMPT).input_ids
