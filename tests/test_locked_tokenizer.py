@@ -76,6 +76,13 @@ def test_locked_tokenizer_passes_attributes_and_results_through(llama_path):
     assert locked.wrapped is real
 
 
+def test_the_model_and_its_pipelines_share_one_locked_tokenizer(make_pipeline):
+    pipe = make_pipeline()
+    assert isinstance(pipe.model.tokenizer, LockedTokenizer)
+    assert pipe.tokenizer is pipe.model.tokenizer, "a caller using model.tokenizer takes the same lock"
+    assert LockedTokenizer.around(pipe.tokenizer) is pipe.tokenizer
+
+
 def test_pipeline_routes_every_tokenizer_call_through_one_lock(make_pipeline):
     pipe = make_pipeline()
     probe = OverlapProbe(pipe.tokenizer.wrapped)
