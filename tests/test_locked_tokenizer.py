@@ -26,7 +26,7 @@ class OverlapProbe:
             self.calls += 1
             self.most_inside = max(self.most_inside, self.inside)
         try:
-            time.sleep(0.0002)  # widen the window another thread could enter through
+            time.sleep(0.001)  # widen the window another thread could enter through
             return fn(*args, **kwargs) if fn is not None else None
         finally:
             with self._count:
@@ -44,7 +44,10 @@ class OverlapProbe:
 
 
 def _hammer(tokenizer, threads=8, calls=60):
+    start = threading.Barrier(threads)
+
     def work():
+        start.wait()  # all threads call at once, however slowly they were started
         for i in range(calls):
             tokenizer("some text", truncation=True, max_length=4 + i % 8)
             tokenizer.decode([5, 6, 7])
