@@ -1,5 +1,5 @@
 """The `rtpkv` command: `demo` runs rtp-llm's ReuseCache scenario on a tiny built-in checkpoint
-(or on --model PATH); `generate` streams one prompt."""
+(or on --model PATH); `generate` streams one prompt; `serve` runs the HTTP server."""
 
 from __future__ import annotations
 
@@ -108,6 +108,14 @@ def generate(args: argparse.Namespace) -> None:
         _stream(pipeline, args.prompt, config)
 
 
+def serve(args: argparse.Namespace) -> None:
+    from rtpkv.server import serve as run_server
+
+    run_server(model=args.model, host=args.host, port=args.port,
+               served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
+               log_level="info" if args.verbose else "warning")
+
+
 def build_parser() -> argparse.ArgumentParser:
     # -v is accepted before and after the subcommand
     verbose = argparse.ArgumentParser(add_help=False)
@@ -128,6 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generate-config",
                    help='JSON object of generate_config keys, e.g. \'{"top_k": 50, "temperature": 0.8}\'')
     p.set_defaults(func=generate)
+    p = sub.add_parser("serve", parents=[verbose],
+                       help="HTTP server: rtp-llm's POST / and OpenAI's /v1 routes "
+                            "(model from CHECKPOINT_PATH, port START_PORT, host HOST)")
+    p.add_argument("--model", help="a checkpoint directory or hub id (default: CHECKPOINT_PATH)")
+    p.add_argument("--host", help="address to listen on (default: HOST, else 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default: START_PORT, else 8088)")
+    p.add_argument("--served-model-name", help="the model id of /v1 (default: the directory name)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may finish after SIGTERM (default 30)")
+    p.set_defaults(func=serve)
     return parser
 
 

@@ -145,6 +145,11 @@ class Settings(RuntimeConfig, BaseSettings):
 
     model_config = SettingsConfigDict(extra="ignore", case_sensitive=False, env_prefix="")
 
+    # `rtpkv serve` only (rtp-llm's names): the checkpoint and where to listen.
+    checkpoint_path: Optional[str] = None
+    start_port: int = Field(8088, ge=1, le=65535)
+    host: str = Field("127.0.0.1", min_length=1)
+
     @classmethod
     def from_env(cls) -> "Settings":
         """Read and validate the environment; a bad value raises ConfigError naming it."""

@@ -12,7 +12,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from rtpkv.config import RuntimeConfig, describe_validation_error
-from rtpkv.errors import ConfigError, RequestError
+from rtpkv.errors import ConfigError, UnknownTaskError
 
 if TYPE_CHECKING:
     from rtpkv.cache import PinnedPrefix
@@ -109,7 +109,7 @@ class TaskRegistry:
         key = str(task_id)
         if key not in self._tasks:
             known = ", ".join(repr(k) for k in self._tasks) or "none"
-            raise RequestError(f"unknown task_id {key!r}; known task ids: {known}")
+            raise UnknownTaskError(f"unknown task_id {key!r}; known task ids: {known}")
         return self._tasks[key]
 
     def add(self, task: Task) -> None:
