@@ -16,6 +16,7 @@ import torch
 from rtpkv.config import RuntimeConfig, Settings, resolve
 from rtpkv.errors import ConfigError
 from rtpkv.kernels.linear import bf16_gemm_supported
+from rtpkv.locked_tokenizer import LockedTokenizer
 from rtpkv.model_factory.llama import CausalLM
 from rtpkv.model_factory.model_config import ModelConfig
 from rtpkv.model_factory.spec import ModelSpec
@@ -151,7 +152,8 @@ class ModelFactory:
 
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        # locked: the pipeline's engine thread and the caller's threads share it
+        tokenizer = LockedTokenizer(AutoTokenizer.from_pretrained(str(model_dir)))
         fingerprint = hashlib.sha256(
             f"{spec.architecture}|{weights_digest(files)}|{dtype}".encode()
         ).hexdigest()

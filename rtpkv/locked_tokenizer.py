@@ -20,6 +20,11 @@ class LockedTokenizer:
         self.__dict__["_tokenizer"] = tokenizer
         self.__dict__["_lock"] = threading.RLock()
 
+    @classmethod
+    def around(cls, tokenizer: Any) -> "LockedTokenizer":
+        """`tokenizer` itself if it is already locked (one lock per tokenizer), else wrapped."""
+        return tokenizer if isinstance(tokenizer, cls) else cls(tokenizer)
+
     @property
     def wrapped(self) -> Any:
         """The tokenizer itself, for code that is known to run on one thread."""

@@ -231,7 +231,8 @@ class Pipeline:
         in code; otherwise ModelConfig.tasks, MULTI_TASK_PROMPT or MULTI_TASK_PROMPT_STR."""
         self.model = model
         # One lock for every tokenizer call: the engine thread, stream consumers and callers.
-        self.tokenizer = LockedTokenizer(tokenizer if tokenizer is not None else model.tokenizer)
+        self.tokenizer = LockedTokenizer.around(
+            tokenizer if tokenizer is not None else model.tokenizer)
         config = model.config.replace(**options)
         task_list = self._initial_tasks(tasks, model, config)
         eos = set(model.spec.eos_token_ids)

@@ -5,21 +5,22 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-# field -> unit; a field not listed is shown as it is
+# field -> unit; a field not listed is shown as it is, a *_len field in tokens
 AUX_UNITS = {
-    "input_len": "tokens", "prefix_len": "tokens (task prompt)", "reuse_len": "tokens",
-    "local_reuse_len": "tokens", "output_len": "tokens", "iter_count": "engine steps",
+    "prefix_len": "tokens (task prompt)", "iter_count": "engine steps",
     "first_token_cost_time": "ms", "cost_time": "ms", "wait_time": "ms",
     "num_preemptions": "times",
 }
 STATS_UNITS = {
     "queries": "prompt tokens looked up", "hits": "prompt tokens reused", "hit_rate": "%",
     "block_size": "tokens per block", "evictions": "blocks", "requests_running": "requests",
-    "requests_waiting": "requests",
+    "requests_waiting": "requests", "events_dropped": "events",
 }
 
 
 def _value(value: Any, unit: str) -> str:
+    if isinstance(value, dict):  # e.g. blocks per retention priority
+        return ", ".join(f"{k}: {v}" for k, v in sorted(value.items())) or "-"
     if isinstance(value, float):
         return f"{value * 100:.1f}" if unit == "%" else f"{value:.1f}"
     return "-" if value is None else str(value)
@@ -42,7 +43,7 @@ def reuse_arithmetic(aux: Mapping[str, Any], block_size: int) -> str:
 def aux_table(aux: Mapping[str, Any], block_size: int) -> str:
     rows = []
     for key, value in aux.items():
-        unit = AUX_UNITS.get(key, "")
+        unit = AUX_UNITS.get(key, "tokens" if key.endswith("_len") else "")
         if key == "reuse_len":  # "8 tokens = 2 blocks of 4 of 14 prompt tokens"
             unit = "tokens =" + reuse_arithmetic(aux, block_size).split("=", 1)[1]
         rows.append((key, _value(value, unit), unit))
@@ -52,6 +53,8 @@ def aux_table(aux: Mapping[str, Any], block_size: int) -> str:
 def stats_table(stats: Mapping[str, Any]) -> str:
     rows = []
     for key, value in stats.items():
-        unit = STATS_UNITS.get(key, "blocks" if key.startswith("blocks_") else "")
+        unit = STATS_UNITS.get(key, "")
+        if key.startswith(("blocks_", "evictions")):
+            unit = "blocks (priority: count)" if isinstance(value, dict) else "blocks"
         rows.append((key, _value(value, unit), unit))
     return _table(rows)

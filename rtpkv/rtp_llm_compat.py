@@ -81,12 +81,11 @@ GENERATE_KEYS: dict[str, Optional[tuple[Any, ...]]] = {
     "global_request_id": ANY,
     "add_vision_id": ANY,
     "tool_call_message_extract_strategy": ANY,
-    "enable_memory_block_cache": ANY,
     "sync_wait_write": ANY,
 }
 
 # rtp-llm keys that are rtpkv options under another name.
-GENERATE_ALIASES = {"gen_length": "max_new_tokens"}
+GENERATE_ALIASES = {"gen_length": "max_new_tokens", "enable_memory_block_cache": "enable_memory_cache"}
 
 # rtp-llm's ModelConfig / ModelArgs fields that rtpkv ignores (with a warning): the checkpoint
 # path and type come from `ModelFactory.from_huggingface(path)`, weights load in `dtype`, and

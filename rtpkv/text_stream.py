@@ -1,8 +1,12 @@
 """TextStream: output token ids -> the text a response may show so far.
 
 Stop words are cut from the text; while streaming, a tail that could still become a stop word is
-held back, and so is an incomplete UTF-8 character, for at most `HOLD_TOKENS` tokens. The final
-text is exactly what decoding all output ids at once gives.
+held back, and so is an incomplete UTF-8 character, for at most `HOLD_TOKENS` tokens; after that
+the bytes show as U+FFFD, as a full decode shows them. Text once shown is never taken back, so
+cumulative texts only grow and deltas add up to the final text. That text is what decoding all
+output ids at once gives, with one exception a bounded wait cannot avoid: Hugging Face's
+ByteFallback decoder turns a whole run of byte tokens into U+FFFD when any byte of it is invalid,
+so characters already shown from the start of such a run stay shown.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ HOLD_TOKENS = 4
 class TextStream:
     """Incremental detokenizer: each call decodes only the tokens since the last visible
     boundary (plus the chunk before it, for word boundaries), so a long generation costs O(1)
-    per token rather than a full re-decode; one full decode makes the final text exact."""
+    per token rather than a full re-decode."""
 
     def __init__(self, tokenizer: Any, stop_words: Sequence[str], min_new_tokens: int = 0,
                  skip_special_tokens: bool = True):
@@ -40,16 +44,12 @@ class TextStream:
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
 
     def _catch_up(self, ids: Sequence[int], finished: bool) -> None:
-        if finished:
-            self.text = self.decode(ids)
-            self._prefix = self._read = len(ids)
-            return
         if len(ids) == self._read:
             return
         before = self.decode(ids[self._prefix:self._read])
         cut = len(ids)
         after = self.decode(ids[self._prefix:cut])
-        if after.endswith(REPLACEMENT):
+        if after.endswith(REPLACEMENT) and not finished:
             if cut - self._read < HOLD_TOKENS:
                 return  # an incomplete character: the next token may complete it
             # Held long enough: show the longest part that ends in a whole character, or else

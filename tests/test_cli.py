@@ -2,7 +2,6 @@
 before the weights load, greedy and one-line output from `generate`, Ctrl-C, and the demo."""
 
 import json
-import os
 import re
 import signal
 import subprocess

@@ -26,7 +26,7 @@ class OverlapProbe:
             self.calls += 1
             self.most_inside = max(self.most_inside, self.inside)
         try:
-            time.sleep(0.0002)  # widen the window another thread could enter through
+            time.sleep(0.001)  # widen the window another thread could enter through
             return fn(*args, **kwargs) if fn is not None else None
         finally:
             with self._count:
@@ -44,7 +44,10 @@ class OverlapProbe:
 
 
 def _hammer(tokenizer, threads=8, calls=60):
+    start = threading.Barrier(threads)
+
     def work():
+        start.wait()  # all threads call at once, however slowly they were started
         for i in range(calls):
             tokenizer("some text", truncation=True, max_length=4 + i % 8)
             tokenizer.decode([5, 6, 7])
@@ -74,6 +77,13 @@ def test_locked_tokenizer_passes_attributes_and_results_through(llama_path):
     assert locked.decode([5, 6, 7]) == real.decode([5, 6, 7])
     assert locked.eos_token_id == real.eos_token_id and len(locked) == len(real)
     assert locked.wrapped is real
+
+
+def test_the_model_and_its_pipelines_share_one_locked_tokenizer(make_pipeline):
+    pipe = make_pipeline()
+    assert isinstance(pipe.model.tokenizer, LockedTokenizer)
+    assert pipe.tokenizer is pipe.model.tokenizer, "a caller using model.tokenizer takes the same lock"
+    assert LockedTokenizer.around(pipe.tokenizer) is pipe.tokenizer
 
 
 def test_pipeline_routes_every_tokenizer_call_through_one_lock(make_pipeline):

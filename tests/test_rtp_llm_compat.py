@@ -6,7 +6,7 @@ import pytest
 from conftest import run
 from rtpkv.errors import ConfigError
 from rtpkv.generate_config import GenerateConfig
-from rtpkv.rtp_llm_compat import GENERATE_KEYS
+from rtpkv.rtp_llm_compat import GENERATE_ALIASES, GENERATE_KEYS
 from rtpkv.text_stream import TextStream
 
 PROMPT = "hello, what's your name"
@@ -42,7 +42,9 @@ RTP_LLM_DEFAULTS = {
 
 def test_every_rtp_llm_key_is_known():
     ours = set(GenerateConfig.model_fields)
-    assert set(RTP_LLM_DEFAULTS) <= ours | set(GENERATE_KEYS)
+    assert set(RTP_LLM_DEFAULTS) <= ours | set(GENERATE_KEYS) | set(GENERATE_ALIASES)
+    assert not set(GENERATE_KEYS) & ours, "a GenerateConfig field must not be dropped as rtp-llm's"
+    assert set(GENERATE_ALIASES.values()) <= ours
 
 
 def test_rtp_llm_defaults_are_accepted_as_a_whole():

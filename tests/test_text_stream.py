@@ -65,14 +65,46 @@ def test_complete_characters_wait_only_for_their_bytes(tokenizer):
     assert "你" in [s.strip()[-1:] for s in shown], "a character appears once its bytes are in"
 
 
+def _random_ids(tok, rng, n):
+    """Words, runs of byte tokens that decode to whole characters, and runs of bytes that never
+    can (continuation bytes without a lead, lead bytes cut short); a word between two runs."""
+    words = [tok.convert_tokens_to_ids(w) for w in ("▁hello", "▁the", "▁cat", ",", "▁name")]
+    ids = []
+    while len(ids) < n:
+        kind = rng.random()
+        if kind < 0.4:
+            text = "".join(rng.choice("éß你好世界😀ж") for _ in range(rng.randint(1, 3)))
+            ids += [_byte(tok, b) for b in text.encode()]
+        elif kind < 0.7:
+            if rng.random() < 0.5:
+                bad = [rng.randrange(0x80, 0xC0) for _ in range(rng.randint(1, 6))]
+            else:  # a lead byte whose character the word after it cuts short
+                lead = rng.choice([0xE4, 0xF0])
+                bad = [lead] + [rng.randrange(0x80, 0xC0) for _ in range(rng.randint(0, 1 if lead == 0xE4 else 2))]
+            ids += [_byte(tok, b) for b in bad]
+        ids.append(rng.choice(words))
+    return ids
+
+
 def test_random_bytes_and_words_end_as_a_full_decode(tokenizer):
     rng = random.Random(7)
-    words = [tokenizer.convert_tokens_to_ids(w) for w in ("▁hello", "▁the", "▁cat", ",", "▁name")]
     for trial in range(20):
-        ids = [rng.choice(words) if rng.random() < 0.2 else _byte(tokenizer, rng.randrange(0x80, 0x100))
-               for _ in range(120)]
+        ids = _random_ids(tokenizer, rng, 120)
+        full = tokenizer.decode(ids, skip_special_tokens=True)
         shown, final, longest = _stream(tokenizer, ids)
-        assert final == tokenizer.decode(ids, skip_special_tokens=True), f"trial {trial}"
+        assert final == full, f"trial {trial}"
+        assert all(full.startswith(s) for s in shown), f"trial {trial}: the stream diverged"
         stalls = [n for n in range(len(shown) - HOLD_TOKENS) if len(shown[n + HOLD_TOKENS]) <= len(shown[n])]
         assert not stalls, f"trial {trial}: text froze after tokens {stalls[:5]}"
         assert longest <= 2 * HOLD_TOKENS + 1
+
+
+def test_shown_text_is_never_taken_back(tokenizer):
+    # A byte run that is valid so far ("é"), then turns invalid: Hugging Face's ByteFallback
+    # decoder shows the whole run as U+FFFD in a full decode; the stream keeps what it showed.
+    ids = [_byte(tokenizer, 0xC3), _byte(tokenizer, 0xA9), _byte(tokenizer, 0x95),
+           tokenizer.convert_tokens_to_ids("▁hello")]
+    shown, final, _ = _stream(tokenizer, ids)
+    assert shown[1] == "é" and final.startswith("é\ufffd") and final.endswith(" hello")
+    assert all(final.startswith(s) for s in shown)
+    assert tokenizer.decode(ids) == "\ufffd" * 3 + " hello"

@@ -184,7 +184,8 @@ class Scheduler:
         if req.min_new_tokens_reached:
             if token in req.eos_token_ids and not cfg.ignore_eos:
                 reason = FinishReason.EOS
-            elif any(req.token_ids[-len(s):] == s for s in cfg.stop_words_list):
+            elif any(req.num_output >= len(s) and req.token_ids[-len(s):] == s
+                     for s in cfg.stop_words_list):  # a stop word lies in the output only
                 reason = FinishReason.STOP
             elif req.stop_text is not None:
                 try:
