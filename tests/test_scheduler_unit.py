@@ -114,3 +114,13 @@ def test_postprocess_commits_filled_blocks_for_the_next_request():
     # 9 prompt + 4 generated tokens, 12 of them computed: two prompt blocks and the block
     # that the answer filled
     assert second.reuse_len == 12
+
+
+def test_a_stop_word_must_lie_in_the_output_not_straddle_the_prompt():
+    sched = scheduler()
+    req = request([10, 11, 7], max_new=3, stop_words_list=[[7, 7]])
+    sched.add(req)
+    _, finished = step(sched)   # prompt ends in 7, output starts with 7: no stop yet
+    assert not finished
+    _, finished = step(sched)   # 7 7 inside the output
+    assert finished == [req] and req.finish_reason == FinishReason.STOP
