@@ -15,7 +15,7 @@ AUX_UNITS = {
 STATS_UNITS = {
     "queries": "prompt tokens looked up", "hits": "prompt tokens reused", "hit_rate": "%",
     "block_size": "tokens per block", "evictions": "blocks", "requests_running": "requests",
-    "requests_waiting": "requests",
+    "requests_waiting": "requests", "attention_window": "tokens per query",
 }
 
 
