@@ -1,7 +1,7 @@
 """rtpkv against vLLM's CPU build, side by side in one run: the workloads of BENCHMARKS.md.
 
     python benchmarks/peers.py [--vllm /path/to/vllm-venv/bin/python] [--runs 3]
-                               [--dtypes float32,bfloat16] [--block 32] [--check-reuse]
+                               [--dtypes float32,bfloat16] [--block 32] [--check-reuse a,b]
 
   a  shared system prompt: 2,000-token prefix + 16 different 64-token questions, one after
      another, 16 new tokens each. Cold TTFT = the first request; warm = mean of the other 15.
@@ -14,8 +14,8 @@ decoding with EOS ignored, prefix reuse on, 2 threads. Runs alternate between th
 which goes first) so that drift in the machine's speed falls on both alike; figures are
 medians. vLLM runs in its own interpreter (`--vllm`), one engine process per dtype, with
 OMP_NUM_THREADS=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2
-VLLM_ENABLE_V1_MULTIPROCESSING=0. `--check-reuse` also runs rtpkv with reuse off once per dtype
-and reports whether greedy outputs of a and b are identical.
+VLLM_ENABLE_V1_MULTIPROCESSING=0. `--check-reuse a,b` also runs rtpkv with reuse off once per
+dtype on those workloads and reports whether greedy outputs are identical.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class Vllm:
                                      env=env, cwd=tempfile.gettempdir())
         # (not the repository root: its kernels/ folder would shadow the `kernels` package
         # that transformers probes for)
-        self._read()  # ready
+        self.ready = False  # it loads (and compiles) while rtpkv warms up
 
     def _read(self) -> dict[str, Any]:
         for line in self.proc.stdout:
@@ -108,6 +108,9 @@ class Vllm:
         raise RuntimeError(f"the vLLM worker exited with status {self.proc.wait()}")
 
     def run(self, name: str, job: dict[str, Any]) -> dict[str, Any]:
+        if not self.ready:
+            self._read()
+            self.ready = True
         self.proc.stdin.write(json.dumps({"workload": name, **job}) + "\n")
         self.proc.stdin.flush()
         return self._read()
@@ -191,7 +194,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--block", type=int, default=32)
     parser.add_argument("--workloads", default="a,b,c")
-    parser.add_argument("--check-reuse", action="store_true")
+    parser.add_argument("--check-reuse", default="", metavar="a,b",
+                        help="workloads to rerun on rtpkv with reuse off, comparing outputs")
     args = parser.parse_args()
     setup_threads()
     all_jobs = workloads()
@@ -202,7 +206,8 @@ def main() -> None:
         if args.check_reuse:
             ours = Rtpkv(dtype, args.block)
             reuse_equal = {w: ours.run(w, jobs[w], reuse_cache=False)["outputs"]
-                           == results["rtpkv"][w][0]["outputs"] for w in jobs if w in ("a", "b")}
+                           == results["rtpkv"][w][0]["outputs"]
+                           for w in args.check_reuse.split(",") if w in jobs}
         report(dtype, results, args, reuse_equal)
 
 

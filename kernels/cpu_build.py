@@ -45,9 +45,11 @@ def _cpu_flags() -> str:
 @lru_cache(maxsize=None)
 def load_library(name: str) -> Optional[ctypes.CDLL]:
     """csrc/<name>.c as a loaded shared library, built on first use; None if it cannot be built."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    requested = os.environ.get("CC")
+    compiler = shutil.which(requested) if requested else shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("no C compiler found: the %s kernel falls back to pure torch", name)
+        log.warning("no C compiler found (CC=%s): the %s kernel falls back to pure torch",
+                    requested or "unset", name)
         return None
     source = SOURCE_DIR / f"{name}.c"
     key = hashlib.sha256(source.read_bytes() + " ".join([compiler] + FLAGS).encode()
