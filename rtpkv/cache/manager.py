@@ -11,6 +11,7 @@ A request's life in the cache:
     admit(seq, match)            share the device hits, onboard the tier hits
     grow(seq, tokens)            append fresh blocks for the next chunk (never rewrites a table)
     commit(seq)                  blocks that filled become hittable (and written through)
+    release_out_of_window(seq)   with an attention window: drop blocks no future query reads
     free(seq)                    drop its references, tail first, with its retention priority
     pin(seq) / unpin(handle)     a task prompt's blocks stay in memory until unpinned
 
@@ -550,7 +551,8 @@ class KVCacheManager:
         in exactly one state, that every indexed key maps to a block holding exactly the
         tokens the key was computed from, that each cached block sits in its priority's queue,
         that every tier's own invariant holds, and (given the live requests) that every
-        reference count equals its holders plus its pins."""
+        reference count equals its holders plus its pins and no block inside a request's
+        attention window was released."""
         blocks = self.blocks
         free = set(self.free_ids)
         assert len(free) == len(self.free_ids), "a block is twice in the free list"
