@@ -9,8 +9,9 @@ kernel) is a new backend, not a change to the ModelRunner.
 chunk 2, ...] (the ModelRunner orders rows that way): decode tokens are attended in one batched
 call over their gathered contexts (padded, masked); each prefill chunk attends causally to its
 cached prefix plus its own new tokens. With an attention window, contexts are gathered from the
-first block of the window and masked to a band (keys within W positions of each query). Contexts are gathered a whole block at a time with one
-`index_select` over head-major block rows (see kv_store). Its results depend on the batch's
+window's first block and masked to a band (keys within W positions of each query). Contexts are
+gathered a whole block at a time with one `index_select` over head-major block rows (see
+kv_store). Its results depend on the batch's
 shape in the last bits, so it does not give the batch-invariance guarantee (see cpu_attention).
 """
 
