@@ -8,8 +8,10 @@ kernel) is a new backend, not a change to the ModelRunner.
 `TorchAttention`, the reference, lays the batch out as [decode tokens..., prefill chunk 1,
 chunk 2, ...] (the ModelRunner orders rows that way): decode tokens are attended in one batched
 call over their gathered contexts (padded, masked); each prefill chunk attends causally to its
-cached prefix plus its own new tokens. Contexts are gathered a whole block at a time with one
-`index_select` over head-major block rows (see kv_store). Its results depend on the batch's
+cached prefix plus its own new tokens. With an attention window, contexts are gathered from the
+window's first block and masked to a band (keys within W positions of each query). Contexts are
+gathered a whole block at a time with one `index_select` over head-major block rows (see
+kv_store). Its results depend on the batch's
 shape in the last bits, so it does not give the batch-invariance guarantee (see cpu_attention).
 """
 
@@ -38,6 +40,14 @@ class AttentionBatch:
     block_size: int
     num_blocks: int                 # blocks in the pool (head-major row arithmetic)
     kv_heads: int
+    # Tokens each query attends to, itself included (flash-attn's window_size=(window - 1, 0));
+    # None: the whole sequence. Table entries of blocks wholly before a query's window may be
+    # released (see KVCacheManager): a backend must not read them.
+    window: Optional[int] = None
+
+    def first_key(self, position: int) -> int:
+        """The oldest position a query at `position` attends to."""
+        return 0 if self.window is None else max(0, position - self.window + 1)
 
     @property
     def num_slots(self) -> int:
@@ -130,26 +140,46 @@ class TorchAttention:
             raise ValueError("TorchAttention needs the single-token sequences first in the batch")
         meta = TorchMetadata(write_rows=batch.write_rows(), block_size=B, num_decodes=len(decodes))
         if decodes:
-            ctx = batch.context_len[: len(decodes)]
-            width = -(-max(ctx) // B)
-            meta.decode_blocks = head_major_rows(batch.block_tables[: len(decodes), :width],
-                                                 batch.kv_heads, batch.num_blocks)
-            meta.decode_len = max(ctx)
-            if min(ctx) != meta.decode_len:
-                lengths = torch.tensor(ctx, device=device)
-                mask = torch.arange(meta.decode_len, device=device)[None, :] < lengths[:, None]
-                meta.decode_mask = mask[:, None, None, :]
+            self._build_decodes(batch, meta, len(decodes))
         for i in range(len(decodes), len(batch.query_len)):
             row, n, end = batch.query_start[i], batch.query_len[i], batch.context_len[i]
             chunk = PrefillChunk(row, row + n)
+            first = batch.first_key(end - n) // B * B    # the chunk's oldest key, block-aligned
             if end > n:
-                blocks = batch.block_tables[i, : -(-end // B)]
+                blocks = batch.block_tables[i, first // B: -(-end // B)]
                 chunk.ctx_blocks = head_major_rows(blocks, batch.kv_heads, batch.num_blocks)
+            if end > n or batch.first_key(end - 1) > 0:
                 q_pos = torch.arange(end - n, end, device=device)[:, None]
-                chunk.mask = (torch.arange(end, device=device)[None, :] <= q_pos)[None, None]
+                k_pos = torch.arange(first if end > n else 0, end, device=device)[None, :]
+                band = (k_pos <= q_pos) & (k_pos > q_pos - (batch.window or end))
+                chunk.mask = band[None, None]
             meta.prefills.append(chunk)
         meta.k_buffer, meta.v_buffer = self._buffers(meta.gather_numel(self.head_dim))
         return meta
+
+    @staticmethod
+    def _build_decodes(batch: AttentionBatch, meta: TorchMetadata, n: int) -> None:
+        """Each decode gathers the blocks from its window's first one (padded with block 0 to
+        the widest), masked outside [first key, its position]."""
+        B, device = batch.block_size, batch.positions.device
+        ctx = batch.context_len[:n]
+        first = [batch.first_key(c - 1) // B for c in ctx]
+        width = max(-(-c // B) - f for c, f in zip(ctx, first))
+        tables = batch.block_tables[:n]
+        if any(first):
+            index = torch.tensor(first, device=device)[:, None] + torch.arange(width, device=device)
+            tables = torch.cat([tables, tables.new_zeros(n, width)], dim=1).gather(1, index)
+        else:
+            tables = tables[:, :width]
+        meta.decode_blocks = head_major_rows(tables, batch.kv_heads, batch.num_blocks)
+        meta.decode_len = max(c - f * B for c, f in zip(ctx, first))
+        if batch.window is None and min(ctx) == max(ctx):
+            return
+        k_pos = (torch.tensor(first, device=device)[:, None] * B
+                 + torch.arange(meta.decode_len, device=device)[None, :])
+        q_pos = torch.tensor(ctx, device=device)[:, None] - 1
+        window = batch.window or max(ctx)
+        meta.decode_mask = ((k_pos <= q_pos) & (k_pos > q_pos - window))[:, None, None, :]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: TorchMetadata, scale: float) -> torch.Tensor:

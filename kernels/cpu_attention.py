@@ -26,7 +26,7 @@ class _Args(ctypes.Structure):
     _fields_ = [("q", _P), ("k_cache", _P), ("v_cache", _P), ("out", _P), ("q_seq", _P),
                 ("q_pos", _P), ("tables", _P), ("max_blocks", _I), ("T", _I), ("H", _I),
                 ("KVH", _I), ("D", _I), ("B", _I), ("S", _I), ("scale", ctypes.c_float),
-                ("bf16", ctypes.c_int)]
+                ("bf16", ctypes.c_int), ("window", _I)]
 
 
 def _library():
@@ -51,6 +51,7 @@ class CpuMetadata:
     tile_start: torch.Tensor     # (tiles + 1,) int64: tiles of consecutive rows of one sequence
     num_slots: int
     block_size: int
+    window: int = 0              # tokens attended per query; 0: no window
 
 
 class CpuPagedAttention:
@@ -75,7 +76,7 @@ class CpuPagedAttention:
             positions=batch.positions.to(torch.int32),
             tables=batch.block_tables.to(torch.int32).contiguous(),
             tile_start=torch.tensor(starts, dtype=torch.int64),
-            num_slots=batch.num_slots, block_size=batch.block_size)
+            num_slots=batch.num_slots, block_size=batch.block_size, window=batch.window or 0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: CpuMetadata, scale: float) -> torch.Tensor:
@@ -86,7 +87,7 @@ class CpuPagedAttention:
         args = _Args(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                      meta.row_seq.data_ptr(), meta.positions.data_ptr(), meta.tables.data_ptr(),
                      meta.tables.shape[1], T, H, k.shape[1], D, meta.block_size, meta.num_slots,
-                     scale, int(q.dtype == torch.bfloat16))
+                     scale, int(q.dtype == torch.bfloat16), meta.window)
         self.lib.rtpkv_paged_attention(ctypes.byref(args), meta.tile_start.data_ptr(),
                                        meta.tile_start.numel() - 1)
         return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -94,9 +94,11 @@ def _pick_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype
 
 def _max_seq_len(config: RuntimeConfig, spec: ModelSpec) -> int:
     limit = spec.max_position_embeddings
-    if spec.sliding_window and spec.sliding_window < limit:
-        log.info("max_seq_len capped at the sliding window (%d tokens): attention then never "
-                 "needs the window mask", spec.sliding_window)
+    if spec.mixed_sliding_layers and spec.sliding_window and spec.sliding_window < limit:
+        # one window for every layer is implemented: mixed full/sliding layers stay exact by
+        # never needing the window
+        log.info("max_seq_len capped at the sliding window (%d tokens): this checkpoint mixes "
+                 "full and sliding-window layers", spec.sliding_window)
         limit = spec.sliding_window
     if config.max_seq_len and config.max_seq_len > limit:
         raise ConfigError(f"max_seq_len={config.max_seq_len} is invalid: this checkpoint "

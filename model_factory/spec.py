@@ -39,6 +39,7 @@ class ModelSpec:
     qk_norm: bool
     rope: dict[str, Any] = field(default_factory=dict)
     sliding_window: Optional[int] = None
+    mixed_sliding_layers: bool = False   # some layers attend fully (Qwen2 max_window_layers)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: Optional[int] = None
     torch_dtype: Optional[str] = None
@@ -63,9 +64,16 @@ class ModelSpec:
         rope["rope_type"] = rope_type
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        sliding = None
+        sliding, mixed = None, False
         if arch == "MistralForCausalLM" or cfg.get("use_sliding_window"):
             sliding = cfg.get("sliding_window")
+            if sliding and arch != "MistralForCausalLM":
+                layer_types = cfg.get("layer_types") or [
+                    "sliding_attention" if i >= int(cfg.get("max_window_layers", 28))
+                    else "full_attention" for i in range(int(cfg["num_hidden_layers"]))]
+                if "sliding_attention" not in layer_types:
+                    sliding = None   # transformers applies the window to no layer
+                mixed = any(t != "sliding_attention" for t in layer_types)
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -82,6 +90,7 @@ class ModelSpec:
             qk_norm=arch == "Qwen3ForCausalLM",
             rope=rope,
             sliding_window=int(sliding) if sliding else None,
+            mixed_sliding_layers=mixed,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),

@@ -90,8 +90,10 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
                           tie_word_embeddings: bool = False,
                           rope_scaling: Optional[dict[str, Any]] = None,
                           tokenizer_vocab_size: int = 600, seed: int = 0,
-                          dtype: str = "float32") -> Path:
-    """Write a random-initialised checkpoint of `architecture` with its tokenizer to out_dir."""
+                          dtype: str = "float32", sliding_window: Optional[int] = None) -> Path:
+    """Write a random-initialised checkpoint of `architecture` with its tokenizer to out_dir.
+    `sliding_window`: Mistral's window (default: max_position_embeddings, i.e. none in effect);
+    for Qwen2 it turns use_sliding_window on in every layer."""
     import torch
     import transformers
 
@@ -112,7 +114,12 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
     if rope_scaling:
         kwargs["rope_scaling"] = rope_scaling
     if architecture == "MistralForCausalLM":
-        kwargs["sliding_window"] = max_position_embeddings
+        kwargs["sliding_window"] = sliding_window or max_position_embeddings
+    elif sliding_window is not None:
+        if architecture != "Qwen2ForCausalLM":
+            raise ValueError(f"sliding_window: {architecture} has no sliding-window attention "
+                             "(Mistral and Qwen2 do)")
+        kwargs.update(sliding_window=sliding_window, use_sliding_window=True, max_window_layers=0)
     config = config_cls(**kwargs)
     config.architectures = [architecture]
     torch.manual_seed(seed)

@@ -86,6 +86,9 @@ class RuntimeConfig(BaseModel):
     dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     max_seq_len: int = Field(0, ge=0)  # 0: the checkpoint's max_position_embeddings
+    # tokens each query attends to (itself included); None: the model's sliding_window, else
+    # all of max_seq_len. Checked against max_seq_len and the block size at engine start.
+    max_attention_window: Optional[int] = Field(None, ge=1)
     seq_size_per_block: int = 64
     kv_cache_mem_mb: Optional[float] = Field(None, gt=0)
     kv_cache_max_tokens: Optional[int] = Field(None, gt=0)

@@ -15,6 +15,7 @@ STATS_UNITS = {
     "queries": "prompt tokens looked up", "hits": "prompt tokens reused", "hit_rate": "%",
     "block_size": "tokens per block", "evictions": "blocks", "requests_running": "requests",
     "requests_waiting": "requests", "events_dropped": "events",
+    "attention_window": "tokens per query",
 }
 
 

@@ -256,3 +256,43 @@ def test_integrity_check_catches_a_leak():
     cache.blocks[cache.free_ids[0]].ref_count = 1
     with pytest.raises(AssertionError):
         cache.check_integrity([])
+
+
+def test_window_releases_blocks_behind_the_window_in_place():
+    """Window 8, B=4: after 14 computed tokens the next query (position 14) attends to 7..14, so
+    block 0 (0..3) goes, block 1 (4..7) stays; entries become RELEASED without shifting."""
+    from rtpkv.cache import RELEASED
+
+    cache = KVCacheManager(16, B, PrefixIndex("test-model", B), reuse_enabled=True, window=8)
+    seq = Seq(list(range(100, 116)))
+    cache.admit(seq, cache.lookup(seq))
+    assert cache.grow(seq, 14)
+    seq.num_computed = 14
+    cache.commit(seq)
+    table = list(seq.block_table)
+    assert cache.release_out_of_window(seq) == 1
+    assert seq.block_table == [RELEASED] + table[1:]
+    assert cache.num_held(seq) == 3 and cache.num_cached == 1   # block 0 is full: cached
+    cache.check_integrity([seq])
+    assert cache.release_out_of_window(seq) == 0
+    assert cache.blocks_held_at_most(1000, chunk=1) == 8 // B + 1
+    assert cache.blocks_held_at_most(1000, chunk=6) == -(-(8 + 6 - 1) // B) + 1
+    assert cache.blocks_held_at_most(6) == 2
+    cache.free(seq)
+    cache.check_integrity([])
+    assert cache.num_cached == 3 and cache.num_free == 13
+
+
+def test_a_pinned_prompt_keeps_every_block_under_a_window():
+    cache = KVCacheManager(16, B, PrefixIndex("test-model", B), reuse_enabled=True, window=4)
+    seq = Seq(list(range(100, 116)), prefill_only=True)
+    cache.admit(seq, cache.lookup(seq))
+    assert cache.grow(seq, 16)
+    seq.num_computed = 16
+    cache.commit(seq)
+    assert cache.release_out_of_window(seq) == 0
+    handle = cache.pin(seq)
+    assert len(handle.block_ids) == 4
+    cache.free(seq)
+    cache.unpin(handle)
+    cache.check_integrity([])

@@ -17,6 +17,7 @@ NON_DEFAULT = {
     "dtype": ("bfloat16", "bfloat16"),
     "device": ("cpu", "cpu"),
     "max_seq_len": ("128", 128),
+    "max_attention_window": ("64", 64),
     "seq_size_per_block": ("16", 16),
     "kv_cache_mem_mb": ("12.5", 12.5),
     "kv_cache_max_tokens": ("4096", 4096),

@@ -1,7 +1,8 @@
 /* Paged attention on the CPU, reading K/V blocks in place from the head-major pool.
  *
- * Every query token attends to positions [0, pos] of its sequence, block by block in position
- * order, with an online softmax. The arithmetic done for one query depends only on that query,
+ * Every query token attends to positions [0, pos] of its sequence (with an attention window W:
+ * [pos - W + 1, pos], and blocks wholly before that are never read: their table entries may be
+ * released), block by block in position order, with an online softmax. The arithmetic done for one query depends only on that query,
  * its position and the cached K/V it reads: not on how many other tokens share the batch, nor on
  * where its prefill chunk starts, nor on the thread that runs it. That makes prefix reuse,
  * chunked prefill and batching bit-exact (the batch-invariance guarantee of rtpkv).
@@ -26,6 +27,7 @@ typedef struct {
     int64_t max_blocks, T, H, KVH, D, B, S;
     float scale;
     int bf16;
+    int64_t window;         /* tokens attended per query, itself included; 0: no window */
 } attn_args;
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -115,14 +117,14 @@ static inline void values2(float *acc_a, float *acc_b, float alpha_a, float alph
     }
 }
 
-/* One query row's online-softmax update from its raw scores s[0..BP): masks keys >= valid,
- * turns s into weights, returns the rescale factor of the old accumulator. */
-static inline float softmax_step(float *s, int64_t BP, int64_t valid, float scale, float *m,
-                                 float *l) {
+/* One query row's online-softmax update from its raw scores s[0..BP): masks keys outside
+ * [first, valid), turns s into weights, returns the rescale factor of the old accumulator. */
+static inline float softmax_step(float *s, int64_t BP, int64_t first, int64_t valid, float scale,
+                                 float *m, float *l) {
     float mx = *m;
 #pragma omp simd reduction(max : mx)
     for (int64_t j = 0; j < BP; j++) {
-        s[j] = j < valid ? s[j] * scale : -INFINITY;
+        s[j] = j >= first && j < valid ? s[j] * scale : -INFINITY;
         mx = s[j] > mx ? s[j] : mx;
     }
     float alpha = exp_nonpos(*m - mx), sum = 0.0f;
@@ -141,8 +143,8 @@ static void attend_tile(const attn_args *a, int64_t t0, int64_t nt, int64_t kvh)
     const int64_t BP = (B + 7) / 8 * 8, NQP = NQ + (NQ & 1);
     float q[NQP][D], acc[NQP][D], m[NQP], l[NQP], s[NQP][BP], row[D];
     float kt[D][BP], vb[B][D];   /* keys transposed: scores vectorise over keys */
-    int64_t pos[NQP];
-    int64_t max_pos = 0;
+    int64_t pos[NQP], lo[NQP];   /* a row attends to keys [lo, pos] */
+    int64_t max_pos = 0, min_lo = INT64_MAX;
     memset(kt, 0, sizeof(kt));
     memset(q, 0, sizeof(q));
     for (int64_t i = 0; i < NQP; i++) {
@@ -150,14 +152,18 @@ static void attend_tile(const attn_args *a, int64_t t0, int64_t nt, int64_t kvh)
         m[i] = -INFINITY;
         l[i] = 0.0f;
         pos[i] = -1;               /* the padding row (odd NQ) attends to nothing */
+        lo[i] = 0;
         if (i >= NQ) continue;
         int64_t t = t0 + i / G, h = kvh * G + i % G;
         load_row(q[i], a->q, (t * a->H + h) * D, D, a->bf16);
         pos[i] = a->q_pos[t];
+        lo[i] = a->window > 0 && pos[i] - a->window + 1 > 0 ? pos[i] - a->window + 1 : 0;
         if (pos[i] > max_pos) max_pos = pos[i];
+        if (lo[i] < min_lo) min_lo = lo[i];
     }
+    if (min_lo == INT64_MAX) min_lo = 0;
     const int32_t *table = a->tables + (int64_t)a->q_seq[t0] * a->max_blocks;
-    for (int64_t p = 0; p * B <= max_pos; p++) {
+    for (int64_t p = min_lo / B; p * B <= max_pos; p++) {
         int64_t base = (kvh * a->S + (int64_t)table[p] * B) * D;
         int64_t rows = max_pos - p * B + 1 < B ? max_pos - p * B + 1 : B;
         for (int64_t j = 0; j < rows; j++) {
@@ -166,7 +172,8 @@ static void attend_tile(const attn_args *a, int64_t t0, int64_t nt, int64_t kvh)
             load_row(vb[j], a->v_cache, base + j * D, D, a->bf16);
         }
         for (int64_t i = 0; i < NQP; i += 2) {
-            if (p * B > pos[i] && p * B > pos[i + 1]) continue;
+            if ((p * B > pos[i] || (p + 1) * B <= lo[i])
+                && (p * B > pos[i + 1] || (p + 1) * B <= lo[i + 1])) continue;
             for (int64_t g = 0; g < BP / 8; g += 4)
                 scores2(q[i], q[i + 1], &kt[0][0], D, BP, g, BP / 8 - g < 4 ? BP / 8 - g : 4,
                         s[i], s[i + 1]);
@@ -175,8 +182,12 @@ static void attend_tile(const attn_args *a, int64_t t0, int64_t nt, int64_t kvh)
             for (int64_t r = 0; r < 2; r++) {
                 int64_t valid = pos[i + r] - p * B + 1;
                 valid = valid < 0 ? 0 : valid < B ? valid : B;
+                int64_t first = lo[i + r] - p * B;
+                first = first < 0 ? 0 : first;
+                if (first >= valid) valid = 0;
                 n[r] = valid;
-                alpha[r] = valid ? softmax_step(s[i + r], BP, valid, a->scale, &m[i + r], &l[i + r])
+                alpha[r] = valid ? softmax_step(s[i + r], BP, first, valid, a->scale, &m[i + r],
+                                                &l[i + r])
                                  : 1.0f;
                 if (!valid) for (int64_t j = 0; j < BP; j++) s[i + r][j] = 0.0f;
             }

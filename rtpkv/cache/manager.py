@@ -11,11 +11,17 @@ A request's life in the cache:
     admit(seq, match)            share the device hits, onboard the tier hits
     grow(seq, tokens)            append fresh blocks for the next chunk (never rewrites a table)
     commit(seq)                  blocks that filled become hittable (and written through)
+    release_out_of_window(seq)   with an attention window: drop blocks no future query reads
     free(seq)                    drop its references, tail first, with its retention priority
     pin(seq) / unpin(handle)     a task prompt's blocks stay in memory until unpinned
 
 Block tables are append-only: a block id stays at its place in a running request's table until
-the request ends. When a block fills with content that is already indexed, the request keeps its
+the request ends, or until it falls out of the attention window (`window`): a block whose every
+position is older than what the next query attends to is released during the request
+(`release_out_of_window`) and its entry becomes `RELEASED`, so positions never shift and the
+table keeps its length; attention backends read only inside the window, never such an entry.
+A released block is released as at the end of a request: a full, indexed one stays cached
+(evictable) and findable, the rest go back to the free list. When a block fills with content that is already indexed, the request keeps its
 own copy (unindexed; it shares the content's serial so the chain behind it still matches), and
 it is indexed when it is released if the other copy has gone by then.
 
@@ -43,6 +49,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("rtpkv")
 
 _DEFAULT_RETENTION = KvCacheRetentionConfig()
+
+RELEASED = -1  # a block table entry whose block fell out of the attention window
 
 
 class CacheSequence(Protocol):
@@ -108,6 +116,7 @@ class KVCacheManager:
                  policy: Optional[EvictionPolicy] = None,
                  events: Optional[KVEventBuffer] = None,
                  tiers: Sequence["KVTier"] = (), offload_min_priority: int = 35,
+                 window: Optional[int] = None,
                  clock: Callable[[], float] = time.monotonic):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
@@ -122,6 +131,7 @@ class KVCacheManager:
         self.events = events or KVEventBuffer(0)
         self.tiers = list(tiers)
         self.offload_min_priority = offload_min_priority
+        self.window = window              # tokens each query attends to; None: all
         self.clock = clock
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(num_blocks))
@@ -162,15 +172,33 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def blocks_to_grow(self, seq: CacheSequence, num_tokens: int) -> int:
-        """Blocks `seq` still needs to hold num_tokens tokens."""
-        return max(0, cdiv(num_tokens, self.block_size) - len(seq.block_table))
+    def blocks_held_at_most(self, num_tokens: int, chunk: Optional[int] = None) -> int:
+        """The most blocks a request growing to num_tokens holds at once, computing at most
+        `chunk` tokens a step (default: all at once). With a window W a step's table spans
+        the W - 1 positions before its chunk plus the chunk: at most cdiv(W + chunk - 1, B) + 1
+        blocks (the span need not start on a block boundary)."""
+        blocks = cdiv(num_tokens, self.block_size)
+        if self.window is None:
+            return blocks
+        chunk = num_tokens if chunk is None else min(chunk, num_tokens)
+        return min(blocks, cdiv(self.window + chunk - 1, self.block_size) + 1)
+
+    @staticmethod
+    def num_held(seq: CacheSequence) -> int:
+        """Blocks `seq` holds: its table less the entries released out of the window."""
+        return sum(1 for b in seq.block_table if b != RELEASED)
+
+    def blocks_to_grow(self, seq: CacheSequence, num_tokens: int,
+                       chunk: Optional[int] = None) -> int:
+        """Blocks `seq` may still take from the pool on its way to num_tokens tokens."""
+        return max(0, self.blocks_held_at_most(num_tokens, chunk) - self.num_held(seq))
 
     def can_admit(self, seq: CacheSequence, match: PrefixMatch, tokens: int,
-                  reserved: int = 0) -> bool:
-        """Whether `seq` can be admitted with `match` and grow to `tokens` tokens while
-        `reserved` blocks stay promised to requests already running."""
-        need = cdiv(tokens, self.block_size) - len(match.device)
+                  reserved: int = 0, chunk: Optional[int] = None) -> bool:
+        """Whether `seq` can be admitted with `match` and grow to `tokens` tokens (`chunk` at
+        most per step) while `reserved` blocks stay promised to requests already running."""
+        need = min(cdiv(tokens, self.block_size) - len(match.device),
+                   self.blocks_held_at_most(tokens, chunk))
         return need <= self.num_allocatable() - match.revived - reserved
 
     def pin_shortfall(self, num_tokens: int) -> Optional[str]:
@@ -406,6 +434,27 @@ class KVCacheManager:
         self.free_ids.append(block.block_id)
 
     # ------------------------------------------------------------------ release
+    def release_out_of_window(self, seq: CacheSequence) -> int:
+        """Release the blocks of `seq` that no future query attends to: those wholly before
+        the window of the next query (position num_computed). Their entries become RELEASED.
+        A prompt being pinned keeps every block; a request that commits keeps the parent of
+        its next block to commit (its lineage). Returns the blocks released."""
+        if self.window is None or seq.prefill_only:
+            return 0
+        end = max(0, seq.num_computed - self.window + 1) // self.block_size
+        if self.reuse_applies(seq):
+            end = min(end, len(seq.block_keys) - 1)
+        retention = seq.retention or _DEFAULT_RETENTION
+        tiers = frozenset(t.name for t in self.tiers if seq.allows_tier(t.name))
+        released = 0
+        for i in reversed(range(end)):
+            if seq.block_table[i] == RELEASED:
+                break
+            self._release_entry(seq, i, retention, tiers)
+            seq.block_table[i] = RELEASED
+            released += 1
+        return released
+
     def _acquire(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
@@ -418,17 +467,23 @@ class KVCacheManager:
         stay cached (evictable); the rest go back to the free list."""
         retention = seq.retention or _DEFAULT_RETENTION
         tiers = frozenset(t.name for t in self.tiers if seq.allows_tier(t.name))
-        B = self.block_size
         for i in reversed(range(len(seq.block_table))):
-            block = self.blocks[seq.block_table[i]]
-            if block.full:
-                priority, duration = retention.block_retention(i * B, seq.num_prompt)
-                if block.indexed and priority != block.priority:
-                    self.events.updated(block.key, block.priority, priority)
-                block.priority, block.duration_s, block.tiers = priority, duration, tiers
-            self._release(block)
+            if seq.block_table[i] != RELEASED:
+                self._release_entry(seq, i, retention, tiers)
         seq.block_table.clear()
         seq.block_keys.clear()
+
+    def _release_entry(self, seq: CacheSequence, i: int, retention: KvCacheRetentionConfig,
+                       tiers: frozenset[str]) -> None:
+        """Drop `seq`'s reference on its i-th block, stamping a full block with the
+        retention priority of its position."""
+        block = self.blocks[seq.block_table[i]]
+        if block.full:
+            priority, duration = retention.block_retention(i * self.block_size, seq.num_prompt)
+            if block.indexed and priority != block.priority:
+                self.events.updated(block.key, block.priority, priority)
+            block.priority, block.duration_s, block.tiers = priority, duration, tiers
+        self._release(block)
 
     def _release(self, block: Block) -> None:
         block.ref_count -= 1
@@ -496,7 +551,8 @@ class KVCacheManager:
         in exactly one state, that every indexed key maps to a block holding exactly the
         tokens the key was computed from, that each cached block sits in its priority's queue,
         that every tier's own invariant holds, and (given the live requests) that every
-        reference count equals its holders plus its pins."""
+        reference count equals its holders plus its pins and no block inside a request's
+        attention window was released."""
         blocks = self.blocks
         free = set(self.free_ids)
         assert len(free) == len(self.free_ids), "a block is twice in the free list"
@@ -530,6 +586,11 @@ class KVCacheManager:
             expected = [b.pin_count for b in blocks]
             for seq in live:
                 for block_id in seq.block_table:
-                    expected[block_id] += 1
+                    if block_id != RELEASED:
+                        expected[block_id] += 1
+                if self.window is not None:
+                    first = max(0, seq.num_computed - self.window + 1) // self.block_size
+                    assert RELEASED not in seq.block_table[first:], \
+                        "a block inside the attention window was released"
             actual = [b.ref_count for b in blocks]
             assert expected == actual, "reference counts differ from the live block tables"

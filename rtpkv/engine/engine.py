@@ -26,6 +26,7 @@ from rtpkv.engine.model_runner import ModelRunner
 from rtpkv.engine.request import FinishReason, Request, StepOutput
 from rtpkv.engine.sampler import sample
 from rtpkv.engine.scheduler import ScheduledChunk, Scheduler
+from rtpkv.engine.window import attention_window
 from rtpkv.errors import CapacityError, EngineStoppedError, RequestTimeoutError
 from rtpkv.model_factory.factory import Model
 from rtpkv.torch_threads import serial_torch
@@ -73,6 +74,7 @@ class Engine:
         self.config = config
         self.block_size = config.seq_size_per_block
         spec = model.spec
+        self.window = attention_window(config, spec)
         num_blocks = pool_blocks(model, config)
         with serial_torch():
             self.pool = BlockPool(spec.num_layers, num_blocks, self.block_size, spec.num_kv_heads,
@@ -81,9 +83,9 @@ class Engine:
         self.cache = KVCacheManager(num_blocks, self.block_size,
                                     PrefixIndex(model.fingerprint, self.block_size, hash_fn),
                                     pool=self.pool, reuse_enabled=config.reuse_cache,
-                                    events=self.events, tiers=tiers)
+                                    events=self.events, tiers=tiers, window=self.window.tokens)
         self.scheduler = Scheduler(config, self.cache)
-        self.runner = ModelRunner(model.module, self.pool)
+        self.runner = ModelRunner(model.module, self.pool, self.window.tokens)
         self.lock = threading.RLock()
         self.step_log: deque[list[tuple[int, int, str]]] = deque(maxlen=STEP_LOG_SIZE)
         self.steps = 0
@@ -91,6 +93,7 @@ class Engine:
         self._stopped = threading.Event()
         self._threads = torch.get_num_threads()
         log.info("reuse_cache: %s", config.reuse_cache)
+        log.info("attention window: %s", self.window.describe())
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB), attention backend: %s",
                  num_blocks, self.block_size, self.pool.kv.numel() * self.pool.kv.element_size() / 2**20,
                  model.module.attention_name)
@@ -102,11 +105,14 @@ class Engine:
         if self._stopped.is_set():
             raise EngineStoppedError("the pipeline has been stopped")
         usable = self.cache.usable_blocks
-        need = self.cache.blocks_for(self.scheduler.tokens_for(req))
+        need = self.cache.blocks_held_at_most(self.scheduler.tokens_for(req),
+                                              self.config.max_num_batched_tokens)
         if need > usable:
+            window = "" if self.window.tokens is None else f", attention window {self.window.tokens}"
             raise CapacityError(
                 f"request needs {need} KV blocks ({req.num_prompt} prompt tokens + "
-                f"max_new_tokens {req.max_new_tokens}, {self.block_size} tokens per block) but "
+                f"max_new_tokens {req.max_new_tokens}, {self.block_size} tokens per block"
+                f"{window}) but "
                 f"the pool has {usable} usable blocks ({self.cache.num_blocks} total, "
                 f"{self.cache.num_blocks - usable} pinned)")
         self._inbox.put(req)
@@ -146,6 +152,8 @@ class Engine:
     def cache_stats(self) -> dict[str, Any]:
         with self.lock:
             stats = self.cache.stats()
+            stats["attention_window"] = self.window.tokens
+            stats["attention_window_source"] = self.window.source
             stats["requests_running"] = len(self.scheduler.running)
             stats["requests_waiting"] = len(self.scheduler.waiting)
             return stats

@@ -8,6 +8,8 @@ last row of each chunk that reaches the end of its sequence.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from rtpkv.cache import BlockPool
@@ -17,8 +19,9 @@ from rtpkv.model_factory.llama import CausalLM
 
 
 class ModelRunner:
-    def __init__(self, module: CausalLM, pool: BlockPool):
+    def __init__(self, module: CausalLM, pool: BlockPool, window: Optional[int] = None):
         self.module = module
+        self.window = window          # tokens each query attends to (AttentionBatch.window)
         self.pool = pool
         self.kv_caches = pool.layer_caches()
         self.block_size = pool.block_size
@@ -53,7 +56,7 @@ class ModelRunner:
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
                                       device=self.device),
             query_start=starts, query_len=lengths, context_len=contexts, block_size=B,
-            num_blocks=self.pool.num_blocks, kv_heads=self.kv_heads)
+            num_blocks=self.pool.num_blocks, kv_heads=self.kv_heads, window=self.window)
         return ids, batch
 
     @torch.inference_mode()

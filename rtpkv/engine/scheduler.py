@@ -9,6 +9,8 @@ turn. The capacity policy decides admission: GUARANTEED_NO_EVICT reserves a requ
 its full max_new_tokens so it is never paused; MAX_UTILIZATION admits whatever fits now and,
 when blocks run out, pauses the most recently admitted request (its full blocks stay cached, so
 resuming is cheap); STATIC_BATCH (legacy) admits a batch only when the previous one has finished.
+With an attention window, blocks that fell out of it are released after each step, and the
+reservations count the blocks a request holds at once (the window's), not its whole length.
 
 Blocks are the KVCacheManager's: the scheduler asks it to look up, admit, grow, commit, pin and
 free, and never touches a block itself.
@@ -173,6 +175,8 @@ class Scheduler:
             if req.finish_reason is not None:
                 self.finish(req)
                 finished.append(req)
+            else:
+                self.cache.release_out_of_window(req)
         return finished
 
     def _append(self, req: Request, token: int) -> None:
@@ -200,7 +204,8 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
     def _reserved(self) -> int:
         """Blocks that running requests may still claim under the guaranteed policies."""
-        return sum(self.cache.blocks_to_grow(r, self.tokens_for(r)) for r in self.running)
+        chunk = self.config.max_num_batched_tokens
+        return sum(self.cache.blocks_to_grow(r, self.tokens_for(r), chunk) for r in self.running)
 
     def _order_waiting(self) -> None:
         if (self.config.schedule_policy == SchedulePolicy.LPM
@@ -216,10 +221,11 @@ class Scheduler:
             return False
         req = self.waiting[0]
         match = self.cache.lookup(req)
+        chunk = self.config.max_num_batched_tokens
         if self.config.capacity_scheduler_policy == CapacitySchedulerPolicy.MAX_UTILIZATION:
-            fits = self.cache.can_admit(req, match, req.num_tokens)
+            fits = self.cache.can_admit(req, match, req.num_tokens, chunk=chunk)
         else:
-            fits = self.cache.can_admit(req, match, self.tokens_for(req), self._reserved())
+            fits = self.cache.can_admit(req, match, self.tokens_for(req), self._reserved(), chunk)
         if not fits:
             return False
         self.waiting.popleft()
