@@ -16,6 +16,9 @@ import openai
 import pytest
 
 from conftest import load
+from rtpkv.cli import main
+from rtpkv.config import Settings
+from rtpkv.errors import ConfigError
 from rtpkv.pipeline import Pipeline
 from rtpkv.server import create_app
 from server_helpers import ServerThread, free_port, native_events, sse_data, wait_until
@@ -399,6 +402,22 @@ def test_engine_stopped_gives_503(llama_path):
             res = c.post("/v1/chat/completions", json={"messages": HI})
             assert res.status_code == 503
             assert res.json()["error"]["type"] == "service_unavailable_error"
+
+
+def test_server_settings_come_from_the_environment(monkeypatch):
+    settings = Settings.from_env()
+    assert (settings.checkpoint_path, settings.start_port, settings.host) == (None, 8088,
+                                                                              "127.0.0.1")
+    monkeypatch.setenv("START_PORT", "70000")
+    with pytest.raises(ConfigError, match="START_PORT='70000'"):
+        Settings.from_env()
+
+
+def test_serve_without_a_model_says_how_to_give_one(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve"])
+    assert exit_.value.code == 2
+    assert "CHECKPOINT_PATH" in capsys.readouterr().err
 
 
 def _start_cli_server(path, *args: str) -> tuple[subprocess.Popen, str]:
