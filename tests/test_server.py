@@ -171,6 +171,19 @@ def test_prompt_too_long_gives_both_numbers(client, served):
     assert str(limit - 4) in res.json()["message"] and str(limit) in res.json()["message"]
 
 
+def test_timeout_gives_504_or_a_last_error_event(client):
+    body = {"prompt": PROMPT, "top_k": 1, "ignore_eos": True, "max_new_tokens": 900,
+            "timeout_ms": 50}
+    res = client.post("/", json=body)
+    assert res.status_code == 504 and res.json()["error_code"] == 603
+    assert "timeout_ms=50" in res.json()["message"]
+    events = native_events(client, body)
+    assert events[-2]["error_code"] == 603 and events[-1] == "[done]"
+    res = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 900,
+                                               "timeout_ms": 50})
+    assert res.status_code == 504 and res.json()["error"]["type"] == "timeout_error"
+
+
 def test_concurrency_limit_gives_409(client, served):
     server, pipe = served
     body = {"prompt": PROMPT, "top_k": 1, "ignore_eos": True, "max_new_tokens": 4}
