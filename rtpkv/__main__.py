@@ -1,6 +1,5 @@
-"""`python -m rtpkv ...`: the `rtpkv` command."""
+"""`python -m rtpkv ...` is the `rtpkv` command."""
 
 from rtpkv.cli import main
 
-if __name__ == "__main__":
-    main()
+main()

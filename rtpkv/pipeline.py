@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import threading
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -22,6 +23,7 @@ from rtpkv.config import RuntimeConfig
 from rtpkv.engine import Engine, Request, StepOutput
 from rtpkv.errors import ConfigError, PromptTooLongError, RequestError
 from rtpkv.generate_config import GenerateConfig
+from rtpkv.locked_tokenizer import LockedTokenizer
 from rtpkv.model_factory.factory import Model
 from rtpkv.tasks import Task, TaskPrompt, TaskRegistry, parse_tasks, tasks_from_config
 from rtpkv.text_stream import TextStream
@@ -74,6 +76,88 @@ class _ResponseBuilder:
                         logits)
 
 
+class _StreamOutputs:
+    """A request's outputs as the engine hands them over: a thread-safe queue for `for`, moved
+    to an asyncio queue (no thread per stream) the first time the stream is awaited."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: "queue.Queue[StepOutput]" = queue.Queue()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._async_queue: Optional["asyncio.Queue[StepOutput]"] = None
+
+    def put(self, item: StepOutput) -> None:
+        """From the engine thread."""
+        with self._lock:
+            if self._loop is None:
+                self._queue.put(item)
+            elif not self._loop.is_closed():  # a closed loop has no consumer left
+                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, item)
+
+    def get(self) -> StepOutput:
+        if self._loop is not None:
+            raise RuntimeError("this stream is iterated with `async for`; keep to it")
+        return self._queue.get()
+
+    async def get_async(self) -> StepOutput:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._loop is None:
+                self._loop, self._async_queue = loop, asyncio.Queue()
+                while not self._queue.empty():
+                    self._async_queue.put_nowait(self._queue.get_nowait())
+            elif self._loop is not loop:
+                raise RuntimeError("this stream is awaited from another event loop")
+        return await self._async_queue.get()
+
+
+class ResponseStream(Iterator[Response], AsyncIterator[Response]):
+    """What `pipeline(...)` returns: iterate it with `for` or `async for`. Unlike a generator,
+    it cancels its request when closed or garbage-collected even if it was never iterated."""
+
+    def __init__(self, engine: Engine, req: Request, outputs: _StreamOutputs,
+                 builder: _ResponseBuilder):
+        self._engine, self._req, self._outputs, self._builder = engine, req, outputs, builder
+        self._ended = False
+
+    def __next__(self) -> Response:
+        while not self._ended:
+            out = self._outputs.get()
+            self._ended = out.finished
+            res = self._builder.feed(out)
+            if res is not None:
+                return res
+        raise StopIteration
+
+    def __aiter__(self) -> "ResponseStream":
+        return self
+
+    async def __anext__(self) -> Response:
+        try:
+            while not self._ended:
+                out = await self._outputs.get_async()
+                self._ended = out.finished
+                res = self._builder.feed(out)
+                if res is not None:
+                    return res
+        except BaseException:  # an error, or the awaiting task was cancelled
+            self.close()
+            raise
+        raise StopAsyncIteration
+
+    def close(self) -> None:
+        """Stop early: the request leaves the engine within one step, its blocks released."""
+        self._ended = True
+        if not self._req.done.is_set():
+            self._engine.abort(self._req)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
 @dataclass
 class BatchResponse:
     """One streamed update of a batch (`pipeline(["a", "b"])`): one entry per prompt, in order.
@@ -103,23 +187,23 @@ class BatchResponse:
 
 
 @dataclass
-class _TaggedSink:
-    """Routes one member's outputs into a stream's shared queue, tagged with its index."""
+class _Tagged:
+    """Routes one batch member's outputs into the batch's shared outputs, tagged by index."""
 
-    put_tagged: Callable[[tuple[int, StepOutput]], None]
+    outputs: _StreamOutputs
     index: int
 
     def put(self, item: StepOutput) -> None:
-        self.put_tagged((self.index, item))
+        self.outputs.put((self.index, item))  # type: ignore[arg-type]
 
 
-class _Streams:
-    """The requests behind one `pipeline(...)` call (one prompt, or a batch) folded into
-    responses. Closing it, or dropping it, cancels whatever has not finished."""
+class BatchResponseStream(Iterator[BatchResponse], AsyncIterator[BatchResponse]):
+    """What `pipeline([...])` returns for a list of prompts: one request per prompt, folded
+    into BatchResponses; `for` or `async for`; closing or dropping it cancels every member."""
 
     def __init__(self, engine: Engine, members: list[tuple[Request, _ResponseBuilder]],
-                 batch: bool):
-        self._engine, self._members, self._batch = engine, members, batch
+                 outputs: _StreamOutputs):
+        self._engine, self._members, self._outputs = engine, members, outputs
         self._open = len(members)
         self._latest = [Response([""], False, []) for _ in members]
 
@@ -127,7 +211,7 @@ class _Streams:
     def requests(self) -> list[Request]:
         return [req for req, _ in self._members]
 
-    def _fold(self, index: int, out: StepOutput) -> "Response | BatchResponse | None":
+    def _fold(self, index: int, out: StepOutput) -> Optional[BatchResponse]:
         if out.finished:
             self._open -= 1
         try:
@@ -135,59 +219,47 @@ class _Streams:
         except BaseException:
             self.close()
             raise
-        if res is None or not self._batch:
-            return res
+        if res is None:
+            return None
         self._latest[index] = res
-        batch = BatchResponse(list(self._latest))
+        update = BatchResponse(list(self._latest))
+        # with return_incremental a member's delta is shown once, not again with others' tokens
         self._latest = [replace(r, generate_texts=[""]) if b.incremental else r
                         for r, (_, b) in zip(self._latest, self._members)]
-        return batch
+        return update
+
+    def __next__(self) -> BatchResponse:
+        while self._open:
+            update = self._fold(*self._outputs.get())  # type: ignore[misc]
+            if update is not None:
+                return update
+        raise StopIteration
+
+    def __aiter__(self) -> "BatchResponseStream":
+        return self
+
+    async def __anext__(self) -> BatchResponse:
+        try:
+            while self._open:
+                update = self._fold(*await self._outputs.get_async())  # type: ignore[misc]
+                if update is not None:
+                    return update
+        except BaseException:
+            self.close()
+            raise
+        raise StopAsyncIteration
 
     def close(self) -> None:
-        """Stop early: unfinished requests leave the engine within one step, blocks released."""
+        """Stop early: unfinished members leave the engine within one step, blocks released."""
         self._open = 0
         for req, _ in self._members:
             if not req.done.is_set():
                 self._engine.abort(req)
 
-    def __del__(self) -> None:
+    async def aclose(self) -> None:
         self.close()
 
-
-class ResponseStream(_Streams, Iterator[Union[Response, BatchResponse]]):
-    """The iterator `pipeline(...)` returns. Unlike a generator, it cancels its requests when
-    closed or garbage-collected even if it was never iterated."""
-
-    def __init__(self, engine: Engine, members: list[tuple[Request, _ResponseBuilder]],
-                 outputs: "queue.Queue[tuple[int, StepOutput]]", batch: bool):
-        super().__init__(engine, members, batch)
-        self._outputs = outputs
-
-    def __next__(self) -> Union[Response, BatchResponse]:
-        while self._open:
-            res = self._fold(*self._outputs.get())
-            if res is not None:
-                return res
-        raise StopIteration
-
-
-class AsyncResponseStream(_Streams, AsyncIterator[Union[Response, BatchResponse]]):
-    """What `pipeline_async(...)` returns: the same stream for asyncio, fed from the engine
-    thread through the event loop (no thread per stream)."""
-
-    def __init__(self, engine: Engine, members: list[tuple[Request, _ResponseBuilder]],
-                 outputs: "asyncio.Queue[tuple[int, StepOutput]]", batch: bool):
-        super().__init__(engine, members, batch)
-        self._outputs = outputs
-
-    async def __anext__(self) -> Union[Response, BatchResponse]:
-        while self._open:
-            res = self._fold(*await self._outputs.get())
-            if res is not None:
-                return res
-        raise StopAsyncIteration
-
-    async def aclose(self) -> None:
+    def __del__(self) -> None:
         self.close()
 
 
@@ -199,7 +271,8 @@ class Pipeline:
         overriding the environment and the model's ModelConfig. `tasks` are task prompts given
         in code; otherwise ModelConfig.tasks, MULTI_TASK_PROMPT or MULTI_TASK_PROMPT_STR."""
         self.model = model
-        self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+        # One lock for every tokenizer call: the engine thread, stream consumers and callers.
+        self.tokenizer = LockedTokenizer(tokenizer if tokenizer is not None else model.tokenizer)
         config = model.config.replace(**options)
         task_list = self._initial_tasks(tasks, model, config)
         eos = set(model.spec.eos_token_ids)
@@ -207,6 +280,7 @@ class Pipeline:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.engine = Engine(model, config, hash_fn=hash_fn)
+        self._retention_noted = False
         self.tasks = TaskRegistry()
         try:
             for task in task_list:
@@ -238,40 +312,37 @@ class Pipeline:
         if entry.task_id in self.tasks:
             raise ConfigError(f"task_id {entry.task_id!r} already exists; remove it first")
         ids = self._tokenize(prompt, with_special=True)
-        if not self.config.reuse_cache:
-            log.info("task prompts loaded: turning reuse_cache on")
-            self.engine.call(self.engine.enable_reuse)
-        B = self.config.seq_size_per_block
-        half = self.engine.pool.num_blocks // 2
-        pinned = self.engine.cache.num_pinned
-        if pinned + len(ids) // B > half:
-            raise ConfigError(
-                f"task {entry.task_id!r}: pinned task prompts would take {pinned + len(ids) // B} "
-                f"KV blocks ({len(ids)} tokens in this one), more than half of the pool "
-                f"({self.engine.pool.num_blocks} blocks of {B} tokens)")
+        if not self.config.reuse_cache and not self.tasks.ids():
+            log.warning("REUSE_CACHE is off and task prompts are loaded: requests with a task_id "
+                        "start from its pinned blocks; other requests neither look up nor insert")
+        shortfall = self.engine.pin_shortfall(len(ids))
+        if shortfall:
+            raise ConfigError(f"task {entry.task_id!r}: {shortfall}")
         req = Request(ids, GenerateConfig(), max_new_tokens=0, prefill_only=True)
         self.engine.submit(req)
         req.done.wait()
         out = req.outputs.get()
         if out.error is not None:
             raise out.error
-        self.tasks.add(Task(entry.task_id, entry.prompt, ids, req.pinned_blocks))
-        log.info("task %r: %d tokens, %d blocks pinned", entry.task_id, len(ids), len(req.pinned_blocks))
+        self.tasks.add(Task(entry.task_id, entry.prompt, ids, req.pinned))
+        log.info("task %r: %d tokens, %d pinned", entry.task_id, len(ids), req.pinned.num_tokens)
 
     def remove_task(self, task_id: Union[str, int]) -> None:
         """Forget the task; its blocks are unpinned and become ordinary cached blocks."""
-        task = self.tasks.pop(task_id)
-        self.engine.call(lambda: self.engine.cache.unpin(task.pinned_blocks))
+        self.engine.unpin(self.tasks.pop(task_id).pinned)
 
     # ------------------------------------------------------------------ requests
     def _prepare(self, prompt: Prompt, generate_config: Optional[dict[str, Any]],
                  kwargs: dict[str, Any]) -> tuple[Request, _ResponseBuilder]:
+        """Validate and build one request (not submitted yet)."""
         if self.engine.stopped:
             raise RequestError("the pipeline has been stopped")
         cfg = GenerateConfig.build(generate_config, kwargs)
         prefix: list[int] = []
+        task = None
         if cfg.task_id is not None:
-            prefix = self.tasks.get(cfg.task_id).token_ids
+            task = self.tasks.get(cfg.task_id)
+            prefix = task.token_ids
         own = self._tokenize(prompt, with_special=not prefix)
         ids = prefix + own
         limit = self.config.max_seq_len
@@ -284,11 +355,45 @@ class Pipeline:
         if max_new > room:
             raise PromptTooLongError(f"prompt of {len(ids)} tokens + max_new_tokens {max_new} "
                                      f"exceeds max_seq_len {limit}")
-        stream = TextStream(self.tokenizer, cfg.stop_words_str)
+        stream = TextStream(self.tokenizer, cfg.stop_words_str, cfg.min_new_tokens,
+                            cfg.skip_special_tokens)
         req = Request(ids, cfg, max_new_tokens=max_new, eos_token_ids=self.eos_token_ids,
-                      stop_text=stream.stop_check())
+                      stop_text=stream.stop_check(), prefix_handle=task.pinned if task else None)
+        if cfg.kv_cache_retention_config is not None and not self.config.reuse_cache:
+            self._note_retention_without_reuse()
         aux = {"input_len": len(own), "prefix_len": len(prefix)}
         return req, _ResponseBuilder(req, stream, cfg.return_incremental, aux)
+
+    def _request(self, prompt: Union[Prompt, list[str], None], messages: Optional[Messages],
+                 generate_config: Optional[dict[str, Any]], kwargs: dict[str, Any]
+                 ) -> Union[ResponseStream, BatchResponseStream]:
+        if messages is not None:
+            if prompt is not None:
+                raise RequestError("pass either prompt or messages, not both")
+            prompt = self.chat_prompt(messages)
+        if prompt is None:
+            raise RequestError("prompt is missing (got NoneType); pass a string, token ids, a "
+                               "list of strings (a batch) or messages=[...]")
+        outputs = _StreamOutputs()
+        if not (isinstance(prompt, (list, tuple)) and prompt
+                and all(isinstance(p, str) for p in prompt)):
+            req, builder = self._prepare(prompt, generate_config, kwargs)
+            req.outputs = outputs
+            self.engine.submit(req)
+            return ResponseStream(self.engine, req, outputs, builder)
+        # a batch: every member is validated before any is submitted
+        members = [self._prepare(p, generate_config, kwargs) for p in prompt]
+        submitted: list[Request] = []
+        try:
+            for index, (req, _) in enumerate(members):
+                req.outputs = _Tagged(outputs, index)
+                self.engine.submit(req)
+                submitted.append(req)
+        except BaseException:
+            for req in submitted:
+                self.engine.abort(req)
+            raise
+        return BatchResponseStream(self.engine, members, outputs)
 
     def _tokenize(self, prompt: Prompt, with_special: bool) -> list[int]:
         if isinstance(prompt, str):
@@ -308,68 +413,50 @@ class Pipeline:
             return list(prompt)
         raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def _submit(self, prompt: Union[Prompt, list[str], None], messages: Optional[Messages],
-                generate_config: Optional[dict[str, Any]], kwargs: dict[str, Any],
-                put: Callable[[tuple[int, StepOutput]], None]
-                ) -> tuple[list[tuple[Request, _ResponseBuilder]], bool]:
-        """Validate every prompt first, then submit them all: a bad member fails the call
-        before anything reaches the engine."""
-        if messages is not None:
-            if prompt is not None:
-                raise RequestError("pass either prompt or messages, not both")
-            prompt = self.chat_prompt(messages)
-        if prompt is None:
-            raise RequestError("prompt is missing (got NoneType); pass a string, token ids, a "
-                               "list of strings (a batch) or messages=[...]")
-        batch = isinstance(prompt, (list, tuple)) and bool(prompt) and all(
-            isinstance(p, str) for p in prompt)
-        prompts = list(prompt) if batch else [prompt]
-        prepared = [self._prepare(p, generate_config, kwargs) for p in prompts]
-        members = []
-        try:
-            for index, (req, builder) in enumerate(prepared):
-                req.outputs = _TaggedSink(put, index)
-                self.engine.submit(req)
-                members.append((req, builder))
-        except BaseException:
-            for req, _ in members:
-                self.engine.abort(req)
-            raise
-        return members, batch
-
     def __call__(self, prompt: Union[Prompt, list[str], None] = None,
                  generate_config: Optional[dict[str, Any]] = None, *,
-                 messages: Optional[Messages] = None, **kwargs: Any) -> ResponseStream:
-        """Validate and submit now (errors raise here); iterate for streamed responses.
-        `prompt` is text, token ids, or a list of strings (a batch: each update is a
-        BatchResponse with one entry per prompt); `messages` are chat messages rendered with
-        the checkpoint's chat template. Closing or dropping the stream, even before its first
-        response, cancels the request(s)."""
-        outputs: queue.Queue[tuple[int, StepOutput]] = queue.Queue()
-        members, batch = self._submit(prompt, messages, generate_config, kwargs, outputs.put)
-        return ResponseStream(self.engine, members, outputs, batch)
+                 messages: Optional[Messages] = None, **kwargs: Any
+                 ) -> Union[ResponseStream, BatchResponseStream]:
+        """Validate and submit now (errors raise here); iterate the stream with `for` or
+        `async for`. Closing or dropping it, even before its first response, cancels the request.
+        `prompt` is text, token ids, or a list of strings (a batch: updates are BatchResponses,
+        one entry per prompt); `messages` are chat messages, rendered with the checkpoint's chat
+        template (rtpkv.chat)."""
+        return self._request(prompt, messages, generate_config, kwargs)
 
-    def pipeline_async(self, prompt: Union[Prompt, list[str], None] = None,
-                       generate_config: Optional[dict[str, Any]] = None, *,
-                       messages: Optional[Messages] = None, **kwargs: Any) -> AsyncResponseStream:
-        """The same stream for asyncio callers, called from a coroutine:
-        `async for res in pipeline.pipeline_async(...)`. Validates and submits at the call."""
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[tuple[int, StepOutput]] = asyncio.Queue()
-
-        def put(item: tuple[int, StepOutput]) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
-
-        members, batch = self._submit(prompt, messages, generate_config, kwargs, put)
-        return AsyncResponseStream(self.engine, members, outputs, batch)
+    async def pipeline_async(self, prompt: Union[Prompt, list[str], None] = None,
+                             generate_config: Optional[dict[str, Any]] = None, *,
+                             messages: Optional[Messages] = None, **kwargs: Any
+                             ) -> AsyncIterator[Union[Response, BatchResponse]]:
+        """`async for res in pipeline.pipeline_async(...)`: the same as `async for res in
+        pipeline(...)`, as an async generator."""
+        stream = self._request(prompt, messages, generate_config, kwargs)
+        try:
+            async for res in stream:
+                yield res
+        finally:
+            stream.close()
 
     def chat_prompt(self, messages: Messages) -> list[int]:
         """The token ids of `messages` rendered for the assistant's reply (rtpkv.chat)."""
         return render_chat(self.tokenizer, messages)
 
+    def _note_retention_without_reuse(self) -> None:
+        """A client may send a retention config everywhere: with reuse off it has no effect,
+        which is said once rather than refused."""
+        if not self._retention_noted:
+            self._retention_noted = True
+            log.info("kv_cache_retention_config has no effect: REUSE_CACHE is off")
+
     # ------------------------------------------------------------------ lifecycle, stats
     def cache_stats(self) -> dict[str, Any]:
         return self.engine.cache_stats()
+
+    def kv_cache_events(self, timeout: Optional[float] = None) -> list[dict[str, Any]]:
+        """Drain the KV cache events (`stored`, `removed`, `updated`) buffered since the last
+        call, oldest first; with a timeout, wait up to that many seconds for the first one.
+        Needs KV_CACHE_EVENT_BUFFER_MAX_SIZE > 0 (events are off by default)."""
+        return self.engine.events.drain(timeout)
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()

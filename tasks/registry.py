@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from rtpkv.config import RuntimeConfig
+from rtpkv.config import RuntimeConfig, describe_validation_error
 from rtpkv.errors import ConfigError, UnknownTaskError
+
+if TYPE_CHECKING:
+    from rtpkv.cache import PinnedPrefix
 
 log = logging.getLogger("rtpkv")
 
@@ -57,11 +60,7 @@ def parse_tasks(entries: Any, source: str) -> list[TaskPrompt]:
         try:
             task = TaskPrompt(**entry)
         except ValidationError as exc:
-            faults = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc']) or 'entry'}: "
-                f"{'missing' if e['type'] == 'missing' else 'unexpected key' if e['type'] == 'extra_forbidden' else e['msg'].removeprefix('Value error, ')}"
-                for e in exc.errors())
-            raise ConfigError(f"{source}: entry {i} is invalid: {faults}") from None
+            raise ConfigError(f"{source}: entry {i}: {describe_validation_error(exc)}") from None
         if task.task_id in seen:
             raise ConfigError(f"{source}: entry {i} repeats task_id {task.task_id!r}")
         seen.add(task.task_id)
@@ -97,11 +96,11 @@ class Task:
     task_id: str
     prompt: str
     token_ids: list[int]
-    pinned_blocks: list[int] = field(default_factory=list)
+    pinned: Optional["PinnedPrefix"] = None  # the cache's handle on its pinned blocks
 
 
 class TaskRegistry:
-    """Known tasks with their tokenised prompts and the KV blocks pinned for them."""
+    """Known tasks with their tokenised prompts and the handles of their pinned KV blocks."""
 
     def __init__(self) -> None:
         self._tasks: dict[str, Task] = {}
