@@ -1,7 +1,7 @@
 """What the HTTP server costs: N concurrent streaming clients over loopback against
-`rtpkv serve` (a subprocess), against the same workload through the Python API
-(`async for` over `pipeline(...)` in this process). TTFT p50/p99 and output tokens/s, medians over interleaved
-rounds. Goal: the server keeps > 90% of the Python API's throughput.
+`rtpkv serve` (a subprocess), against the same workload through the Python API (`async for`
+over `pipeline(...)` in this process). TTFT p50/p99 and output tokens/s, medians over
+interleaved rounds. Goal: the server keeps > 90% of the Python API's throughput.
 
     python benchmarks/serve.py [--clients 1 8 32] [--rounds 3] [--route native|openai]
 

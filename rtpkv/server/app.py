@@ -1,6 +1,7 @@
 """The HTTP app: rtp-llm's native `POST /`, OpenAI's /v1 routes, /health, /cache_status and
-/metrics over one Pipeline. Every route is async on `pipeline_async`: the engine thread hands
-tokens to the event loop, so there is no thread per request."""
+/metrics over one Pipeline. Every route is async on the pipeline's `async for` streams (the
+path of `pipeline_async`): the engine thread hands tokens to the event loop, so there is no
+thread per request."""
 
 from __future__ import annotations
 
