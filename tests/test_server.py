@@ -357,6 +357,19 @@ def test_openai_extras_reach_generate_config(oai, served):
     assert "'t1'" in str(err.value)
 
 
+def test_retention_config_through_extra_body(oai, client):
+    retention = {"token_range_retention_configs": [{"token_start": 0, "token_end": 40,
+                                                    "priority": 90}]}
+    oai.completions.create(model=MODEL, prompt=list(range(400, 440)) + [5, 6], max_tokens=2,
+                           extra_body={"kv_cache_retention_config": retention})
+    assert client.get("/cache_status").json()["blocks_cached_by_priority"]["90"] == 10
+    bad = {"token_range_retention_configs": [{"token_start": 0, "priority": 101}]}
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=MODEL, prompt="hi",
+                               extra_body={"kv_cache_retention_config": bad})
+    assert "kv_cache_retention_config" in str(err.value) and "priority" in str(err.value)
+
+
 @pytest.mark.parametrize("body,param,words", [
     ({"messages": HI, "max_tokens": 0}, "max_tokens", ["max_tokens"]),
     ({"messages": HI, "n": 2}, "n", ["n"]),
