@@ -1,5 +1,6 @@
-"""`python -m rtpkv ...` is the `rtpkv` command."""
+"""`python -m rtpkv ...`: the `rtpkv` command."""
 
 from rtpkv.cli import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -76,17 +76,21 @@ class _ResponseBuilder:
                         logits)
 
 
+Tagged = tuple[int, StepOutput]   # (index of the prompt in the call, its output)
+
+
 class _StreamOutputs:
-    """A request's outputs as the engine hands them over: a thread-safe queue for `for`, moved
-    to an asyncio queue (no thread per stream) the first time the stream is awaited."""
+    """The outputs of one `pipeline(...)` call as the engine hands them over: a thread-safe
+    queue for `for`, moved to an asyncio queue (no thread per stream) the first time the stream
+    is awaited."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._queue: "queue.Queue[StepOutput]" = queue.Queue()
+        self._queue: "queue.Queue[Tagged]" = queue.Queue()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._async_queue: Optional["asyncio.Queue[StepOutput]"] = None
+        self._async_queue: Optional["asyncio.Queue[Tagged]"] = None
 
-    def put(self, item: StepOutput) -> None:
+    def put(self, item: Tagged) -> None:
         """From the engine thread."""
         with self._lock:
             if self._loop is None:
@@ -94,12 +98,12 @@ class _StreamOutputs:
             elif not self._loop.is_closed():  # a closed loop has no consumer left
                 self._loop.call_soon_threadsafe(self._async_queue.put_nowait, item)
 
-    def get(self) -> StepOutput:
+    def get(self) -> Tagged:
         if self._loop is not None:
             raise RuntimeError("this stream is iterated with `async for`; keep to it")
         return self._queue.get()
 
-    async def get_async(self) -> StepOutput:
+    async def get_async(self) -> Tagged:
         loop = asyncio.get_running_loop()
         with self._lock:
             if self._loop is None:
@@ -111,51 +115,15 @@ class _StreamOutputs:
         return await self._async_queue.get()
 
 
-class ResponseStream(Iterator[Response], AsyncIterator[Response]):
-    """What `pipeline(...)` returns: iterate it with `for` or `async for`. Unlike a generator,
-    it cancels its request when closed or garbage-collected even if it was never iterated."""
+@dataclass
+class _TaggedSink:
+    """Routes one member's outputs into the call's shared queue, tagged with its index."""
 
-    def __init__(self, engine: Engine, req: Request, outputs: _StreamOutputs,
-                 builder: _ResponseBuilder):
-        self._engine, self._req, self._outputs, self._builder = engine, req, outputs, builder
-        self._ended = False
+    put_tagged: Callable[[Tagged], None]
+    index: int
 
-    def __next__(self) -> Response:
-        while not self._ended:
-            out = self._outputs.get()
-            self._ended = out.finished
-            res = self._builder.feed(out)
-            if res is not None:
-                return res
-        raise StopIteration
-
-    def __aiter__(self) -> "ResponseStream":
-        return self
-
-    async def __anext__(self) -> Response:
-        try:
-            while not self._ended:
-                out = await self._outputs.get_async()
-                self._ended = out.finished
-                res = self._builder.feed(out)
-                if res is not None:
-                    return res
-        except BaseException:  # an error, or the awaiting task was cancelled
-            self.close()
-            raise
-        raise StopAsyncIteration
-
-    def close(self) -> None:
-        """Stop early: the request leaves the engine within one step, its blocks released."""
-        self._ended = True
-        if not self._req.done.is_set():
-            self._engine.abort(self._req)
-
-    async def aclose(self) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
+    def put(self, item: StepOutput) -> None:
+        self.put_tagged((self.index, item))
 
 
 @dataclass
@@ -186,24 +154,15 @@ class BatchResponse:
         return [r.aux_info for r in self.responses]
 
 
-@dataclass
-class _Tagged:
-    """Routes one batch member's outputs into the batch's shared outputs, tagged by index."""
-
-    outputs: _StreamOutputs
-    index: int
-
-    def put(self, item: StepOutput) -> None:
-        self.outputs.put((self.index, item))  # type: ignore[arg-type]
-
-
-class BatchResponseStream(Iterator[BatchResponse], AsyncIterator[BatchResponse]):
-    """What `pipeline([...])` returns for a list of prompts: one request per prompt, folded
-    into BatchResponses; `for` or `async for`; closing or dropping it cancels every member."""
+class ResponseStream(Iterator[Union[Response, BatchResponse]],
+                     AsyncIterator[Union[Response, BatchResponse]]):
+    """What `pipeline(...)` returns: the requests of one call (one prompt, or a batch) folded
+    into responses; iterate it with `for` or `async for`. Unlike a generator, it cancels its
+    requests when closed or garbage-collected even if it was never iterated."""
 
     def __init__(self, engine: Engine, members: list[tuple[Request, _ResponseBuilder]],
-                 outputs: _StreamOutputs):
-        self._engine, self._members, self._outputs = engine, members, outputs
+                 outputs: _StreamOutputs, batch: bool):
+        self._engine, self._members, self._outputs, self._batch = engine, members, outputs, batch
         self._open = len(members)
         self._latest = [Response([""], False, []) for _ in members]
 
@@ -211,7 +170,7 @@ class BatchResponseStream(Iterator[BatchResponse], AsyncIterator[BatchResponse])
     def requests(self) -> list[Request]:
         return [req for req, _ in self._members]
 
-    def _fold(self, index: int, out: StepOutput) -> Optional[BatchResponse]:
+    def _fold(self, index: int, out: StepOutput) -> "Response | BatchResponse | None":
         if out.finished:
             self._open -= 1
         try:
@@ -219,38 +178,38 @@ class BatchResponseStream(Iterator[BatchResponse], AsyncIterator[BatchResponse])
         except BaseException:
             self.close()
             raise
-        if res is None:
-            return None
+        if res is None or not self._batch:
+            return res
         self._latest[index] = res
-        update = BatchResponse(list(self._latest))
-        # with return_incremental a member's delta is shown once, not again with others' tokens
+        batch = BatchResponse(list(self._latest))
         self._latest = [replace(r, generate_texts=[""]) if b.incremental else r
                         for r, (_, b) in zip(self._latest, self._members)]
-        return update
+        return batch
 
-    def __next__(self) -> BatchResponse:
+    def __next__(self) -> Union[Response, BatchResponse]:
         while self._open:
-            update = self._fold(*self._outputs.get())  # type: ignore[misc]
-            if update is not None:
-                return update
+            res = self._fold(*self._outputs.get())
+            if res is not None:
+                return res
         raise StopIteration
 
-    def __aiter__(self) -> "BatchResponseStream":
+    def __aiter__(self) -> "ResponseStream":
         return self
 
-    async def __anext__(self) -> BatchResponse:
-        try:
-            while self._open:
-                update = self._fold(*await self._outputs.get_async())  # type: ignore[misc]
-                if update is not None:
-                    return update
-        except BaseException:
-            self.close()
-            raise
+    async def __anext__(self) -> Union[Response, BatchResponse]:
+        while self._open:
+            try:
+                item = await self._outputs.get_async()
+            except BaseException:  # the awaiting task was cancelled
+                self.close()
+                raise
+            res = self._fold(*item)
+            if res is not None:
+                return res
         raise StopAsyncIteration
 
     def close(self) -> None:
-        """Stop early: unfinished members leave the engine within one step, blocks released."""
+        """Stop early: unfinished requests leave the engine within one step, blocks released."""
         self._open = 0
         for req, _ in self._members:
             if not req.done.is_set():
@@ -334,7 +293,6 @@ class Pipeline:
     # ------------------------------------------------------------------ requests
     def _prepare(self, prompt: Prompt, generate_config: Optional[dict[str, Any]],
                  kwargs: dict[str, Any]) -> tuple[Request, _ResponseBuilder]:
-        """Validate and build one request (not submitted yet)."""
         if self.engine.stopped:
             raise RequestError("the pipeline has been stopped")
         cfg = GenerateConfig.build(generate_config, kwargs)
@@ -364,37 +322,6 @@ class Pipeline:
         aux = {"input_len": len(own), "prefix_len": len(prefix)}
         return req, _ResponseBuilder(req, stream, cfg.return_incremental, aux)
 
-    def _request(self, prompt: Union[Prompt, list[str], None], messages: Optional[Messages],
-                 generate_config: Optional[dict[str, Any]], kwargs: dict[str, Any]
-                 ) -> Union[ResponseStream, BatchResponseStream]:
-        if messages is not None:
-            if prompt is not None:
-                raise RequestError("pass either prompt or messages, not both")
-            prompt = self.chat_prompt(messages)
-        if prompt is None:
-            raise RequestError("prompt is missing (got NoneType); pass a string, token ids, a "
-                               "list of strings (a batch) or messages=[...]")
-        outputs = _StreamOutputs()
-        if not (isinstance(prompt, (list, tuple)) and prompt
-                and all(isinstance(p, str) for p in prompt)):
-            req, builder = self._prepare(prompt, generate_config, kwargs)
-            req.outputs = outputs
-            self.engine.submit(req)
-            return ResponseStream(self.engine, req, outputs, builder)
-        # a batch: every member is validated before any is submitted
-        members = [self._prepare(p, generate_config, kwargs) for p in prompt]
-        submitted: list[Request] = []
-        try:
-            for index, (req, _) in enumerate(members):
-                req.outputs = _Tagged(outputs, index)
-                self.engine.submit(req)
-                submitted.append(req)
-        except BaseException:
-            for req in submitted:
-                self.engine.abort(req)
-            raise
-        return BatchResponseStream(self.engine, members, outputs)
-
     def _tokenize(self, prompt: Prompt, with_special: bool) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
@@ -413,29 +340,53 @@ class Pipeline:
             return list(prompt)
         raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
+    def _submit(self, prompt: Union[Prompt, list[str], None], messages: Optional[Messages],
+                generate_config: Optional[dict[str, Any]], kwargs: dict[str, Any],
+                put: Callable[[tuple[int, StepOutput]], None]
+                ) -> tuple[list[tuple[Request, _ResponseBuilder]], bool]:
+        """Validate every prompt first, then submit them all: a bad member fails the call
+        before anything reaches the engine."""
+        if messages is not None:
+            if prompt is not None:
+                raise RequestError("pass either prompt or messages, not both")
+            prompt = self.chat_prompt(messages)
+        if prompt is None:
+            raise RequestError("prompt is missing (got NoneType); pass a string, token ids, a "
+                               "list of strings (a batch) or messages=[...]")
+        batch = isinstance(prompt, (list, tuple)) and bool(prompt) and all(
+            isinstance(p, str) for p in prompt)
+        prompts = list(prompt) if batch else [prompt]
+        prepared = [self._prepare(p, generate_config, kwargs) for p in prompts]
+        members = []
+        try:
+            for index, (req, builder) in enumerate(prepared):
+                req.outputs = _TaggedSink(put, index)
+                self.engine.submit(req)
+                members.append((req, builder))
+        except BaseException:
+            for req, _ in members:
+                self.engine.abort(req)
+            raise
+        return members, batch
+
     def __call__(self, prompt: Union[Prompt, list[str], None] = None,
                  generate_config: Optional[dict[str, Any]] = None, *,
-                 messages: Optional[Messages] = None, **kwargs: Any
-                 ) -> Union[ResponseStream, BatchResponseStream]:
+                 messages: Optional[Messages] = None, **kwargs: Any) -> ResponseStream:
         """Validate and submit now (errors raise here); iterate the stream with `for` or
-        `async for`. Closing or dropping it, even before its first response, cancels the request.
-        `prompt` is text, token ids, or a list of strings (a batch: updates are BatchResponses,
-        one entry per prompt); `messages` are chat messages, rendered with the checkpoint's chat
-        template (rtpkv.chat)."""
-        return self._request(prompt, messages, generate_config, kwargs)
+        `async for`. `prompt` is text, token ids, or a list of strings (a batch: each update is
+        a BatchResponse with one entry per prompt); `messages` are chat messages rendered with
+        the checkpoint's chat template. Closing or dropping the stream, even before its first
+        response, cancels the request(s)."""
+        outputs = _StreamOutputs()
+        members, batch = self._submit(prompt, messages, generate_config, kwargs, outputs.put)
+        return ResponseStream(self.engine, members, outputs, batch)
 
-    async def pipeline_async(self, prompt: Union[Prompt, list[str], None] = None,
-                             generate_config: Optional[dict[str, Any]] = None, *,
-                             messages: Optional[Messages] = None, **kwargs: Any
-                             ) -> AsyncIterator[Union[Response, BatchResponse]]:
-        """`async for res in pipeline.pipeline_async(...)`: the same as `async for res in
-        pipeline(...)`, as an async generator."""
-        stream = self._request(prompt, messages, generate_config, kwargs)
-        try:
-            async for res in stream:
-                yield res
-        finally:
-            stream.close()
+    def pipeline_async(self, prompt: Union[Prompt, list[str], None] = None,
+                       generate_config: Optional[dict[str, Any]] = None, *,
+                       messages: Optional[Messages] = None, **kwargs: Any) -> ResponseStream:
+        """rtp-llm's name for the same stream, for asyncio callers:
+        `async for res in pipeline.pipeline_async(...)`."""
+        return self(prompt, generate_config, messages=messages, **kwargs)
 
     def chat_prompt(self, messages: Messages) -> list[int]:
         """The token ids of `messages` rendered for the assistant's reply (rtpkv.chat)."""

@@ -48,7 +48,7 @@ def test_a_request_ended_before_its_first_token_gets_one_final_response(make_pip
     pipe = make_pipeline()
     with pipe.engine.lock:  # cancelled before the engine ever schedules it
         stream = pipe(PROMPT, top_k=1, max_new_tokens=5)
-        pipe.engine.abort(stream._req)
+        pipe.engine.abort(stream.requests[0])
     responses = list(stream)
     assert len(responses) == 1 and responses[0].finished and responses[0].output_ids == []
     assert responses[0].aux_info["finish_reason"] == "cancelled"
@@ -300,7 +300,8 @@ def test_breaking_out_of_async_for_cancels(make_pipeline):
         return stream
 
     stream = asyncio.run(main())
-    assert stream._req.done.wait(5) and stream._req.num_output < 200
+    req = stream.requests[0]
+    assert req.done.wait(5) and req.num_output < 200
     assert idle_in_use(pipe) == 0
 
 

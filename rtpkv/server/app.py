@@ -1,7 +1,6 @@
 """The HTTP app: rtp-llm's native `POST /`, OpenAI's /v1 routes, /health, /cache_status and
-/metrics over one Pipeline. Every route is async on the pipeline's `async for` streams (the
-path of `pipeline_async`): the engine thread hands tokens to the event loop, so there is no
-thread per request."""
+/metrics over one Pipeline. Every route is async on `pipeline_async`: the engine thread hands
+tokens to the event loop, so there is no thread per request."""
 
 from __future__ import annotations
 
@@ -16,14 +15,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response as HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from rtpkv.pipeline import (BatchResponse, BatchResponseStream, Pipeline, Response,
-                            ResponseStream)
+from rtpkv.pipeline import BatchResponse, Pipeline, Response, ResponseStream
 from rtpkv.server import native, openai
 from rtpkv.server.errors import ApiError, ErrorCode, api_error
 from rtpkv.server.metrics import ServerMetrics
 from rtpkv.server.sse import ClientGone, EventStreamResponse, until_disconnect
 
-Stream = Union[ResponseStream, BatchResponseStream]
 GENERATION_ROUTES = ("/", "/v1/chat/completions", "/v1/completions")
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"
 
@@ -51,7 +48,7 @@ class ServerState:
                            "the engine is stopped (the server is shutting down)")
 
     def start(self, route: str, num_prompts: int,
-              submit: Callable[[], Stream]) -> AsyncGenerator[Any, None]:
+              submit: Callable[[], ResponseStream]) -> AsyncGenerator[Any, None]:
         """Admit a request under CONCURRENCY_LIMIT (counted in prompts) and submit it."""
         self.check_available()
         if self.in_flight + num_prompts > self.concurrency_limit:
@@ -62,7 +59,7 @@ class ServerState:
         self.in_flight += num_prompts
         return self._run(route, num_prompts, stream)
 
-    async def _run(self, route: str, num_prompts: int, stream: Stream
+    async def _run(self, route: str, num_prompts: int, stream: ResponseStream
                    ) -> AsyncGenerator[Union[Response, BatchResponse], None]:
         """The stream's responses; at the end (finished, failed, or closed because the client
         left) the requests are released and counted."""
@@ -108,9 +105,9 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-def _submitting(fn: Callable[[], Stream]) -> Callable[[], Stream]:
+def _submitting(fn: Callable[[], ResponseStream]) -> Callable[[], ResponseStream]:
     """Pipeline validation errors become HTTP errors (400 naming the field, ...)."""
-    def call() -> Stream:
+    def call() -> ResponseStream:
         try:
             return fn()
         except Exception as exc:
@@ -145,7 +142,7 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
     async def generate(request: Request) -> Any:
         req = native.parse(await _json_body(request))
         responses = state.start("/", req.num_prompts, _submitting(
-            lambda: pipeline(req.prompt, req.generate_config)))
+            lambda: pipeline.pipeline_async(req.prompt, req.generate_config)))
         if req.stream:
             return EventStreamResponse(native.events(responses))
         try:
@@ -164,7 +161,7 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
                            "model")
 
     async def _openai(request: Request, route: str, req: Any, num_prompts: int,
-                      submit: Callable[[], Stream]) -> Any:
+                      submit: Callable[[], ResponseStream]) -> Any:
         _check_model(req.model)
         shaper = openai.Shaper(chat=route.endswith("chat/completions"), model=model_name)
         responses = state.start(route, num_prompts, _submitting(submit))
@@ -184,7 +181,7 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
         req = openai.parse(openai.ChatCompletionRequest, await _json_body(request))
         config = req.generate_config()
         return await _openai(request, "/v1/chat/completions", req, 1,
-                             lambda: pipeline(messages=req.messages,
+                             lambda: pipeline.pipeline_async(messages=req.messages,
                                                              generate_config=config))
 
     @app.post("/v1/completions")
@@ -192,7 +189,7 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
         req = openai.parse(openai.CompletionRequest, await _json_body(request))
         config = req.generate_config()
         return await _openai(request, "/v1/completions", req, req.num_prompts,
-                             lambda: pipeline(req.prompt, config))
+                             lambda: pipeline.pipeline_async(req.prompt, config))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
