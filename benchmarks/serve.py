@@ -1,9 +1,11 @@
 """What the HTTP server costs: N concurrent streaming clients over loopback against
-`rtpkv serve` (a subprocess), against the same workload through the Python API
-(`pipeline_async` in this process). TTFT p50/p99 and output tokens/s, medians over interleaved
-rounds. Goal: the server keeps > 90% of the Python API's throughput.
+`rtpkv serve` (a subprocess), against the same workload through the Python API (`async for`
+over `pipeline(...)` in this process). TTFT p50/p99 and output tokens/s, medians over
+interleaved rounds. Goal: the server keeps > 90% of the Python API's throughput.
 
     python benchmarks/serve.py [--clients 1 8 32] [--rounds 3] [--route native|openai]
+
+Method and machine: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import httpx
 
 from common import BENCH_CHECKPOINT, bench_checkpoint, pipeline, random_ids, setup_threads, table
 
-PROMPT_LEN, NEW_TOKENS, KV_MB = 128, 64, 2048
+KV_MB = 2048
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -30,33 +32,33 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def api_round(pipe: Any, prompts: list[list[int]]) -> tuple[list[float], float]:
+async def api_round(pipe: Any, prompts: list[list[int]], new_tokens: int
+                    ) -> tuple[list[float], float]:
     """(TTFT of each request, output tokens/s) through pipeline_async."""
     async def one(ids: list[int]) -> float:
         t0 = time.perf_counter()
         ttft = None
-        async for _ in pipe.pipeline_async(ids, top_k=1, ignore_eos=True,
-                                           max_new_tokens=NEW_TOKENS):
+        async for _ in pipe(ids, top_k=1, ignore_eos=True, max_new_tokens=new_tokens):
             if ttft is None:
                 ttft = time.perf_counter() - t0
         return ttft
 
     t0 = time.perf_counter()
     ttfts = await asyncio.gather(*(one(p) for p in prompts))
-    return list(ttfts), len(prompts) * NEW_TOKENS / (time.perf_counter() - t0)
+    return list(ttfts), len(prompts) * new_tokens / (time.perf_counter() - t0)
 
 
-async def http_round(client: httpx.AsyncClient, route: str, prompts: list[list[int]]
-                     ) -> tuple[list[float], float]:
+async def http_round(client: httpx.AsyncClient, route: str, prompts: list[list[int]],
+                     new_tokens: int) -> tuple[list[float], float]:
     """(TTFT of each request, output tokens/s) through streaming HTTP requests."""
     if route == "native":
         path, extra = "/", {"yield_generator": True, "return_incremental": True}
         body = lambda ids: {"prompt": ids, "top_k": 1, "ignore_eos": True,  # noqa: E731
-                            "max_new_tokens": NEW_TOKENS, **extra}
+                            "max_new_tokens": new_tokens, **extra}
     else:
         path = "/v1/completions"
         body = lambda ids: {"prompt": ids, "top_k": 1, "ignore_eos": True,  # noqa: E731
-                            "max_tokens": NEW_TOKENS, "stream": True}
+                            "max_tokens": new_tokens, "stream": True}
 
     async def one(ids: list[int]) -> float:
         t0 = time.perf_counter()
@@ -70,7 +72,7 @@ async def http_round(client: httpx.AsyncClient, route: str, prompts: list[list[i
 
     t0 = time.perf_counter()
     ttfts = await asyncio.gather(*(one(p) for p in prompts))
-    return list(ttfts), len(prompts) * NEW_TOKENS / (time.perf_counter() - t0)
+    return list(ttfts), len(prompts) * new_tokens / (time.perf_counter() - t0)
 
 
 def start_server(port: int, threads: int) -> subprocess.Popen:
@@ -96,19 +98,21 @@ async def measure(args: argparse.Namespace) -> list[list[Any]]:
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", timeout=600,
                                      limits=httpx.Limits(max_connections=128)) as client:
-            warm = [random_ids(PROMPT_LEN, seed=999)]
-            await api_round(pipe, warm)
-            await http_round(client, args.route, warm)
+            warm = [random_ids(args.prompt_len, seed=999)]
+            await api_round(pipe, warm, args.new_tokens)
+            await http_round(client, args.route, warm, args.new_tokens)
             for n in args.clients:
                 for r in range(args.rounds):
-                    prompts = [random_ids(PROMPT_LEN, seed=1000 * n + 100 * r + i)
+                    prompts = [random_ids(args.prompt_len, seed=1000 * n + 100 * r + i)
                                for i in range(n)]
                     # interleaved, alternating which goes first: machine noise hits both alike
                     order = ["api", "server"] if r % 2 == 0 else ["server", "api"]
                     for mode in order:
-                        run = api_round(pipe, prompts) if mode == "api" else \
-                            http_round(client, args.route, prompts)
+                        run = api_round(pipe, prompts, args.new_tokens) if mode == "api" else \
+                            http_round(client, args.route, prompts, args.new_tokens)
                         results.setdefault((mode, n), []).append(await run)
+                        print(f"N={n} round {r} {mode}: {results[(mode, n)][-1][1]:.1f} tok/s",
+                              file=sys.stderr, flush=True)
     finally:
         server.terminate()
         server.wait(60)
@@ -132,14 +136,16 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--route", choices=["native", "openai"], default="native")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--port", type=int, default=18931)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     setup_threads(args.threads)
     rows = asyncio.run(measure(args))
     print(f"model: {json.dumps(BENCH_CHECKPOINT)}")
-    print(f"workload: N clients x 1 streaming request, {PROMPT_LEN}-token prompts, "
-          f"{NEW_TOKENS} new tokens, greedy; route {args.route!r}; medians of {args.rounds} "
+    print(f"workload: N clients x 1 streaming request, {args.prompt_len}-token prompts, "
+          f"{args.new_tokens} new tokens, greedy; route {args.route!r}; medians of {args.rounds} "
           f"interleaved rounds; TTFT percentiles over all requests")
     print(table(["N", "API TTFT p50 ms", "API TTFT p99 ms", "API tok/s", "server TTFT p50 ms",
                  "server TTFT p99 ms", "server tok/s", "server/API"], rows))

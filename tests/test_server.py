@@ -16,6 +16,9 @@ import openai
 import pytest
 
 from conftest import load
+from rtpkv.cli import main
+from rtpkv.config import Settings
+from rtpkv.errors import ConfigError
 from rtpkv.pipeline import Pipeline
 from rtpkv.server import create_app
 from server_helpers import ServerThread, free_port, native_events, sse_data, wait_until
@@ -59,6 +62,11 @@ def oai(served):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
+def local_stream(pipe: Pipeline, prompt=None, **config) -> list[str]:
+    """The texts the Python API streams for this request."""
+    return [res.generate_texts[0] for res in pipe(prompt, **config)]
+
+
 def local_text(pipe: Pipeline, prompt=None, **config) -> tuple[str, dict]:
     res = None
     for res in pipe(prompt, **config):
@@ -85,23 +93,21 @@ def test_native_matches_the_python_api(client, served):
 
 def test_native_stream_is_cumulative_and_ends_with_done(client, served):
     _, pipe = served
-    expected, _ = local_text(pipe, PROMPT, **GREEDY)
+    expected = local_stream(pipe, PROMPT, **GREEDY)
     events = native_events(client, {"prompt": PROMPT, "generation_config": GREEDY})
     assert events[-1] == "[done]"
     events = events[:-1]
     assert len(events) == 12  # one per token, the last one finished
-    texts = [e["response"] for e in events]
-    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
-    assert texts[-1] == expected and events[-1]["finished"]
+    assert [e["response"] for e in events] == expected and events[-1]["finished"]
     assert events[-1]["aux_info"]["output_len"] == 12 and not events[-2]["finished"]
 
 
 def test_native_incremental_stream_and_yield_generator_inside_config(client, served):
     _, pipe = served
-    expected, _ = local_text(pipe, PROMPT, **GREEDY)
+    expected = local_stream(pipe, PROMPT, return_incremental=True, **GREEDY)
     events = native_events(client, {"prompt": PROMPT, "generate_config": {
         **GREEDY, "return_incremental": True, "yield_generator": True}})
-    assert "".join(e["response"] for e in events[:-1]) == expected
+    assert [e["response"] for e in events[:-1]] == expected
 
 
 def test_native_batch(client, served):
@@ -166,6 +172,19 @@ def test_prompt_too_long_gives_both_numbers(client, served):
     res = client.post("/", json={"prompt": prompt[:limit - 4], "max_new_tokens": 10})
     assert res.status_code == 400
     assert str(limit - 4) in res.json()["message"] and str(limit) in res.json()["message"]
+
+
+def test_timeout_gives_504_or_a_last_error_event(client):
+    body = {"prompt": PROMPT, "top_k": 1, "ignore_eos": True, "max_new_tokens": 900,
+            "timeout_ms": 50}
+    res = client.post("/", json=body)
+    assert res.status_code == 504 and res.json()["error_code"] == 603
+    assert "timeout_ms=50" in res.json()["message"]
+    events = native_events(client, body)
+    assert events[-2]["error_code"] == 603 and events[-1] == "[done]"
+    res = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 900,
+                                               "timeout_ms": 50})
+    assert res.status_code == 504 and res.json()["error"]["type"] == "timeout_error"
 
 
 def test_concurrency_limit_gives_409(client, served):
@@ -276,14 +295,14 @@ def test_chat_completion_matches_python_messages(oai, served):
 def test_chat_stream_with_the_openai_client(oai, served):
     _, pipe = served
     messages = [{"role": "user", "content": "tell me about the cat"}]
-    expected, _ = local_text(pipe, messages=messages, **GREEDY)
+    deltas = local_stream(pipe, messages=messages, return_incremental=True, **GREEDY)
     stream = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
                                          stream=True, stream_options={"include_usage": True},
                                          extra_body={"top_k": 1, "ignore_eos": True})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == expected
+    got = [c.choices[0].delta.content for c in chunks[1:] if c.choices]
+    assert [d for d in got if d] == [d for d in deltas if d]  # the pipeline's deltas, relayed
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert [f for f in finishes if f] == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
@@ -309,12 +328,16 @@ def test_completions_single_batch_and_stream(oai, served):
     both = oai.completions.create(model=MODEL, prompt=prompts, max_tokens=12, extra_body=extra)
     assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == expected
     assert both.usage.completion_tokens == 24
+    # a prompt whose streamed text only grows: the joined deltas are the final text
+    clean = ["tell me about the river", "what is the time"]
+    streams = [local_stream(pipe, p, **GREEDY) for p in clean]
+    assert all(s[-1].startswith(t) for s in streams for t in s), "test prompts need new ones"
     texts = ["", ""]
-    for chunk in oai.completions.create(model=MODEL, prompt=prompts, max_tokens=12, stream=True,
+    for chunk in oai.completions.create(model=MODEL, prompt=clean, max_tokens=12, stream=True,
                                         extra_body=extra):
         for c in chunk.choices:
             texts[c.index] += c.text
-    assert texts == expected
+    assert texts == [s[-1] for s in streams]
 
 
 def test_openai_extras_reach_generate_config(oai, served):
@@ -332,6 +355,19 @@ def test_openai_extras_reach_generate_config(oai, served):
         oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                     extra_body={"task_id": "nope"})
     assert "'t1'" in str(err.value)
+
+
+def test_retention_config_through_extra_body(oai, client):
+    retention = {"token_range_retention_configs": [{"token_start": 0, "token_end": 40,
+                                                    "priority": 90}]}
+    oai.completions.create(model=MODEL, prompt=list(range(400, 440)) + [5, 6], max_tokens=2,
+                           extra_body={"kv_cache_retention_config": retention})
+    assert client.get("/cache_status").json()["blocks_cached_by_priority"]["90"] == 10
+    bad = {"token_range_retention_configs": [{"token_start": 0, "priority": 101}]}
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=MODEL, prompt="hi",
+                               extra_body={"kv_cache_retention_config": bad})
+    assert "kv_cache_retention_config" in str(err.value) and "priority" in str(err.value)
 
 
 @pytest.mark.parametrize("body,param,words", [
@@ -399,6 +435,24 @@ def test_engine_stopped_gives_503(llama_path):
             res = c.post("/v1/chat/completions", json={"messages": HI})
             assert res.status_code == 503
             assert res.json()["error"]["type"] == "service_unavailable_error"
+
+
+def test_server_settings_come_from_the_environment(monkeypatch):
+    for name in ("CHECKPOINT_PATH", "START_PORT", "HOST"):
+        monkeypatch.delenv(name, raising=False)
+    settings = Settings.from_env()
+    assert (settings.checkpoint_path, settings.start_port, settings.host) == (None, 8088,
+                                                                              "127.0.0.1")
+    monkeypatch.setenv("START_PORT", "70000")
+    with pytest.raises(ConfigError, match="START_PORT='70000'"):
+        Settings.from_env()
+
+
+def test_serve_without_a_model_says_how_to_give_one(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve"])
+    assert exit_.value.code == 2
+    assert "CHECKPOINT_PATH" in capsys.readouterr().err
 
 
 def _start_cli_server(path, *args: str) -> tuple[subprocess.Popen, str]:

@@ -49,7 +49,8 @@ class _Common(BaseModel):
                   "top_p": self.top_p, "random_seed": self.seed,
                   "stop_words_str": [self.stop] if isinstance(self.stop, str) else self.stop}
         config.update({k: v for k, v in mapped.items() if v is not None})
-        config["return_incremental"] = False  # deltas are cut per choice here
+        # a stream relays the pipeline's own deltas; an answer is the final text
+        config["return_incremental"] = self.stream
         return config
 
     def max_new_tokens(self) -> Optional[int]:
@@ -155,24 +156,22 @@ class Shaper:
 
     async def events(self, responses: AsyncGenerator[Union[Response, BatchResponse], None],
                      include_usage: bool) -> AsyncGenerator[str, None]:
-        """OpenAI's SSE stream: a role chunk first (chat), a chunk per choice whose text grew,
-        a chunk with its finish_reason, the usage chunk when asked, then `data: [DONE]`."""
-        shown: list[str] = []
+        """OpenAI's SSE stream: a role chunk first (chat), a chunk per choice whose text grew
+        (the pipeline's return_incremental delta), a chunk with its finish_reason, the usage
+        chunk when asked, then `data: [DONE]`."""
         done: list[bool] = []
         last: Optional[Union[Response, BatchResponse]] = None
         try:
             async for res in responses:
                 last = res
                 members = _members(res)
-                if not shown:
-                    shown, done = [""] * len(members), [False] * len(members)
+                if not done:
+                    done = [False] * len(members)
                     if self.chat:
                         yield self._chunk([self._choice(i, "", None, role=True)
                                            for i in range(len(members))])
                 for i, r in enumerate(members):
-                    text = r.generate_texts[0]
-                    delta = text[len(shown[i]):]
-                    shown[i] = text
+                    delta = r.generate_texts[0]
                     if delta:
                         yield self._chunk([self._choice(i, delta, None)])
                     if r.finished and not done[i]:
