@@ -157,7 +157,7 @@ def test_size_bound_evicts_lowest_priority_then_least_recently_used(tmp_path, ti
     tier.store(meta(1, priority=80), payload(1))
     tier.store(meta(2), payload(2))
     tier.store(meta(3), payload(3))
-    assert tier.load(meta(2)) is not None                  # 3 is now the least recently used
+    assert tier.lookup([meta(2).key]) == 1                 # 3 is now the least recently used
     tier.store(meta(4), payload(4))
     assert not file_of(tmp_path / "d", 3).exists()
     tier.store(meta(5), payload(5))

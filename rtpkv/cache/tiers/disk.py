@@ -92,6 +92,8 @@ class DiskTier(KVTier):
         for key in keys:
             with self._lock:
                 known = key in self._sizes or key in self._pending
+                if key in self._order:
+                    self._order.touch(key)      # in chain order, as the host tier does
             if not known and not self._adopt(key):
                 break
             found += 1
@@ -333,8 +335,6 @@ class DiskTier(KVTier):
     # ------------------------------------------------------------------ outcomes
     def _hit(self, key: bytes, payload: torch.Tensor, nbytes: int = 0) -> torch.Tensor:
         with self._lock:
-            if key in self._order:
-                self._order.touch(key)
             self.counters["onboarded_blocks"] += 1
             self.counters["onboarded_bytes"] += nbytes or self.record_bytes
         return payload

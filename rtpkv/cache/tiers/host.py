@@ -63,6 +63,9 @@ class HostTier(KVTier):
             for key in keys:
                 if key not in self._slots:
                     break
+                # touched in chain order: while the chain is onboarded (and each device block it
+                # needs offloads another block here), its blocks already loaded go first
+                self._order.touch(key)
                 found += 1
             self.counters["lookup_blocks"] += len(keys)
             self.counters["lookup_hits"] += found
@@ -79,7 +82,6 @@ class HostTier(KVTier):
             if not slot.meta.same_block(meta):
                 self.counters["mismatches"] += 1
                 return None
-            self._order.touch(meta.key)
             self._wait(slot)
             self.counters["onboarded_blocks"] += 1
             data = self.buffer[slot.index]
