@@ -145,14 +145,15 @@ def test_a_host_tier_smaller_than_the_demand_evicts_its_own_blocks(make_pipeline
 def test_enable_memory_cache_false_skips_lookup_and_offload(make_pipeline):
     pipe = make_pipeline(**ONE_REQUEST, host_cache_size=HOST)
     run(pipe, A_IDS, max_new_tokens=2)
-    run(pipe, B_IDS, max_new_tokens=2, enable_memory_cache=False)   # B's blocks are not offloaded
+    run(pipe, B_IDS, max_new_tokens=2, enable_memory_cache=False)   # evicts A: A's blocks go
+    assert pipe.cache_stats()["memory_offloaded_blocks"] == 5
     a_off = run(pipe, A_IDS, max_new_tokens=2, enable_memory_cache=False)
-    assert a_off.aux_info["reuse_len"] == 0                          # no lookup either
-    run(pipe, B_IDS, max_new_tokens=2)
-    a_on = run(pipe, A_IDS, max_new_tokens=2)
-    assert a_on.aux_info["memory_reuse_len"] == 0   # a_off's blocks were not offloaded either
-    b = run(pipe, B_IDS, max_new_tokens=2)
-    assert b.aux_info["memory_reuse_len"] == 20
+    assert a_off.aux_info["reuse_len"] == 0                          # the host has A: not asked
+    assert pipe.cache_stats()["memory_offloaded_blocks"] == 5        # B's blocks did not go
+    b_on = run(pipe, B_IDS, max_new_tokens=2)
+    assert b_on.aux_info["reuse_len"] == 0
+    assert pipe.cache_stats()["memory_offloaded_blocks"] == 5        # neither did a_off's
+    assert run(pipe, A_IDS, max_new_tokens=2).aux_info["memory_reuse_len"] == 20
 
 
 def test_priority_below_secondary_offload_min_priority_is_not_offloaded(make_pipeline, monkeypatch):
@@ -430,5 +431,5 @@ def test_a_connector_that_raises_is_a_miss_and_the_engine_goes_on(make_pipeline,
             assert res.aux_info["connector_reuse_len"] == 0
         res = run(pipe, A_IDS, max_new_tokens=4, return_logits=True)
     assert "store unreachable" in caplog.text
-    assert pipe.cache_stats()["connector_errors"] >= 3
+    assert pipe.cache_stats()["connector_errors"] == 2   # the second B hits on the device
     assert_same(res, plain)

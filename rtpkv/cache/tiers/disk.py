@@ -69,6 +69,7 @@ class DiskTier(KVTier):
         self._order = EvictionOrder()
         self._bytes = 0
         self._pending: dict[bytes, _Pending] = {}
+        self._foreign: set[bytes] = set()          # keys whose file is another model's record
         self.counters = dict(lookup_blocks=0, lookup_hits=0, onboarded_blocks=0, onboarded_bytes=0,
                              writes=0, write_bytes=0, writes_dropped=0, write_errors=0,
                              corrupt_files=0, foreign_files=0, mismatches=0, evictions=0)
@@ -109,6 +110,8 @@ class DiskTier(KVTier):
             if not pending.meta.same_block(meta):
                 return self._count_mismatch()
             return self._hit(meta.key, pending.payload.clone())
+        if meta.key in self._foreign:
+            return None
         path = self._path(meta.key)
         try:
             data = path.read_bytes()
@@ -127,6 +130,7 @@ class DiskTier(KVTier):
             log.warning("disk cache: %s is not a block of this model (%s); left alone", path, exc)
             with self._lock:
                 self.counters["foreign_files"] += 1
+                self._foreign.add(meta.key)
             self._forget(meta.key)
             return None
         return self._hit(meta.key, payload, len(data))
@@ -231,6 +235,7 @@ class DiskTier(KVTier):
             return
         with self._lock:
             self._pending.pop(key, None)
+            self._foreign.discard(key)
             self._index(key, len(data), item.meta.priority)
             self.counters["writes"] += 1
             self.counters["write_bytes"] += len(data)
@@ -258,6 +263,7 @@ class DiskTier(KVTier):
             except ForeignRecord as exc:
                 log.info("disk cache: %s left alone: %s", path, exc)
                 self.counters["foreign_files"] += 1
+                self._foreign.add(bytes.fromhex(entry.name[:-len(SUFFIX)]))
                 continue
             except CorruptRecord as exc:
                 self._corrupt(path, None, str(exc))
@@ -286,6 +292,8 @@ class DiskTier(KVTier):
 
     def _adopt(self, key: bytes) -> bool:
         """Index a file another process wrote since this one started (its size from stat)."""
+        if key in self._foreign:
+            return False
         try:
             size = self._path(key).stat().st_size
         except OSError:
