@@ -433,3 +433,19 @@ def test_a_connector_that_raises_is_a_miss_and_the_engine_goes_on(make_pipeline,
     assert "store unreachable" in caplog.text
     assert pipe.cache_stats()["connector_errors"] == 2   # the second B hits on the device
     assert_same(res, plain)
+
+
+def test_the_folder_connector_example_persists_blocks_across_pipelines(make_pipeline, tmp_path,
+                                                                        monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples"))
+    from kv_cache_connector import CONNECTOR_CACHE_FOLDER_KEY, FolderKvCacheConnector
+
+    monkeypatch.setenv(CONNECTOR_CACHE_FOLDER_KEY, str(tmp_path))
+    first = make_pipeline(reuse_cache=True, seq_size_per_block=B, kv_connector=FolderKvCacheConnector)
+    res1 = run(first, A_IDS, max_new_tokens=6, return_logits=True)
+    first.stop()
+    assert len(list(tmp_path.glob("*.safetensors"))) >= 5
+    second = make_pipeline(reuse_cache=True, seq_size_per_block=B, kv_connector=FolderKvCacheConnector)
+    res2 = run(second, A_IDS, max_new_tokens=6, return_logits=True)
+    assert res2.aux_info["connector_reuse_len"] == 20
+    assert_same(res2, res1)
