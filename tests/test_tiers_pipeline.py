@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import textwrap
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,8 @@ import transformers
 from conftest import run
 
 from rtpkv.cache.connector import KvCacheConnector
+from rtpkv.cache.tiers import BlockMeta
+from rtpkv.cache.tiers.factory import tier_layout
 from rtpkv.cache.tiers.record import encode_record
 from rtpkv.errors import ConfigError
 
@@ -321,11 +323,8 @@ def test_a_foreign_file_under_a_matching_name_is_a_miss(make_pipeline, tmp_path)
     pipe = make_pipeline(reuse_cache=True, seq_size_per_block=B, **disk(tmp_path))
     files = _block_files(tmp_path, pipe)
     pipe.stop()
-    from rtpkv.cache.tiers.factory import tier_layout
     layout = tier_layout(pipe.engine.model, B)
-    from dataclasses import replace
     foreign = replace(layout, fingerprint="ef" * 32)
-    from rtpkv.cache.tiers import BlockMeta
     files[1].write_bytes(encode_record(BlockMeta(b"k" * 32, b"p" * 32, tuple(A_IDS[4:8])),
                                        torch.zeros(layout.shape, dtype=layout.dtype), foreign))
     pipe = make_pipeline(reuse_cache=True, seq_size_per_block=B, **disk(tmp_path))
