@@ -2,7 +2,7 @@
 
     python benchmarks/reuse.py [--runs 3] [--block 64]
 
-Workloads (../shared/BENCHMARKS.md):
+Workloads (docs/BENCHMARKS.md):
   a      shared system prompt: 2,000-token prefix + 16 different 64-token questions, one after
          another, 16 new tokens each. Cold TTFT = the first request; warm = mean of the other 15.
   b      8-turn chat: turn 1 is 512 tokens; each turn appends the previous 32-token answer and
@@ -62,7 +62,7 @@ def workload_none(reuse: bool, block: int) -> tuple[float, float, float]:
     """Mean TTFT, total time, and the seconds spent in reuse bookkeeping (hashing, matching,
     registering blocks), timed around the cache manager's own calls."""
     with pipeline(reuse_cache=reuse, seq_size_per_block=block) as pipe:
-        bookkeeping = _time_calls(pipe.engine.cache, ("match", "commit_full_blocks"))
+        bookkeeping = _time_calls(pipe.engine.cache, ("lookup", "commit"))
         ttfts, totals = [], []
         for i in range(16):
             ttft, total, _ = timed_request(pipe, random_ids(512, seed=400 + i), 16)

@@ -1,30 +1,53 @@
-"""Kernels: paged attention, RoPE, RMSNorm, the KV write; `attention_backend` is the one
-dispatch point that chooses the attention implementation for a device."""
+"""Kernels: attention backends, linear layers, RoPE, RMSNorm, the KV write.
+`attention_backend` is the one dispatch point that chooses the attention implementation."""
 
 from __future__ import annotations
 
-from typing import Callable
+import logging
+import os
 
 import torch
 
-from rtpkv.kernels.attention import AttentionMetadata, PrefillChunk, torch_paged_attention
+from rtpkv.kernels.attention import AttentionBackend, AttentionBatch, TorchAttention
 from rtpkv.kernels.norm import rms_norm
 from rtpkv.kernels.rope import apply_rope, rope_table
 
-AttentionFn = Callable[..., torch.Tensor]
+log = logging.getLogger("rtpkv")
+
+ATTENTION_BACKENDS = ("auto", "cpu-paged", "torch")
 
 
-def attention_backend(device: torch.device) -> tuple[str, AttentionFn]:
-    """The attention implementation for `device`: today the torch reference everywhere."""
-    return "torch", torch_paged_attention
+def attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
+                      name: str | None = None) -> AttentionBackend:
+    """The attention implementation for `device` and `dtype`. `name` (default: the
+    RTPKV_ATTENTION environment variable, else "auto") picks one: "auto" takes the CPU
+    paged kernel on a CPU when it builds and supports the dtype, else the torch reference."""
+    name = name or os.environ.get("RTPKV_ATTENTION", "auto")
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"RTPKV_ATTENTION={name!r} is invalid: accepted values are "
+                         f"{', '.join(ATTENTION_BACKENDS)}")
+    from rtpkv.kernels import cpu_attention
+
+    wants_cpu = name == "cpu-paged" or (
+        name == "auto" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16))
+    if wants_cpu:
+        if device.type != "cpu":
+            raise ValueError(f"RTPKV_ATTENTION=cpu-paged needs a CPU model, not {device}")
+        if cpu_attention.available():
+            return cpu_attention.CpuPagedAttention(dtype)
+        if name == "cpu-paged":
+            raise RuntimeError("RTPKV_ATTENTION=cpu-paged: the kernel could not be built "
+                               "(see the warning above)")
+        log.warning("CPU paged-attention kernel unavailable: using the torch reference backend")
+    return TorchAttention(head_dim, dtype, device)
 
 
 __all__ = [
-    "AttentionMetadata",
-    "PrefillChunk",
+    "AttentionBackend",
+    "AttentionBatch",
+    "TorchAttention",
     "apply_rope",
     "attention_backend",
     "rms_norm",
     "rope_table",
-    "torch_paged_attention",
 ]

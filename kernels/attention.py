@@ -1,21 +1,68 @@
-"""Paged attention, torch reference backend.
+"""Attention backends: what the ModelRunner hands them, and the pure-torch reference.
 
-One forward carries a mixed batch laid out as [decode tokens..., prefill chunk 1, chunk 2, ...].
-Decode tokens are attended in one batched call over their gathered contexts (padded, masked);
-each prefill chunk attends causally to its cached prefix plus its own new tokens. Contexts are
-gathered a whole block at a time with one `index_select` over head-major block rows (see
-kv_store), which lands them contiguous; key positions past a sequence's end are masked.
+The ModelRunner describes a step's batch once (`AttentionBatch`: token positions, each
+sequence's rows, context length and block table); a backend's `build` turns that into whatever
+metadata its kernel wants, and its `forward` runs one layer. A new kernel (flash-attn, a CPU
+kernel) is a new backend, not a change to the ModelRunner.
+
+`TorchAttention`, the reference, lays the batch out as [decode tokens..., prefill chunk 1,
+chunk 2, ...] (the ModelRunner orders rows that way): decode tokens are attended in one batched
+call over their gathered contexts (padded, masked); each prefill chunk attends causally to its
+cached prefix plus its own new tokens. Contexts are gathered a whole block at a time with one
+`index_select` over head-major block rows (see kv_store). Its results depend on the batch's
+shape in the last bits, so it does not give the batch-invariance guarantee (see cpu_attention).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from rtpkv.kernels.kv_store import write_kv
+from rtpkv.kernels.kv_store import head_major_rows, write_kv
+
+
+@dataclass
+class AttentionBatch:
+    """One step's batch as the ModelRunner sees it; rows are the flat token rows of the forward,
+    sequences own consecutive rows."""
+
+    positions: torch.Tensor         # (T,) int64 position of each row's token
+    row_seq: torch.Tensor           # (T,) int64 index of each row's sequence
+    block_tables: torch.Tensor      # (num_seqs, max_blocks) int64, padded with block 0
+    query_start: list[int]          # per sequence: its first row
+    query_len: list[int]            # per sequence: its rows (tokens computed this step)
+    context_len: list[int]          # per sequence: positions attended by its last row
+    block_size: int
+    num_blocks: int                 # blocks in the pool (head-major row arithmetic)
+    kv_heads: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def slots(self) -> torch.Tensor:
+        """(T,) pool slot of each row's new token."""
+        B = self.block_size
+        return self.block_tables[self.row_seq, self.positions // B] * B + self.positions % B
+
+    def write_rows(self) -> torch.Tensor:
+        """(kv_heads, T) rows of each new token's K/V in a head-major pool layer."""
+        return head_major_rows(self.slots(), self.kv_heads, self.num_slots)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def build(self, batch: AttentionBatch) -> Any:
+        """Per-step metadata, built once and shared by every layer."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: Any, scale: float) -> torch.Tensor:
+        """q: (T, H, d); k, v: (T, KVH, d) for the new tokens, written into the pool layer
+        (k_cache, v_cache: (KVH * num_slots, d)) before attending. Returns (T, H, d)."""
 
 
 @dataclass
@@ -27,9 +74,7 @@ class PrefillChunk:
 
 
 @dataclass
-class AttentionMetadata:
-    """Built once per engine step, shared by every layer."""
-
+class TorchMetadata:
     write_rows: torch.Tensor                 # (kv_heads, T) slot rows of each new token's K/V
     block_size: int = 1
     num_decodes: int = 0                     # the first rows of the batch are decode tokens
@@ -37,8 +82,8 @@ class AttentionMetadata:
     decode_len: int = 0                           # longest decode context, in tokens
     decode_mask: Optional[torch.Tensor] = None    # (num_decodes, 1, 1, decode_len); None if all equal
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # Reused gather buffers (flat, big enough for the largest gather of the step): a fresh
-    # multi-MB tensor per gather costs page faults that can exceed the copy itself.
+    # Gather buffers (flat, big enough for the largest gather of the step): a fresh multi-MB
+    # tensor per gather costs page faults that can exceed the copy itself.
     k_buffer: Optional[torch.Tensor] = None
     v_buffer: Optional[torch.Tensor] = None
 
@@ -61,31 +106,74 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int,
     return rows.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, d)[..., :length, :]
 
 
-def torch_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: (T, H, d); k, v: (T, KVH, d) for the new tokens. Returns (T, H, d)."""
-    write_kv(k_cache, v_cache, k, v, meta.write_rows)
-    out = torch.empty_like(q)
-    n, B = meta.num_decodes, meta.block_size
-    if n:
-        od = F.scaled_dot_product_attention(
-            q[:n].unsqueeze(2),
-            _gather(k_cache, meta.decode_blocks, B, meta.k_buffer, meta.decode_len),
-            _gather(v_cache, meta.decode_blocks, B, meta.v_buffer, meta.decode_len),
-            attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)   # (n, H, 1, d)
-        out[:n] = od.squeeze(2)
-    for chunk in meta.prefills:
-        qs = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)   # (1, H, c, d)
-        if chunk.ctx_blocks is None:
-            ks = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
-            vs = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
-        else:
-            ctx = chunk.mask.shape[-1]
-            ks = _gather(k_cache, chunk.ctx_blocks, B, meta.k_buffer, ctx).unsqueeze(0)
-            vs = _gather(v_cache, chunk.ctx_blocks, B, meta.v_buffer, ctx).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.mask,
-                                           is_causal=chunk.mask is None, scale=scale,
-                                           enable_gqa=True)
-        out[chunk.start:chunk.end] = o[0].transpose(0, 1)
-    return out
+class TorchAttention:
+    """The pure-torch reference backend: gathers contexts, then scaled_dot_product_attention."""
+
+    name = "torch"
+
+    def __init__(self, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.head_dim = head_dim
+        self._k_buffer = torch.empty(0, dtype=dtype, device=device)
+        self._v_buffer = torch.empty(0, dtype=dtype, device=device)
+
+    def _buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather buffers kept across steps, grown (never shrunk) to `numel` elements."""
+        if self._k_buffer.numel() < numel:
+            self._k_buffer = self._k_buffer.new_empty(numel)
+            self._v_buffer = self._v_buffer.new_empty(numel)
+        return self._k_buffer, self._v_buffer
+
+    def build(self, batch: AttentionBatch) -> TorchMetadata:
+        B, device = batch.block_size, batch.positions.device
+        decodes = [i for i, n in enumerate(batch.query_len) if n == 1]
+        if decodes != list(range(len(decodes))):
+            raise ValueError("TorchAttention needs the single-token sequences first in the batch")
+        meta = TorchMetadata(write_rows=batch.write_rows(), block_size=B, num_decodes=len(decodes))
+        if decodes:
+            ctx = batch.context_len[: len(decodes)]
+            width = -(-max(ctx) // B)
+            meta.decode_blocks = head_major_rows(batch.block_tables[: len(decodes), :width],
+                                                 batch.kv_heads, batch.num_blocks)
+            meta.decode_len = max(ctx)
+            if min(ctx) != meta.decode_len:
+                lengths = torch.tensor(ctx, device=device)
+                mask = torch.arange(meta.decode_len, device=device)[None, :] < lengths[:, None]
+                meta.decode_mask = mask[:, None, None, :]
+        for i in range(len(decodes), len(batch.query_len)):
+            row, n, end = batch.query_start[i], batch.query_len[i], batch.context_len[i]
+            chunk = PrefillChunk(row, row + n)
+            if end > n:
+                blocks = batch.block_tables[i, : -(-end // B)]
+                chunk.ctx_blocks = head_major_rows(blocks, batch.kv_heads, batch.num_blocks)
+                q_pos = torch.arange(end - n, end, device=device)[:, None]
+                chunk.mask = (torch.arange(end, device=device)[None, :] <= q_pos)[None, None]
+            meta.prefills.append(chunk)
+        meta.k_buffer, meta.v_buffer = self._buffers(meta.gather_numel(self.head_dim))
+        return meta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: TorchMetadata, scale: float) -> torch.Tensor:
+        write_kv(k_cache, v_cache, k, v, meta.write_rows)
+        out = torch.empty_like(q)
+        n, B = meta.num_decodes, meta.block_size
+        if n:
+            od = F.scaled_dot_product_attention(
+                q[:n].unsqueeze(2),
+                _gather(k_cache, meta.decode_blocks, B, meta.k_buffer, meta.decode_len),
+                _gather(v_cache, meta.decode_blocks, B, meta.v_buffer, meta.decode_len),
+                attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)   # (n, H, 1, d)
+            out[:n] = od.squeeze(2)
+        for chunk in meta.prefills:
+            qs = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)   # (1, H, c, d)
+            if chunk.ctx_blocks is None:
+                ks = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+                vs = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+            else:
+                ctx = chunk.mask.shape[-1]
+                ks = _gather(k_cache, chunk.ctx_blocks, B, meta.k_buffer, ctx).unsqueeze(0)
+                vs = _gather(v_cache, chunk.ctx_blocks, B, meta.v_buffer, ctx).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.mask,
+                                               is_causal=chunk.mask is None, scale=scale,
+                                               enable_gqa=True)
+            out[chunk.start:chunk.end] = o[0].transpose(0, 1)
+        return out

@@ -13,8 +13,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-from rtpkv.config import RuntimeConfig, Settings, make_options, resolve
+from rtpkv.config import RuntimeConfig, Settings, resolve
 from rtpkv.errors import ConfigError
+from rtpkv.kernels.linear import bf16_gemm_supported
 from rtpkv.model_factory.llama import CausalLM
 from rtpkv.model_factory.model_config import ModelConfig
 from rtpkv.model_factory.spec import ModelSpec
@@ -79,11 +80,14 @@ def _pick_device(name: str) -> torch.device:
 
 
 def _pick_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    """"auto": the checkpoint's dtype, except on a CPU, where a 16-bit checkpoint runs in
+    bfloat16 only if the CPU has native bf16 GEMMs (AVX512-BF16, AMX) and in float32 otherwise:
+    the fastest dtype there, and reuse stays bit-exact in both (kernels/linear.py)."""
     if name != "auto":
         return _DTYPES[name]
     dtype = _DTYPES.get(str(spec.torch_dtype).removeprefix("torch."), torch.float32)
-    if dtype == torch.float16 and device.type == "cpu":
-        return torch.float32  # float16 matmuls are slow on CPUs; bfloat16 and float32 are not
+    if device.type == "cpu" and dtype != torch.float32:
+        return torch.bfloat16 if bf16_gemm_supported() else torch.float32
     return dtype
 
 
@@ -130,7 +134,7 @@ class ModelFactory:
             revision, model_config = None, revision
         model_config = model_config or ModelConfig()
         settings = Settings.from_env()
-        config = resolve(settings, make_options(ModelConfig, model_config.options()))
+        config = resolve(settings, model_config)
         model_dir = resolve_model_dir(model_path_or_name, revision)
         config_path = model_dir / "config.json"
         if not config_path.exists():

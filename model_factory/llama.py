@@ -6,13 +6,14 @@ concatenates q/k/v and gate/up projections so each layer runs two fewer matmuls.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rtpkv.kernels import AttentionMetadata, apply_rope, attention_backend, rms_norm, rope_table
+from rtpkv.kernels import AttentionBackend, apply_rope, attention_backend, rms_norm, rope_table
+from rtpkv.kernels.linear import InferenceLinear, linear_path
 from rtpkv.model_factory.spec import ModelSpec
 
 
@@ -54,8 +55,8 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                attend) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor], meta: Any,
+                attention: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv is not None:
             q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -67,7 +68,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, cos, sin)
-        out = attend(q, k, v, kv[0], kv[1], meta, self.scale)
+        out = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -125,23 +126,36 @@ class CausalLM(nn.Module):
         self.sin: Optional[torch.Tensor] = None
 
     def prepare(self, max_positions: int) -> None:
-        """After weights are loaded: tie, fuse, build the RoPE table, pick the attention kernel."""
+        """After weights are loaded: tie, fuse, choose the GEMM path (kernels/linear.py), build the
+        RoPE table, pick the attention backend."""
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
         weight = self.model.embed_tokens.weight
+        self.linear_path = linear_path(weight.dtype, weight.device)
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.fuse()
+            mlp.fuse()
+            attn.qkv = InferenceLinear(attn.qkv, self.linear_path)
+            attn.o_proj = InferenceLinear(attn.o_proj, self.linear_path)
+            mlp.gate_up = InferenceLinear(mlp.gate_up, self.linear_path)
+            mlp.down_proj = InferenceLinear(mlp.down_proj, self.linear_path)
+        self.lm_head = InferenceLinear(self.lm_head, self.linear_path)
         self.cos, self.sin = rope_table(self.spec.inv_freq(), max_positions, weight.dtype, weight.device)
-        self.attention_name, self.attend = attention_backend(weight.device)
+        self.attention = attention_backend(weight.device, weight.dtype, self.spec.head_dim)
+
+    @property
+    def attention_name(self) -> str:
+        return self.attention.name
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: Any) -> torch.Tensor:
+        """`meta` comes from `self.attention.build` for this batch."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.cos[positions], self.sin[positions]
         for layer, kv in zip(self.model.layers, kv_caches):
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv, meta, self.attend)
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv, meta, self.attention)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.norm(h)
 

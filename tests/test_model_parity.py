@@ -5,8 +5,7 @@ import pytest
 import torch
 import transformers
 
-from rtpkv.kernels import AttentionMetadata, PrefillChunk
-from rtpkv.kernels.kv_store import head_major_rows
+from rtpkv.kernels import AttentionBatch
 from conftest import ARCHITECTURES, load, run
 from rtpkv.pipeline import Pipeline
 
@@ -28,8 +27,11 @@ def test_prefill_logits_match_transformers(checkpoints, arch):
     kv_heads, head_dim = model.spec.num_kv_heads, model.spec.head_dim
     caches = [(torch.zeros(kv_heads * n, head_dim), torch.zeros(kv_heads * n, head_dim))
               for _ in range(model.spec.num_layers)]
-    meta = AttentionMetadata(write_rows=head_major_rows(torch.arange(n), kv_heads, n),
-                             prefills=[PrefillChunk(0, n)])
+    batch = AttentionBatch(positions=torch.arange(n), row_seq=torch.zeros(n, dtype=torch.long),
+                           block_tables=torch.zeros((1, 1), dtype=torch.long), query_start=[0],
+                           query_len=[n], context_len=[n], block_size=n, num_blocks=1,
+                           kv_heads=kv_heads)
+    meta = model.module.attention.build(batch)
     with torch.inference_mode():
         ours = model.module.logits(model.module(ids[0], torch.arange(n), caches, meta))
         theirs = hf(ids).logits[0]

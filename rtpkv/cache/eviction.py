@@ -30,8 +30,8 @@ class EvictionPolicy(ABC):
         """`block` is referenced again (a hit) or was unindexed: it must not be evicted."""
 
     @abstractmethod
-    def pop(self, now: float) -> int:
-        """Choose, forget and return the id of the next block to evict."""
+    def pop(self) -> int:
+        """Choose, forget and return the id of the next block to evict (call `lapse` first)."""
 
     @abstractmethod
     def lapse(self, now: float) -> list[tuple[Block, int]]:
@@ -86,8 +86,7 @@ class PriorityEvictionPolicy(EvictionPolicy):
         entry = self._entry.get(block_id)
         return entry is not None and entry[0] == priority and entry[1] == order
 
-    def pop(self, now: float) -> int:
-        self.lapse(now)
+    def pop(self) -> int:
         for priority in sorted(self._heaps):
             heap = self._heaps[priority]
             while heap:

@@ -304,7 +304,8 @@ class KVCacheManager:
         if self.free_ids:
             block_id = self.free_ids.popleft()
         else:
-            block_id = self.policy.pop(self.clock())
+            self.lapse_priorities()
+            block_id = self.policy.pop()
             block = self.blocks[block_id]
             self.evictions += 1
             self.evictions_by_priority[block.priority] += 1
@@ -335,6 +336,7 @@ class KVCacheManager:
         if not (self.reuse_applies(seq) or seq.prefill_only):
             return
         B = self.block_size
+        retention = seq.retention or _DEFAULT_RETENTION
         for i in range(len(seq.block_keys), seq.num_computed // B):
             block = self.blocks[seq.block_table[i]]
             tokens = tuple(seq.token_ids[i * B:(i + 1) * B])
@@ -356,6 +358,7 @@ class KVCacheManager:
                     continue
                 self._drop_from_index(existing)  # stale or colliding
             self._fill(block, key, parent_key, parent_serial, tokens, extra)
+            block.priority, block.duration_s = retention.block_retention(i * B, seq.num_prompt)
             self._index(block)
             self._write_through(block, seq)
 

@@ -1,8 +1,9 @@
 """ModelRunner: turns a step's scheduled chunks into one forward over the mixed batch.
 
-Rows are laid out decode tokens first (one query each, attended in one batched call), then
-prefill chunks. Slot indices come from each request's block table; logits are computed only for
-the last row of each chunk that reaches the end of its sequence.
+Rows are laid out decode tokens first, then prefill chunks. The runner describes the batch once
+(`AttentionBatch`: positions, each sequence's rows, context length and block table) and the
+model's attention backend builds its own metadata from it. Logits are computed only for the
+last row of each chunk that reaches the end of its sequence.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ import torch
 
 from rtpkv.cache import BlockPool
 from rtpkv.engine.scheduler import ScheduledChunk
-from rtpkv.kernels import AttentionMetadata, PrefillChunk
-from rtpkv.kernels.kv_store import head_major_rows
+from rtpkv.kernels import AttentionBatch
 from rtpkv.model_factory.llama import CausalLM
 
 
@@ -24,79 +24,53 @@ class ModelRunner:
         self.block_size = pool.block_size
         self.device = pool.kv.device
         self.kv_heads = pool.kv.shape[2]
-        self._k_buffer = pool.kv.new_empty(0)
-        self._v_buffer = pool.kv.new_empty(0)
 
-    def _buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather buffers kept across steps, grown (never shrunk) to `numel` elements."""
-        if self._k_buffer.numel() < numel:
-            self._k_buffer = self.pool.kv.new_empty(numel)
-            self._v_buffer = self.pool.kv.new_empty(numel)
-        return self._k_buffer, self._v_buffer
-
-    def _slot(self, table: list[int], position: int) -> int:
-        return table[position // self.block_size] * self.block_size + position % self.block_size
-
-    def _blocks(self, table: list[int], length: int) -> torch.Tensor:
-        """Head-major block rows of the blocks covering positions [0, length)."""
-        blocks = torch.tensor(table[: -(-length // self.block_size)], device=self.device)
-        return head_major_rows(blocks, self.kv_heads, self.pool.num_blocks)
+    def batch(self, chunks: list[ScheduledChunk]) -> tuple[list[int], AttentionBatch]:
+        """Token ids and the attention backend's view of `chunks`, in this order."""
+        B = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        row_seq: list[int] = []
+        starts, lengths, contexts, tables = [], [], [], []
+        for i, c in enumerate(chunks):
+            start, n = c.start, c.num_tokens
+            starts.append(len(ids))
+            lengths.append(n)
+            contexts.append(start + n)
+            tables.append(c.request.block_table[: -(-(start + n) // B)])
+            if n == 1:
+                ids.append(c.request.token_ids[start])
+                positions.append(start)
+                row_seq.append(i)
+            else:
+                ids.extend(c.request.token_ids[start:start + n])
+                positions.extend(range(start, start + n))
+                row_seq.extend([i] * n)
+        width = max(map(len, tables))
+        batch = AttentionBatch(
+            positions=torch.tensor(positions, device=self.device),
+            row_seq=torch.tensor(row_seq, device=self.device),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                      device=self.device),
+            query_start=starts, query_len=lengths, context_len=contexts, block_size=B,
+            num_blocks=self.pool.num_blocks, kv_heads=self.kv_heads)
+        return ids, batch
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Forward the batch. Returns logits (n, vocab) and the chunks they belong to."""
-        B = self.block_size
-        decodes = [c for c in chunks if c.num_tokens == 1]
-        prefills = [c for c in chunks if c.num_tokens > 1]
-        ordered = decodes + prefills
-        ids: list[int] = []
-        positions: list[int] = []
-        new_slots: list[int] = []
-        meta = AttentionMetadata(write_rows=torch.empty(0), block_size=B, num_decodes=len(decodes))
-        if decodes:
-            ctx = [c.start + 1 for c in decodes]
-            width = -(-max(ctx) // B)
-            tables = [c.request.block_table[:width] for c in decodes]
-            padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device)
-            meta.decode_blocks = head_major_rows(padded, self.kv_heads, self.pool.num_blocks)
-            meta.decode_len = max(ctx)
-            if min(ctx) != meta.decode_len:
-                lengths = torch.tensor(ctx, device=self.device)
-                mask = torch.arange(meta.decode_len, device=self.device)[None, :] < lengths[:, None]
-                meta.decode_mask = mask[:, None, None, :]
-            for c in decodes:
-                ids.append(c.request.token_ids[c.start])
-                positions.append(c.start)
-                new_slots.append(self._slot(c.request.block_table, c.start))
-        row = len(decodes)
-        for c in prefills:
-            start, end = c.start, c.start + c.num_tokens
-            table = c.request.block_table
-            ids.extend(c.request.token_ids[start:end])
-            positions.extend(range(start, end))
-            new_slots.extend(self._slot(table, p) for p in range(start, end))
-            chunk = PrefillChunk(row, row + c.num_tokens)
-            if start:
-                blocks = self._blocks(table, end)
-                q_pos = torch.arange(start, end, device=self.device)[:, None]
-                k_pos = torch.arange(end, device=self.device)[None, :]
-                chunk.ctx_blocks, chunk.mask = blocks, (k_pos <= q_pos)[None, None]
-            meta.prefills.append(chunk)
-            row += c.num_tokens
-        meta.write_rows = head_major_rows(torch.tensor(new_slots, device=self.device),
-                                          self.kv_heads, self.pool.num_slots)
-        meta.k_buffer, meta.v_buffer = self._buffers(meta.gather_numel(self.pool.kv.shape[-1]))
-        input_ids = torch.tensor(ids, device=self.device)
-        hidden = self.module(input_ids, torch.tensor(positions, device=self.device),
+        ordered = ([c for c in chunks if c.num_tokens == 1]
+                   + [c for c in chunks if c.num_tokens > 1])
+        ids, batch = self.batch(ordered)
+        meta = self.module.attention.build(batch)
+        hidden = self.module(torch.tensor(ids, device=self.device), batch.positions,
                              self.kv_caches, meta)
-
-        wanted, rows, end_row = [], [], 0
-        for c in ordered:
-            end_row += c.num_tokens
+        wanted, rows = [], []
+        for c, row, n in zip(ordered, batch.query_start, batch.query_len):
             req = c.request
-            if c.start + c.num_tokens == req.num_tokens and not req.prefill_only:
+            if c.start + n == req.num_tokens and not req.prefill_only:
                 wanted.append(c)
-                rows.append(end_row - 1)
+                rows.append(row + n - 1)
         if not rows:
             return torch.empty(0), wanted
         return self.module.logits(hidden[torch.tensor(rows, device=self.device)]), wanted

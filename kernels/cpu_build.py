@@ -1,0 +1,70 @@
+"""Build and load the C kernels of kernels/csrc with the system C compiler, once per machine.
+
+The library is plain C with OpenMP (no torch headers, so a build takes about a second), compiled
+for the host CPU (-march=native) into the user's cache directory, keyed by the source, the
+compiler and the CPU's flags. It links the same `libgomp.so.1` torch loads, so it runs on torch's
+own OpenMP thread pool: one pool, sized by `torch.set_num_threads`. When no compiler is found
+or the build fails, `load_library` returns None and callers use their pure-torch fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger("rtpkv")
+
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("RTPKV_CACHE_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rtpkv"
+    return Path(root) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+@lru_cache(maxsize=None)
+def load_library(name: str) -> Optional[ctypes.CDLL]:
+    """csrc/<name>.c as a loaded shared library, built on first use; None if it cannot be built."""
+    requested = os.environ.get("CC")
+    compiler = shutil.which(requested) if requested else shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found (CC=%s): the %s kernel falls back to pure torch",
+                    requested or "unset", name)
+        return None
+    source = SOURCE_DIR / f"{name}.c"
+    key = hashlib.sha256(source.read_bytes() + " ".join([compiler] + FLAGS).encode()
+                         + _cpu_flags().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{name}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+        os.close(fd)
+        cmd = [compiler, *FLAGS, str(source), "-o", tmp, "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            os.unlink(tmp)
+            log.warning("building the %s kernel failed, falling back to pure torch:\n%s",
+                        name, result.stderr[-2000:])
+            return None
+        os.replace(tmp, target)  # another process may have built the same file: same bytes
+    return ctypes.CDLL(str(target))
