@@ -3,7 +3,7 @@ of writing every block through to disk when nothing is reused.
 
     python benchmarks/disk.py [--runs 3] [--block 64] [--dir DIR]
 
-Workloads (../shared/BENCHMARKS.md model):
+Workloads (the model of docs/BENCHMARKS.md):
   restart  workload a's 2,000-token prefix + a 64-token question on a pipeline with a disk tier
            (blocks written through on a writer thread); the pipeline stops (queued writes are
            flushed) and a new pipeline on the same directory re-indexes it: TTFT of the same

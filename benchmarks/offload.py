@@ -3,7 +3,7 @@ onboarded from host memory against recomputed; and the tier's cost when nothing 
 
     python benchmarks/offload.py [--runs 3] [--block 64]
 
-Workloads (../shared/BENCHMARKS.md model):
+Workloads (the model of docs/BENCHMARKS.md):
   repeat  workload a's 2,000-token prefix + a 64-token question, then a flood of 4 other
           2,064-token prompts through a device pool of 4,096 tokens (it holds two such prompts,
           so the first one's blocks are evicted), then the first prompt again: its TTFT with a
