@@ -101,8 +101,21 @@ class RuntimeConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1)
     concurrency_limit: int = Field(32, ge=1)
     schedule_policy: SchedulePolicy = SchedulePolicy.FCFS
+    # tiers below the device pool (rtpkv.cache.tiers.factory)
+    enable_memory_cache: bool = False
+    memory_cache_size_mb: float = Field(0.0, ge=0)
+    host_cache_size: Optional[int] = Field(None, ge=0)   # bytes (TensorRT-LLM's name); wins
+    secondary_offload_min_priority: int = Field(35, ge=0, le=100)
+    enable_memory_cache_disk: bool = False
+    memory_cache_disk_paths: Optional[str] = None
+    memory_cache_disk_size_mb: float = Field(10240.0, gt=0)
+    write_cache_sync: bool = False
+    kv_connector_module: Optional[str] = None
+    kv_connector_class: Optional[str] = None
+    kv_connector: Optional[Any] = None   # a KvCacheConnector class or instance (ModelConfig)
 
-    @field_validator("reuse_cache", mode="before")
+    @field_validator("reuse_cache", "enable_memory_cache", "enable_memory_cache_disk",
+                     "write_cache_sync", mode="before")
     @classmethod
     def _switch(cls, value: Any) -> Any:
         return parse_switch(value)

@@ -30,6 +30,17 @@ NON_DEFAULT = {
     "max_num_batched_tokens": ("512", 512),
     "concurrency_limit": ("4", 4),
     "schedule_policy": ("LPM", "lpm"),
+    "enable_memory_cache": ("1", True),
+    "memory_cache_size_mb": ("64", 64.0),
+    "host_cache_size": ("1048576", 1048576),
+    "secondary_offload_min_priority": ("50", 50),
+    "enable_memory_cache_disk": ("1", True),
+    "memory_cache_disk_paths": ("/tmp/kv", "/tmp/kv"),
+    "memory_cache_disk_size_mb": ("100", 100.0),
+    "write_cache_sync": ("1", True),
+    "kv_connector_module": ("my_connectors", "my_connectors"),
+    "kv_connector_class": ("FolderConnector", "FolderConnector"),
+    "kv_connector": ("my_connectors:FolderConnector", "my_connectors:FolderConnector"),
 }
 
 

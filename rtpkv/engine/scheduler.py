@@ -220,7 +220,9 @@ class Scheduler:
         if not self._admitting:
             return False
         req = self.waiting[0]
-        match = self.cache.lookup(req)
+        # tier hits need fresh blocks like computed ones: whether the request fits depends on
+        # the device hits alone, and the tiers are asked once, when it is admitted
+        match = self.cache.lookup(req, with_tiers=False)
         chunk = self.config.max_num_batched_tokens
         if self.config.capacity_scheduler_policy == CapacitySchedulerPolicy.MAX_UTILIZATION:
             fits = self.cache.can_admit(req, match, req.num_tokens, chunk=chunk)
@@ -229,7 +231,7 @@ class Scheduler:
         if not fits:
             return False
         self.waiting.popleft()
-        reused = self.cache.admit(req, match)
+        reused = self.cache.admit(req, self.cache.lookup(req))
         if req.reuse_len is None:
             req.reuse_len = reused.pop("local")
             req.reuse_by_tier = reused
