@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -77,8 +78,13 @@ class CacheOptions(BaseModel):
     max_num_batched_tokens: Optional[int] = Field(None, ge=1)
     concurrency_limit: Optional[int] = Field(None, ge=1)
     schedule_policy: Optional[SchedulePolicy] = None
+    enable_remote_cache: Optional[bool] = None
+    remote_cache_url: Optional[str] = None
+    remote_cache_password: Optional[str] = Field(None, repr=False)
+    remote_cache_ttl_s: Optional[int] = Field(None, ge=0)
+    remote_cache_timeout_ms: Optional[int] = Field(None, ge=1, le=60000)
 
-    @field_validator("reuse_cache", mode="before")
+    @field_validator("reuse_cache", "enable_remote_cache", mode="before")
     @classmethod
     def _switch(cls, value: Any) -> Any:
         return parse_switch(value)
@@ -99,6 +105,49 @@ class CacheOptions(BaseModel):
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("remote_cache_url")
+    @classmethod
+    def _redis_url(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            check_redis_url(value)
+        return value
+
+
+def check_redis_url(url: str) -> None:
+    """redis://[user:password@]host[:port][/db] or rediss:// (TLS); raises ValueError saying why."""
+    accepted = "accepted: redis://[:password@]host[:port][/db] or rediss:// for TLS"
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; {accepted}") from None
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError("port must be 1 to 65535") from None
+    if parts.scheme not in ("redis", "rediss"):
+        raise ValueError(f"scheme must be redis or rediss; {accepted}")
+    if not parts.hostname:
+        raise ValueError(f"no host; {accepted}")
+    if port == 0:
+        raise ValueError("port must be 1 to 65535")
+    db = parts.path.lstrip("/")
+    if db and not (db.isdigit() and int(db) < 16384):
+        raise ValueError(f"database {db!r} must be a number from 0; {accepted}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"options after '?' or '#' are not accepted; {accepted}")
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password replaced by ***, for logs and error messages."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+        return parts._replace(netloc=netloc).geturl()
+    except ValueError:
+        return "<unparsable URL>"
 
 
 class Settings(CacheOptions, BaseSettings):
@@ -124,6 +173,8 @@ def describe_validation_error(exc: ValidationError, env: bool = False) -> str:
         value = err.get("input")
         if env and field in CacheOptions.model_fields:
             value = os.environ.get(name, os.environ.get(field, value))
+        if field == "remote_cache_url" and isinstance(value, str):
+            value = redact_url(value)
         msg = err["msg"].removeprefix("Value error, ")
         lines.append(f"{name}={value!r} is invalid: {msg}")
     return "; ".join(lines)
@@ -144,6 +195,11 @@ DEFAULTS: dict[str, Any] = {
     "max_num_batched_tokens": 2048,
     "concurrency_limit": 32,
     "schedule_policy": SchedulePolicy.FCFS,
+    "enable_remote_cache": False,
+    "remote_cache_url": None,
+    "remote_cache_password": None,
+    "remote_cache_ttl_s": 0,
+    "remote_cache_timeout_ms": 200,
 }
 
 
@@ -165,6 +221,16 @@ class RuntimeConfig:
     max_num_batched_tokens: int
     concurrency_limit: int
     schedule_policy: SchedulePolicy
+    enable_remote_cache: bool
+    remote_cache_url: Optional[str]
+    remote_cache_password: Optional[str] = field(repr=False)
+    remote_cache_ttl_s: int
+    remote_cache_timeout_ms: int
+
+    def __post_init__(self) -> None:
+        if self.enable_remote_cache and not self.remote_cache_url:
+            raise ConfigError("ENABLE_REMOTE_CACHE=1 needs REMOTE_CACHE_URL "
+                              "(redis://host:port/db, or rediss:// for TLS)")
 
     def replace(self, **overrides: Any) -> "RuntimeConfig":
         """A copy with `overrides` (ModelConfig field names) validated and applied."""
