@@ -29,7 +29,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from rtpkv.cache.tiers.base import BlockMeta, KVTier, TierLayout
-from rtpkv.cache.tiers.record import CorruptRecord, ForeignRecord, decode_record, encode_record
+from rtpkv.cache.tiers.record import (CorruptRecord, ForeignRecord, RecordMismatch, decode_record,
+                                      encode_record)
 from rtpkv.config import redact_url
 from rtpkv.errors import ConfigError
 
@@ -77,10 +78,7 @@ class RedisTier(KVTier):
         self.key_prefix = key_prefix
         self._client = _connect(url, password, self.timeout_s)
         self._errors = _server_errors()
-        self._block_bytes = layout.dtype.itemsize
-        for dim in layout.shape:
-            self._block_bytes *= dim
-        self._prefetch_limit = max(1, int(prefetch_mb * 2**20) // self._block_bytes)
+        self._prefetch_limit = max(1, int(prefetch_mb * 2**20) // layout.nbytes)
         self._backoff_min, self._backoff_max = backoff_s, max_backoff_s
         self._lock = threading.Lock()
         self._up = True
@@ -224,7 +222,7 @@ class RedisTier(KVTier):
         """The block's payload, verified against `meta`; None on a miss (never raises)."""
         with self._lock:
             entry = self._fetched.pop(meta.key, None)
-        if entry is not None and self._same_block(entry[0], meta):
+        if entry is not None and entry[0].same_block(meta):
             self._count(hits=1)
             return entry[1]
         if not self._up:
@@ -242,26 +240,21 @@ class RedisTier(KVTier):
     def _decode(self, meta: BlockMeta, data: bytes) -> Optional[torch.Tensor]:
         """Verify a record fetched for `meta`: corrupt ones are deleted, foreign ones left."""
         try:
-            stored, payload = decode_record(data, self.layout)
+            _, payload = decode_record(data, self.layout, expect=meta)
         except CorruptRecord as exc:
             self._count(corrupt=1)
             log.warning("remote KV cache: record %s is corrupt (%s); deleted",
                         self.redis_key(meta.key).decode(), exc)
             self._delete(meta.key)
             return None
+        except RecordMismatch:
+            self._count(mismatched=1)
+            return None
         except ForeignRecord:
             self._count(foreign=1)
             return None
-        if not self._same_block(stored, meta):
-            self._count(mismatched=1)
-            return None
         self._count(bytes_read=len(data))
         return payload
-
-    @staticmethod
-    def _same_block(stored: BlockMeta, meta: BlockMeta) -> bool:
-        return (stored.key == meta.key and stored.parent_key == meta.parent_key
-                and tuple(stored.tokens) == tuple(meta.tokens) and stored.extra == meta.extra)
 
     def _delete(self, key: bytes) -> None:
         try:
@@ -273,6 +266,7 @@ class RedisTier(KVTier):
     def store(self, meta: BlockMeta, payload: torch.Tensor) -> None:
         """Queue a copy of the block for the writer thread; dropped (counted) when the queue is
         full or the server is down."""
+        self.layout.check_payload(payload)
         if not self._up or self._closed:
             self._count(dropped=1)
             return
