@@ -99,6 +99,7 @@ class SilentServer:
         self.sock = socket.socket()
         self.sock.bind((LOOPBACK, 0))
         self.sock.listen(64)
+        self.sock.settimeout(0.05)
         self.port = self.sock.getsockname()[1]
         self.accepted: list[socket.socket] = []
         self._closed = False
@@ -113,13 +114,15 @@ class SilentServer:
         while not self._closed:
             try:
                 conn, _ = self.sock.accept()
+            except socket.timeout:
+                continue
             except OSError:
                 return
             self.accepted.append(conn)
 
     def close(self) -> None:
         self._closed = True
+        self._thread.join()
         self.sock.close()
         for conn in self.accepted:
             conn.close()
-        self._thread.join(timeout=2)
