@@ -286,24 +286,25 @@ def test_server_killed_mid_run_then_restarted(own_redis, make_tier, caplog):
         except BaseException as exc:  # noqa: BLE001 - the test reports any escape
             errors.append(exc)
 
+    threads = [threading.Thread(target=worker, args=(k * 7,), daemon=True) for k in range(4)]
     with caplog.at_level(logging.WARNING, logger="rtpkv"):
-        threads = [threading.Thread(target=worker, args=(k * 7,)) for k in range(4)]
         for t in threads:
             t.start()
-        time.sleep(0.5)
-        own_redis.kill()
-        _wait_for(lambda: not tier.up, "the tier to notice the server is down")
-        time.sleep(0.5)                                  # the workers keep hammering it
-        failed_logs = caplog.text.count("failed during")
-        assert failed_logs == 1, caplog.text
-        down = tier.stats()
-        assert down["remote_up"] is False and down["remote_errors"] >= 1
-        own_redis.start()                                # the same port
-        _wait_for(lambda: tier.up, "the tier to come back after the restart")
-        time.sleep(0.3)
-        stop.set()
-        for t in threads:
-            t.join(10)
+        try:
+            time.sleep(0.5)
+            own_redis.kill()
+            _wait_for(lambda: not tier.up, "the tier to notice the server is down")
+            time.sleep(0.5)                              # the workers keep hammering it
+            assert caplog.text.count("failed during") == 1, caplog.text
+            down = tier.stats()
+            assert down["remote_up"] is False and down["remote_errors"] >= 1
+            own_redis.start()                            # the same port
+            _wait_for(lambda: tier.up, "the tier to come back after the restart")
+            time.sleep(0.3)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(10)
     assert not errors, errors
     assert "answers again" in caplog.text
     meta = chain(list(range(1000, 1004)))[0]
