@@ -62,7 +62,7 @@ def workload_none(reuse: bool, block: int) -> tuple[float, float, float]:
     """Mean TTFT, total time, and the seconds spent in reuse bookkeeping (hashing, matching,
     registering blocks), timed around the cache manager's own calls."""
     with pipeline(reuse_cache=reuse, seq_size_per_block=block) as pipe:
-        bookkeeping = _time_calls(pipe.engine.cache, ("match", "commit_full_blocks"))
+        bookkeeping = _time_calls(pipe.engine.cache, ("lookup", "commit"))
         ttfts, totals = [], []
         for i in range(16):
             ttft, total, _ = timed_request(pipe, random_ids(512, seed=400 + i), 16)

@@ -70,6 +70,7 @@ class CacheOptions(BaseModel):
     seq_size_per_block: Optional[int] = None
     kv_cache_mem_mb: Optional[float] = Field(None, gt=0)
     kv_cache_max_tokens: Optional[int] = Field(None, gt=0)
+    kv_cache_event_buffer_max_size: Optional[int] = Field(None, ge=0)
     reuse_cache: Optional[bool] = None
     multi_task_prompt: Optional[str] = None
     multi_task_prompt_str: Optional[str] = None
@@ -187,6 +188,7 @@ DEFAULTS: dict[str, Any] = {
     "seq_size_per_block": 64,
     "kv_cache_mem_mb": None,
     "kv_cache_max_tokens": None,
+    "kv_cache_event_buffer_max_size": 0,
     "reuse_cache": False,
     "multi_task_prompt": None,
     "multi_task_prompt_str": None,
@@ -213,6 +215,7 @@ class RuntimeConfig:
     seq_size_per_block: int
     kv_cache_mem_mb: Optional[float]
     kv_cache_max_tokens: Optional[int]
+    kv_cache_event_buffer_max_size: int
     reuse_cache: bool
     multi_task_prompt: Optional[str]
     multi_task_prompt_str: Optional[str]

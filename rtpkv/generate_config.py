@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from rtpkv.cache.retention import KvCacheRetentionConfig
 from rtpkv.errors import ConfigError
 
 
@@ -31,6 +32,10 @@ class GenerateConfig(BaseModel):
     return_incremental: bool = False
     return_logits: bool = False              # each response carries the logits of its tokens
     timeout_ms: Optional[int] = Field(None, ge=1)
+    kv_cache_retention_config: Optional[KvCacheRetentionConfig] = None  # object or plain dict
+    enable_memory_cache: bool = True         # rtp-llm's per-request tier switches
+    enable_disk_cache: bool = True
+    enable_remote_cache: bool = True
 
     @field_validator("task_id")
     @classmethod

@@ -127,6 +127,7 @@ class Pipeline:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.engine = Engine(model, config, hash_fn=hash_fn)
+        self._retention_noted = False
         self.tasks = TaskRegistry()
         try:
             for task in task_list:
@@ -158,30 +159,24 @@ class Pipeline:
         if entry.task_id in self.tasks:
             raise ConfigError(f"task_id {entry.task_id!r} already exists; remove it first")
         ids = self._tokenize(prompt, with_special=True)
-        if not self.config.reuse_cache:
-            log.info("task prompts loaded: turning reuse_cache on")
-            self.engine.call(self.engine.enable_reuse)
-        B = self.config.seq_size_per_block
-        half = self.engine.pool.num_blocks // 2
-        pinned = self.engine.cache.num_pinned
-        if pinned + len(ids) // B > half:
-            raise ConfigError(
-                f"task {entry.task_id!r}: pinned task prompts would take {pinned + len(ids) // B} "
-                f"KV blocks ({len(ids)} tokens in this one), more than half of the pool "
-                f"({self.engine.pool.num_blocks} blocks of {B} tokens)")
+        if not self.config.reuse_cache and not self.tasks.ids():
+            log.warning("REUSE_CACHE is off and task prompts are loaded: requests with a task_id "
+                        "start from its pinned blocks; other requests neither look up nor insert")
+        shortfall = self.engine.pin_shortfall(len(ids))
+        if shortfall:
+            raise ConfigError(f"task {entry.task_id!r}: {shortfall}")
         req = Request(ids, GenerateConfig(), max_new_tokens=0, prefill_only=True)
         self.engine.submit(req)
         req.done.wait()
         out = req.outputs.get()
         if out.error is not None:
             raise out.error
-        self.tasks.add(Task(entry.task_id, entry.prompt, ids, req.pinned_blocks))
-        log.info("task %r: %d tokens, %d blocks pinned", entry.task_id, len(ids), len(req.pinned_blocks))
+        self.tasks.add(Task(entry.task_id, entry.prompt, ids, req.pinned))
+        log.info("task %r: %d tokens, %d pinned", entry.task_id, len(ids), req.pinned.num_tokens)
 
     def remove_task(self, task_id: Union[str, int]) -> None:
         """Forget the task; its blocks are unpinned and become ordinary cached blocks."""
-        task = self.tasks.pop(task_id)
-        self.engine.call(lambda: self.engine.cache.unpin(task.pinned_blocks))
+        self.engine.unpin(self.tasks.pop(task_id).pinned)
 
     # ------------------------------------------------------------------ requests
     def _request(self, prompt: Prompt, generate_config: Optional[dict[str, Any]],
@@ -191,8 +186,10 @@ class Pipeline:
             raise RequestError("the pipeline has been stopped")
         cfg = GenerateConfig.build(generate_config, kwargs)
         prefix: list[int] = []
+        task = None
         if cfg.task_id is not None:
-            prefix = self.tasks.get(cfg.task_id).token_ids
+            task = self.tasks.get(cfg.task_id)
+            prefix = task.token_ids
         own = self._tokenize(prompt, with_special=not prefix)
         ids = prefix + own
         limit = self.config.max_seq_len
@@ -206,7 +203,9 @@ class Pipeline:
                                f"max_seq_len {limit}")
         stream = TextStream(self.tokenizer, cfg.stop_words_str)
         req = Request(ids, cfg, max_new_tokens=max_new, eos_token_ids=self.eos_token_ids,
-                      stop_text=stream.stop_check())
+                      stop_text=stream.stop_check(), prefix_handle=task.pinned if task else None)
+        if cfg.kv_cache_retention_config is not None and not self.config.reuse_cache:
+            self._note_retention_without_reuse()
         if sink is not None:
             req.outputs = sink
         aux = {"input_len": len(own), "prefix_len": len(prefix)}
@@ -256,9 +255,22 @@ class Pipeline:
             if not req.done.is_set():
                 self.engine.abort(req)
 
+    def _note_retention_without_reuse(self) -> None:
+        """A client may send a retention config everywhere: with reuse off it has no effect,
+        which is said once rather than refused."""
+        if not self._retention_noted:
+            self._retention_noted = True
+            log.info("kv_cache_retention_config has no effect: REUSE_CACHE is off")
+
     # ------------------------------------------------------------------ lifecycle, stats
     def cache_stats(self) -> dict[str, Any]:
         return self.engine.cache_stats()
+
+    def kv_cache_events(self, timeout: Optional[float] = None) -> list[dict[str, Any]]:
+        """Drain the KV cache events (`stored`, `removed`, `updated`) buffered since the last
+        call, oldest first; with a timeout, wait up to that many seconds for the first one.
+        Needs KV_CACHE_EVENT_BUFFER_MAX_SIZE > 0 (events are off by default)."""
+        return self.engine.events.drain(timeout)
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()

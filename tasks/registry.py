@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from rtpkv.config import RuntimeConfig
 from rtpkv.errors import ConfigError, RequestError
+
+if TYPE_CHECKING:
+    from rtpkv.cache import PinnedPrefix
 
 log = logging.getLogger("rtpkv")
 
@@ -97,11 +100,11 @@ class Task:
     task_id: str
     prompt: str
     token_ids: list[int]
-    pinned_blocks: list[int] = field(default_factory=list)
+    pinned: Optional["PinnedPrefix"] = None  # the cache's handle on its pinned blocks
 
 
 class TaskRegistry:
-    """Known tasks with their tokenised prompts and the KV blocks pinned for them."""
+    """Known tasks with their tokenised prompts and the handles of their pinned KV blocks."""
 
     def __init__(self) -> None:
         self._tasks: dict[str, Task] = {}

@@ -17,7 +17,6 @@ TASKS = [{"task_id": 1, "prompt": SYSTEM}, {"task_id": "coder", "prompt": "You'r
 
 def test_task_output_equals_concatenated_prompt_without_reuse(make_pipeline):
     pipe = make_pipeline(seq_size_per_block=4, tasks=TASKS)
-    assert pipe.config.reuse_cache, "loading task prompts turns reuse on"
     plain = make_pipeline(seq_size_per_block=4, reuse_cache=False)
     tok = pipe.tokenizer
     question = "what is the river called?"
@@ -36,13 +35,13 @@ def test_task_output_equals_concatenated_prompt_without_reuse(make_pipeline):
 
 
 def test_request_without_task_id_hits_the_task_blocks(make_pipeline):
-    pipe = make_pipeline(seq_size_per_block=4, tasks=TASKS)
+    pipe = make_pipeline(seq_size_per_block=4, tasks=TASKS, reuse_cache=True)
     res = run(pipe, SYSTEM + " and the city?", max_new_tokens=4)
     assert res.aux_info["reuse_len"] >= 16 and res.aux_info["prefix_len"] == 0
 
 
 def test_reuse_len_covers_pinned_blocks_plus_history(make_pipeline):
-    pipe = make_pipeline(seq_size_per_block=4, tasks=TASKS)
+    pipe = make_pipeline(seq_size_per_block=4, tasks=TASKS, reuse_cache=True)
     q = "tell me about the mountain and the river and the city please"
     first = run(pipe, q, task_id=1, max_new_tokens=4)
     second = run(pipe, q, task_id=1, max_new_tokens=4)
@@ -51,7 +50,7 @@ def test_reuse_len_covers_pinned_blocks_plus_history(make_pipeline):
 
 
 def test_pinned_blocks_survive_a_flood(make_pipeline):
-    pipe = make_pipeline(seq_size_per_block=4, kv_cache_max_tokens=512, tasks=TASKS)
+    pipe = make_pipeline(seq_size_per_block=4, kv_cache_max_tokens=512, tasks=TASKS, reuse_cache=True)
     pinned = pipe.cache_stats()["blocks_pinned"]
     assert pinned > 0
     g = torch.Generator().manual_seed(2)
@@ -62,6 +61,27 @@ def test_pinned_blocks_survive_a_flood(make_pipeline):
     res = run(pipe, "and the river?", task_id=1, max_new_tokens=2)
     assert res.aux_info["reuse_len"] == res.aux_info["prefix_len"] // 4 * 4
     pipe.check_integrity()
+
+
+def test_reuse_off_keeps_task_prompts_for_task_requests_only(make_pipeline, caplog):
+    """REUSE_CACHE=0 with task prompts: a task request starts from the pinned blocks, any other
+    request neither looks up nor inserts, and the meeting of the two settings is warned once."""
+    with caplog.at_level("WARNING", logger="rtpkv"):
+        pipe = make_pipeline(seq_size_per_block=4, tasks=TASKS)
+    assert caplog.text.count("REUSE_CACHE is off and task prompts are loaded") == 1
+    assert not pipe.config.reuse_cache
+    cached = pipe.cache_stats()["blocks_cached"]
+    question = " and the city?"
+    with_task = run(pipe, question, task_id=1, max_new_tokens=4)
+    system_len = len(pipe.tokenizer(SYSTEM).input_ids)
+    assert with_task.aux_info["reuse_len"] == system_len // 4 * 4 > 0
+    again = run(pipe, question, task_id=1, max_new_tokens=4)
+    assert again.aux_info["reuse_len"] == with_task.aux_info["reuse_len"], "history was reused"
+    plain = run(pipe, SYSTEM + question, max_new_tokens=4)
+    assert plain.aux_info["reuse_len"] == 0, "a request without task_id looked up"
+    run(pipe, SYSTEM + question, max_new_tokens=4)
+    stats = pipe.cache_stats()
+    assert stats["blocks_cached"] == cached and stats["queries"] == 0, "a request inserted blocks"
 
 
 def test_unknown_task_id_names_known_ids(make_pipeline):
@@ -102,7 +122,7 @@ def test_environment_file_wins_over_string(llama_path, tmp_path, monkeypatch, ca
     model = load(llama_path, kv_cache_max_tokens=2048)
     with caplog.at_level("INFO", logger="rtpkv"), Pipeline(model, model.tokenizer) as pipe:
         assert pipe.tasks.ids() == ["file"]
-    assert "using the file" in caplog.text and "turning reuse_cache on" in caplog.text
+    assert "using the file" in caplog.text and "REUSE_CACHE is off and task prompts" in caplog.text
     monkeypatch.delenv("MULTI_TASK_PROMPT")
     with Pipeline(load(llama_path, kv_cache_max_tokens=2048)) as pipe:
         assert pipe.tasks.ids() == ["str"]

@@ -1,30 +1,46 @@
 """EvictionPolicy: which cached (unreferenced, still hittable) block gives way first.
 
-The default is least recently used. Blocks of a finished sequence are handed in tail first, so
-among equally old blocks a sequence's tail goes before its head and the shared prefix survives
-longest. The retention-priority work replaces this ordering through the same interface.
+TensorRT-LLM's retention rule: the lowest retention priority goes first, and within a priority
+the least recently released. The manager releases a finished sequence's blocks tail first, so
+among blocks of one priority a sequence's tail goes before its head and a shared prefix
+survives longest. A block released with a duration keeps its priority only that long: when it
+lapses the block drops to the default priority (35), keeping its place in the LRU order.
+
+Each priority is a heap of (release order, block id) with lazy deletion, so add, remove, pop
+and lapse are O(log n).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import Counter
 
-from rtpkv.cache.block_pool import Block
+from rtpkv.cache.block import DEFAULT_PRIORITY, Block
 
 
 class EvictionPolicy(ABC):
     @abstractmethod
-    def add(self, block: Block) -> None:
-        """`block` just became unreferenced while still registered: it may be evicted."""
+    def add(self, block: Block, now: float) -> None:
+        """`block` just became unreferenced while still indexed: it may be evicted."""
 
     @abstractmethod
     def remove(self, block: Block) -> None:
-        """`block` is referenced again (a hit) or was unregistered: it must not be evicted."""
+        """`block` is referenced again (a hit) or was unindexed: it must not be evicted."""
 
     @abstractmethod
     def pop(self) -> int:
-        """Choose, forget and return the id of the next block to evict."""
+        """Choose, forget and return the id of the next block to evict (call `lapse` first)."""
+
+    @abstractmethod
+    def lapse(self, now: float) -> list[tuple[Block, int]]:
+        """Drop blocks whose priority duration ran out to the default priority; returns each
+        with its old priority."""
+
+    @abstractmethod
+    def counts(self) -> dict[int, int]:
+        """Cached blocks per priority."""
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -33,22 +49,79 @@ class EvictionPolicy(ABC):
     def __contains__(self, block_id: int) -> bool: ...
 
 
-class LRUEvictionPolicy(EvictionPolicy):
+class PriorityEvictionPolicy(EvictionPolicy):
     def __init__(self) -> None:
-        self._order: OrderedDict[int, None] = OrderedDict()
+        self._order = itertools.count()
+        self._entry: dict[int, tuple[int, int, Block]] = {}   # block id -> (priority, order, block)
+        self._heaps: dict[int, list[tuple[int, int]]] = {}    # priority -> [(order, block id)]
+        self._expiry: list[tuple[float, int, int]] = []       # (expires_at, order, block id)
 
-    def add(self, block: Block) -> None:
-        self._order[block.block_id] = None
+    def add(self, block: Block, now: float) -> None:
+        order = next(self._order)
+        self._push(block, block.priority, order)
+        block.expires_at = None if block.duration_s is None else now + block.duration_s
+        if block.expires_at is not None and block.priority != DEFAULT_PRIORITY:
+            heapq.heappush(self._expiry, (block.expires_at, order, block.block_id))
+
+    def _push(self, block: Block, priority: int, order: int) -> None:
+        self._entry[block.block_id] = (priority, order, block)
+        heapq.heappush(self._heaps.setdefault(priority, []), (order, block.block_id))
+        if sum(map(len, self._heaps.values())) > 2 * len(self._entry) + 1024:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the heaps without the entries lazy deletion left behind."""
+        self._heaps = {}
+        for block_id, (priority, order, _) in self._entry.items():
+            self._heaps.setdefault(priority, []).append((order, block_id))
+        for heap in self._heaps.values():
+            heapq.heapify(heap)
+        self._expiry = [e for e in self._expiry if self._entry.get(e[2], (0, -1))[1] == e[1]]
+        heapq.heapify(self._expiry)
 
     def remove(self, block: Block) -> None:
-        self._order.pop(block.block_id, None)
+        self._entry.pop(block.block_id, None)
+
+    def _valid(self, priority: int, order: int, block_id: int) -> bool:
+        entry = self._entry.get(block_id)
+        return entry is not None and entry[0] == priority and entry[1] == order
 
     def pop(self) -> int:
-        block_id, _ = self._order.popitem(last=False)
-        return block_id
+        for priority in sorted(self._heaps):
+            heap = self._heaps[priority]
+            while heap:
+                order, block_id = heapq.heappop(heap)
+                if self._valid(priority, order, block_id):
+                    del self._entry[block_id]
+                    return block_id
+        raise IndexError("no cached block to evict")
+
+    def lapse(self, now: float) -> list[tuple[Block, int]]:
+        lapsed = []
+        while self._expiry and self._expiry[0][0] <= now:
+            _, order, block_id = heapq.heappop(self._expiry)
+            entry = self._entry.get(block_id)
+            if entry is None or entry[1] != order:
+                continue
+            old, _, block = entry
+            block.priority, block.duration_s, block.expires_at = DEFAULT_PRIORITY, None, None
+            self._push(block, DEFAULT_PRIORITY, order)
+            lapsed.append((block, old))
+        return lapsed
+
+    def counts(self) -> dict[int, int]:
+        return dict(sorted(Counter(p for p, _, _ in self._entry.values()).items()))
+
+    def check(self) -> None:
+        """Assert each cached block sits in its own priority's queue (integrity check)."""
+        queued = {(p, entry) for p, heap in self._heaps.items() for entry in heap}
+        for block_id, (priority, order, block) in self._entry.items():
+            assert block.priority == priority, f"block {block_id} queued at the wrong priority"
+            assert (priority, (order, block_id)) in queued, \
+                f"block {block_id} missing from its priority queue"
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._entry)
 
     def __contains__(self, block_id: int) -> bool:
-        return block_id in self._order
+        return block_id in self._entry

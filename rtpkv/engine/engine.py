@@ -1,9 +1,10 @@
 """Engine: one background thread that steps the model; requests come from any thread.
 
-Each step: take new submissions, drop cancelled and timed-out requests, ask the Scheduler for
-the batch, run it, sample, hand tokens to each request's queue, register blocks that filled,
-and release the blocks of finished requests. Every cache structure is touched only under
-`self.lock`, which a step holds from start to end.
+A step reads schedule -> run -> sample -> postprocess -> emit: take new submissions and drop
+cancelled or timed-out requests, ask the Scheduler for the batch, run the forward, sample, let
+the Scheduler do the bookkeeping (progress, stop checks, commit, pin, finish), then hand each
+request its token — marked finished on its last one. Every cache structure is touched only
+under `self.lock`, which a step holds from start to end.
 """
 
 from __future__ import annotations
@@ -14,20 +15,23 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from rtpkv.cache import BlockPool, KVCacheManager, PrefixIndex
+from rtpkv.cache import BlockPool, KVCacheManager, KVEventBuffer, PinnedPrefix, PrefixIndex
 from rtpkv.cache.prefix_index import HashFn, sha256
 from rtpkv.config import RuntimeConfig
 from rtpkv.engine.model_runner import ModelRunner
 from rtpkv.engine.request import FinishReason, Request, StepOutput
 from rtpkv.engine.sampler import sample
-from rtpkv.engine.scheduler import Scheduler
+from rtpkv.engine.scheduler import ScheduledChunk, Scheduler
 from rtpkv.errors import CapacityError, EngineStoppedError, RequestTimeoutError
 from rtpkv.model_factory.factory import Model
 from rtpkv.torch_threads import serial_torch
+
+if TYPE_CHECKING:
+    from rtpkv.cache.tiers.base import KVTier
 
 log = logging.getLogger("rtpkv")
 
@@ -63,7 +67,8 @@ def pool_blocks(model: Model, config: RuntimeConfig) -> int:
 
 
 class Engine:
-    def __init__(self, model: Model, config: RuntimeConfig, hash_fn: HashFn = sha256):
+    def __init__(self, model: Model, config: RuntimeConfig, hash_fn: HashFn = sha256,
+                 tiers: Sequence["KVTier"] = ()):
         self.model = model
         self.config = config
         self.block_size = config.seq_size_per_block
@@ -72,8 +77,11 @@ class Engine:
         with serial_torch():
             self.pool = BlockPool(spec.num_layers, num_blocks, self.block_size, spec.num_kv_heads,
                                   spec.head_dim, model.dtype, model.device)
-        self.cache = KVCacheManager(self.pool, PrefixIndex(model.fingerprint, self.block_size,
-                                                           hash_fn))
+        self.events = KVEventBuffer(config.kv_cache_event_buffer_max_size)
+        self.cache = KVCacheManager(num_blocks, self.block_size,
+                                    PrefixIndex(model.fingerprint, self.block_size, hash_fn),
+                                    pool=self.pool, reuse_enabled=config.reuse_cache,
+                                    events=self.events, tiers=tiers)
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model.module, self.pool)
         self.lock = threading.RLock()
@@ -93,14 +101,14 @@ class Engine:
     def submit(self, req: Request) -> Request:
         if self._stopped.is_set():
             raise EngineStoppedError("the pipeline has been stopped")
-        usable = self.pool.num_blocks - self.cache.num_pinned
-        need = self.scheduler.blocks_for(req)
+        usable = self.cache.usable_blocks
+        need = self.cache.blocks_for(self.scheduler.tokens_for(req))
         if need > usable:
             raise CapacityError(
                 f"request needs {need} KV blocks ({req.num_prompt} prompt tokens + "
                 f"max_new_tokens {req.max_new_tokens}, {self.block_size} tokens per block) but "
-                f"the pool has {usable} usable blocks ({self.pool.num_blocks} total, "
-                f"{self.pool.num_blocks - usable} pinned)")
+                f"the pool has {usable} usable blocks ({self.cache.num_blocks} total, "
+                f"{self.cache.num_blocks - usable} pinned)")
         self._inbox.put(req)
         return req
 
@@ -108,6 +116,15 @@ class Engine:
         """Cancel: the request leaves within one step and its blocks are released."""
         req.cancelled = True
         self._inbox.put(None)
+
+    def unpin(self, handle: PinnedPrefix) -> None:
+        """Let a task prompt's blocks go: they become ordinary cached blocks."""
+        with self.lock:
+            self.cache.unpin(handle)
+
+    def pin_shortfall(self, num_tokens: int) -> Optional[str]:
+        with self.lock:
+            return self.cache.pin_shortfall(num_tokens)
 
     def stop(self) -> None:
         """End the loop, fail what is in flight with EngineStoppedError, join the thread."""
@@ -135,18 +152,7 @@ class Engine:
 
     def check_integrity(self) -> None:
         with self.lock:
-            tables = [r.block_table for r in self.scheduler.running]
-            self.cache.check_integrity(tables)
-
-    def enable_reuse(self) -> None:
-        """Turn prefix reuse on (task prompts need it); call under the lock."""
-        self.config = self.scheduler.config = self.config.replace(reuse_cache=True)
-        log.info("reuse_cache: True")
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run fn under the engine lock (between steps)."""
-        with self.lock:
-            return fn()
+            self.cache.check_integrity(self.scheduler.running)
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
@@ -171,38 +177,43 @@ class Engine:
         with self.lock:
             self._take_inbox()
             self._reap()
-            chunks = self.scheduler.schedule()
-            if not chunks:
+            batch = self.scheduler.schedule()
+            if not batch:
                 return False
             self.steps += 1
             self.step_log.append([(c.request.request_id, c.num_tokens,
-                                   "decode" if c.start + 1 == c.request.num_tokens else "prefill")
-                                  for c in chunks])
+                                   "decode" if c.is_decode else "prefill") for c in batch])
             try:
-                logits, sampled_chunks = self.runner.run(chunks)
+                logits, sampled = self.runner.run(batch)
             except Exception as exc:
                 log.exception("forward failed")
-                for c in chunks:
+                for c in batch:
                     self._finish(c.request, FinishReason.ERROR, exc)
                 return True
-            for c in chunks:
-                c.request.num_computed += c.num_tokens
-                c.request.iter_count += 1
-            new_tokens = sample(logits, [c.request for c in sampled_chunks]) if sampled_chunks else []
-            for row, (c, token) in enumerate(zip(sampled_chunks, new_tokens)):
-                self._append(c.request, token,
-                             logits[row:row + 1].clone() if c.request.config.return_logits else None)
-            for c in chunks:
-                req = c.request
-                if self.config.reuse_cache and req.reuse and req.finish_reason != FinishReason.ERROR:
-                    self.cache.commit_full_blocks(req, req.num_computed)
-                if req.prefill_only and req.num_computed == req.num_tokens:
-                    req.pinned_blocks = req.block_table[: req.num_tokens // self.block_size]
-                    self.cache.pin(req.pinned_blocks)
-                    self._finish(req, FinishReason.PREFILLED)
-                elif req.finish_reason is not None:
-                    self._finish(req, req.finish_reason)
+            tokens = sample(logits, [c.request for c in sampled]) if sampled else []
+            finished = self.scheduler.postprocess(batch, sampled, tokens)
+            self._emit(sampled, tokens, logits, finished)
             return True
+
+    def _emit(self, sampled: list[ScheduledChunk], tokens: list[int], logits: torch.Tensor,
+              finished: list[Request]) -> None:
+        """Hand each request its new token, marked finished on the last one; a request that
+        ended without a token this step (a pinned task prompt) gets an empty final output."""
+        now = time.monotonic()
+        for req in finished:
+            req.finished_at = now
+        emitted = set()
+        for row, (c, token) in enumerate(zip(sampled, tokens)):
+            req = c.request
+            done = req.finish_reason is not None
+            req.outputs.put(StepOutput(
+                [token], finished=done, error=req.error,
+                logits=logits[row:row + 1].clone() if req.config.return_logits else None))
+            emitted.add(req)
+        for req in finished:
+            if req not in emitted:
+                req.outputs.put(StepOutput([], finished=True, error=req.error))
+            req.done.set()
 
     def _take_inbox(self) -> None:
         while True:
@@ -223,35 +234,12 @@ class Engine:
                     f"request {req.request_id} did not finish within timeout_ms="
                     f"{req.config.timeout_ms} ({req.num_output} tokens generated)"))
 
-    def _append(self, req: Request, token: int, logits: Optional[torch.Tensor]) -> None:
-        req.token_ids.append(token)
-        if req.first_token_at is None:
-            req.first_token_at = time.monotonic()
-        cfg = req.config
-        reason = None
-        n = req.num_output
-        if n >= cfg.min_new_tokens:
-            if token in req.eos_token_ids and not cfg.ignore_eos:
-                reason = FinishReason.EOS
-            elif any(req.token_ids[-len(s):] == s for s in cfg.stop_words_list):
-                reason = FinishReason.STOP
-            elif req.stop_text is not None:
-                try:
-                    if req.stop_text(req.output_ids):
-                        reason = FinishReason.STOP
-                except Exception as exc:  # a bad stop-word check fails this request only
-                    self._finish(req, FinishReason.ERROR, exc)
-                    return
-        if reason is None and n >= req.max_new_tokens:
-            reason = FinishReason.LENGTH
-        req.finish_reason = reason
-        req.outputs.put(StepOutput([token], finished=False, logits=logits))
-
     def _finish(self, req: Request, reason: FinishReason, error: Optional[BaseException] = None) -> None:
+        """End a request outside the step's normal flow (cancel, timeout, failure, stop)."""
         if req.done.is_set():
             return
         self.scheduler.finish(req)
-        req.finish_reason = reason
+        req.finish_reason, req.error = reason, error
         req.finished_at = time.monotonic()
         req.outputs.put(StepOutput([], finished=True, error=error))
         req.done.set()

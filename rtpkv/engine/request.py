@@ -8,11 +8,17 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 
+from rtpkv.cache.retention import KvCacheRetentionConfig
 from rtpkv.generate_config import GenerateConfig
+
+if TYPE_CHECKING:
+    from rtpkv.cache import PinnedPrefix
+
+TIER_NAMES = ("memory", "disk", "remote")  # below the device pool, in lookup order
 
 _ids = itertools.count(1)
 
@@ -49,17 +55,20 @@ class Request:
     config: GenerateConfig
     max_new_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
-    prefill_only: bool = False
+    prefill_only: bool = False              # a task prompt: prefill, pin, finish
+    prefix_handle: Optional["PinnedPrefix"] = None   # the task prompt this request starts from
     stop_text: Optional[Callable[[list[int]], bool]] = None  # stop_words_str check on output
     request_id: int = field(default_factory=lambda: next(_ids))
-    # cache state (see KVCacheManager.CacheSequence)
+    # cache state (see KVCacheManager.CacheSequence); the manager writes the table and keys
     token_ids: list[int] = field(init=False)
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)
     salt: bytes = b""
     num_computed: int = 0
-    # reporting
+    pinned: Optional["PinnedPrefix"] = None   # what a prefill_only request pinned
+    # reporting: tokens reused from the device pool and from each tier, at first admission
     reuse_len: Optional[int] = None
+    reuse_by_tier: dict[str, int] = field(default_factory=dict)
     iter_count: int = 0
     num_preemptions: int = 0
     arrival: float = field(default_factory=time.monotonic)
@@ -67,7 +76,7 @@ class Request:
     first_token_at: Optional[float] = None
     finished_at: Optional[float] = None
     finish_reason: Optional[FinishReason] = None
-    pinned_blocks: list[int] = field(default_factory=list)
+    error: Optional[BaseException] = None
     # hand-off to the consumer
     outputs: OutputSink = field(default_factory=queue.Queue)
     done: threading.Event = field(default_factory=threading.Event)
@@ -81,9 +90,28 @@ class Request:
             self.generator = torch.Generator().manual_seed(self.config.random_seed)
 
     @property
-    def reuse(self) -> bool:
-        """Whether this request looks up and registers cached blocks (its generate_config)."""
+    def wants_reuse(self) -> bool:
+        """The request's own reuse switch; the cache manager decides whether reuse applies."""
         return self.config.reuse_cache
+
+    @property
+    def retention(self) -> Optional[KvCacheRetentionConfig]:
+        return self.config.kv_cache_retention_config
+
+    def allows_tier(self, name: str) -> bool:
+        """rtp-llm's per-request switches: enable_memory_cache, enable_disk_cache,
+        enable_remote_cache."""
+        return getattr(self.config, f"enable_{name}_cache")
+
+    @property
+    def is_decoding(self) -> bool:
+        """The prompt is computed: each step computes the one token sampled last."""
+        return self.num_tokens - self.num_computed == 1 and self.num_output > 0
+
+    @property
+    def min_new_tokens_reached(self) -> bool:
+        """min_new_tokens are out: EOS is no longer banned and a stop may end the output."""
+        return self.num_output >= self.config.min_new_tokens
 
     @property
     def num_prompt(self) -> int:
@@ -111,9 +139,12 @@ class Request:
         end = self.finished_at or now
         first = self.first_token_at
         admitted = self.admitted_at
+        tiers = {f"{name}_reuse_len": self.reuse_by_tier.get(name, 0) for name in TIER_NAMES}
+        local = self.reuse_len or 0
         return {
-            "reuse_len": self.reuse_len or 0,
-            "local_reuse_len": self.reuse_len or 0,
+            "reuse_len": local + sum(tiers.values()),
+            "local_reuse_len": local,
+            **tiers,
             "output_len": self.num_output,
             "iter_count": self.iter_count,
             "cost_time": (end - self.arrival) * 1000.0,

@@ -14,7 +14,7 @@ from rtpkv.engine.request import Request
 
 def _plain_greedy(req: Request) -> bool:
     cfg = req.config
-    return cfg.greedy and cfg.repetition_penalty == 1.0 and req.num_output >= cfg.min_new_tokens
+    return cfg.greedy and cfg.repetition_penalty == 1.0 and req.min_new_tokens_reached
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
@@ -32,7 +32,7 @@ def _sample_one(row: torch.Tensor, req: Request) -> int:
         scores = row[seen]
         row[seen] = torch.where(scores < 0, scores * cfg.repetition_penalty,
                                 scores / cfg.repetition_penalty)
-    if req.num_output < cfg.min_new_tokens:
+    if not req.min_new_tokens_reached:
         banned = list(req.eos_token_ids) + [s[0] for s in cfg.stop_words_list if len(s) == 1]
         if banned:
             row[torch.tensor(banned, device=row.device)] = float("-inf")

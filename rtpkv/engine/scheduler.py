@@ -1,4 +1,5 @@
-"""Scheduler: which requests run in the next engine step, and how many tokens each computes.
+"""Scheduler: which requests run in the next engine step, how many tokens each computes, and
+the bookkeeping after the step (`postprocess`).
 
 Each step has a token budget (`max_num_batched_tokens`) shared by decode tokens (one per running
 request, scheduled first so a long prompt never stalls them) and prefill chunks. The context
@@ -8,6 +9,9 @@ turn. The capacity policy decides admission: GUARANTEED_NO_EVICT reserves a requ
 its full max_new_tokens so it is never paused; MAX_UTILIZATION admits whatever fits now and,
 when blocks run out, pauses the most recently admitted request (its full blocks stay cached, so
 resuming is cheap); STATIC_BATCH (legacy) admits a batch only when the previous one has finished.
+
+Blocks are the KVCacheManager's: the scheduler asks it to look up, admit, grow, commit, pin and
+free, and never touches a block itself.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 
 from rtpkv.cache import KVCacheManager
 from rtpkv.config import CapacitySchedulerPolicy, ContextChunkingPolicy, RuntimeConfig, SchedulePolicy
-from rtpkv.engine.request import Request
+from rtpkv.engine.request import FinishReason, Request
 
 _LPM_MAX_QUEUE = 128  # longer queues fall back to arrival order: matching them all costs too much
 
@@ -27,14 +31,11 @@ _LPM_MAX_QUEUE = 128  # longer queues fall back to arrival order: matching them 
 class ScheduledChunk:
     request: Request
     num_tokens: int           # tokens computed this step, starting at request.num_computed
+    is_decode: bool = False   # the request's one sampled token (not a prompt chunk)
 
     @property
     def start(self) -> int:
         return self.request.num_computed
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class Scheduler:
@@ -52,9 +53,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def blocks_for(self, req: Request) -> int:
-        """Blocks the request needs at its longest (prompt plus every new token)."""
-        return _cdiv(req.num_prompt + req.max_new_tokens, self.block_size)
+    @staticmethod
+    def tokens_for(req: Request) -> int:
+        """Tokens the request holds at its longest (prompt plus every new token)."""
+        return req.num_prompt + req.max_new_tokens
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> list[ScheduledChunk]:
@@ -65,10 +67,12 @@ class Scheduler:
                            or not self.running)
         if self._admitting:
             self._order_waiting()
+        decoding = set()
         for req in list(self.running):                       # decodes first
-            if budget and req in self.running and req.num_tokens - req.num_computed == 1:
+            if budget and req in self.running and req.is_decoding:
                 if self._grow(req, 1, plan):
                     plan[req] = 1
+                    decoding.add(req)
                     budget -= 1
         prefilling = [r for r in self.running if r not in plan]
         if self.config.context_chunking_policy == ContextChunkingPolicy.EQUAL_PROGRESS:
@@ -76,7 +80,7 @@ class Scheduler:
             self._equal_progress(prefilling, budget, plan)
         else:
             self._first_come_first_served(prefilling, budget, plan)
-        return [ScheduledChunk(req, n) for req, n in plan.items()
+        return [ScheduledChunk(req, n, req in decoding) for req, n in plan.items()
                 if req in self.running and n > 0]
 
     def _first_come_first_served(self, prefilling: list[Request], budget: int,
@@ -124,12 +128,7 @@ class Scheduler:
     def _grow(self, req: Request, n: int, plan: dict[Request, int]) -> bool:
         """Ensure req's table covers n more tokens, pausing later-admitted requests if blocks
         run out. False when req itself had to be paused."""
-        need = _cdiv(req.num_computed + n, self.block_size) - len(req.block_table)
-        while need > 0:
-            got = self.cache.allocate(need)
-            if got is not None:
-                req.block_table.extend(got)
-                return True
+        while not self.cache.grow(req, req.num_computed + n):
             victim = self.running[-1]
             self.preempt(victim)
             plan.pop(victim, None)
@@ -139,8 +138,8 @@ class Scheduler:
 
     def preempt(self, req: Request) -> None:
         """Pause: free the request's blocks (full ones stay cached) and queue it first."""
-        self.cache.release(req.block_table)
-        req.block_table, req.block_keys, req.num_computed = [], [], 0
+        self.cache.free(req)
+        req.num_computed = 0
         req.num_preemptions += 1
         self.running.remove(req)
         self.waiting.appendleft(req)
@@ -151,52 +150,83 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.cache.release(req.block_table)
-        req.block_table = []
+        self.cache.free(req)
+
+    # ------------------------------------------------------------------ after the step
+    def postprocess(self, chunks: list[ScheduledChunk], sampled: list[ScheduledChunk],
+                    tokens: list[int]) -> list[Request]:
+        """Progress, new tokens and their stop checks, commit of filled blocks, pin of a task
+        prompt, finish. Returns the requests that finished this step."""
+        for c in chunks:
+            c.request.num_computed += c.num_tokens
+            c.request.iter_count += 1
+        for c, token in zip(sampled, tokens):
+            self._append(c.request, token)
+        finished = []
+        for c in chunks:
+            req = c.request
+            if req.finish_reason != FinishReason.ERROR:
+                self.cache.commit(req)
+            if req.prefill_only and req.num_computed == req.num_tokens:
+                req.pinned = self.cache.pin(req)
+                req.finish_reason = FinishReason.PREFILLED
+            if req.finish_reason is not None:
+                self.finish(req)
+                finished.append(req)
+        return finished
+
+    def _append(self, req: Request, token: int) -> None:
+        req.token_ids.append(token)
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+        cfg = req.config
+        reason = None
+        if req.min_new_tokens_reached:
+            if token in req.eos_token_ids and not cfg.ignore_eos:
+                reason = FinishReason.EOS
+            elif any(req.token_ids[-len(s):] == s for s in cfg.stop_words_list):
+                reason = FinishReason.STOP
+            elif req.stop_text is not None:
+                try:
+                    if req.stop_text(req.output_ids):
+                        reason = FinishReason.STOP
+                except Exception as exc:  # a bad stop-word check fails this request only
+                    req.error, reason = exc, FinishReason.ERROR
+        if reason is None and req.num_output >= req.max_new_tokens:
+            reason = FinishReason.LENGTH
+        req.finish_reason = reason
 
     # ------------------------------------------------------------------ admission
     def _reserved(self) -> int:
         """Blocks that running requests may still claim under the guaranteed policies."""
-        return sum(max(0, self.blocks_for(r) - len(r.block_table)) for r in self.running)
-
-    def _cached_prefix(self, req: Request) -> list[int]:
-        if not (self.config.reuse_cache and req.reuse):
-            return []
-        return self.cache.match(req.token_ids, req.salt, (req.num_tokens - 1) // self.block_size)
+        return sum(self.cache.blocks_to_grow(r, self.tokens_for(r)) for r in self.running)
 
     def _order_waiting(self) -> None:
         if (self.config.schedule_policy == SchedulePolicy.LPM
                 and 1 < len(self.waiting) <= _LPM_MAX_QUEUE):
-            ranked = sorted(self.waiting, key=lambda r: -len(self._cached_prefix(r)))
-            self.waiting = deque(ranked)
+            cached = {r: self.cache.lookup(r, with_tiers=False).num_blocks for r in self.waiting}
+            self.waiting = deque(sorted(self.waiting, key=lambda r: -cached[r]))
 
     def _admit_next(self) -> bool:
         """Admit the next waiting request if the policies allow; it joins `running`."""
         if not self.waiting or len(self.running) >= self.config.concurrency_limit:
             return False
-        policy = self.config.capacity_scheduler_policy
         if not self._admitting:
             return False
         req = self.waiting[0]
-        hits = self._cached_prefix(req)
-        cached_hits = sum(1 for b in hits if self.cache.pool.blocks[b].ref_count == 0)
-        available = self.cache.num_allocatable() - cached_hits
-        if policy == CapacitySchedulerPolicy.MAX_UTILIZATION:
-            need = _cdiv(req.num_tokens, self.block_size) - len(hits)
+        match = self.cache.lookup(req)
+        if self.config.capacity_scheduler_policy == CapacitySchedulerPolicy.MAX_UTILIZATION:
+            fits = self.cache.can_admit(req, match, req.num_tokens)
         else:
-            need = self.blocks_for(req) - len(hits)
-            available -= self._reserved()
-        if need > available:
+            fits = self.cache.can_admit(req, match, self.tokens_for(req), self._reserved())
+        if not fits:
             return False
         self.waiting.popleft()
-        self.cache.acquire(hits)
-        req.block_table = list(hits)
-        req.block_keys = [self.cache.pool.blocks[b].key for b in hits]
-        req.num_computed = len(hits) * self.block_size
+        reused = self.cache.admit(req, match)
         if req.reuse_len is None:
-            req.reuse_len = req.num_computed
-            if self.config.reuse_cache and req.reuse:
-                self.cache.record_lookup(req.num_prompt, req.num_computed)
+            req.reuse_len = reused.pop("local")
+            req.reuse_by_tier = reused
+            self.cache.record_lookup(req)
         if req.admitted_at is None:
             req.admitted_at = time.monotonic()
         self.running.append(req)
