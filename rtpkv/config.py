@@ -79,13 +79,27 @@ class CacheOptions(BaseModel):
     max_num_batched_tokens: Optional[int] = Field(None, ge=1)
     concurrency_limit: Optional[int] = Field(None, ge=1)
     schedule_policy: Optional[SchedulePolicy] = None
+    # tiers below the device pool (rtpkv.cache.tiers.factory)
+    enable_memory_cache: Optional[bool] = None
+    memory_cache_size_mb: Optional[float] = Field(None, ge=0)
+    host_cache_size: Optional[int] = Field(None, ge=0)   # bytes; set in ModelConfig, wins
+    secondary_offload_min_priority: Optional[int] = Field(None, ge=0, le=100)
+    enable_memory_cache_disk: Optional[bool] = None
+    memory_cache_disk_paths: Optional[str] = None
+    memory_cache_disk_size_mb: Optional[float] = Field(None, gt=0)
+    write_cache_sync: Optional[bool] = None
+    kv_connector_module: Optional[str] = None
+    kv_connector_class: Optional[str] = None
+    kv_connector: Optional[Any] = None   # a KvCacheConnector class or instance (ModelConfig)
+
     enable_remote_cache: Optional[bool] = None
     remote_cache_url: Optional[str] = None
     remote_cache_password: Optional[str] = Field(None, repr=False)
     remote_cache_ttl_s: Optional[int] = Field(None, ge=0)
     remote_cache_timeout_ms: Optional[int] = Field(None, ge=1, le=60000)
 
-    @field_validator("reuse_cache", "enable_remote_cache", mode="before")
+    @field_validator("reuse_cache", "enable_memory_cache", "enable_memory_cache_disk",
+                     "write_cache_sync", "enable_remote_cache", mode="before")
     @classmethod
     def _switch(cls, value: Any) -> Any:
         return parse_switch(value)
@@ -197,6 +211,17 @@ DEFAULTS: dict[str, Any] = {
     "max_num_batched_tokens": 2048,
     "concurrency_limit": 32,
     "schedule_policy": SchedulePolicy.FCFS,
+    "enable_memory_cache": False,
+    "memory_cache_size_mb": 0.0,
+    "host_cache_size": None,
+    "secondary_offload_min_priority": 35,
+    "enable_memory_cache_disk": False,
+    "memory_cache_disk_paths": None,
+    "memory_cache_disk_size_mb": 10240.0,
+    "write_cache_sync": False,
+    "kv_connector_module": None,
+    "kv_connector_class": None,
+    "kv_connector": None,
     "enable_remote_cache": False,
     "remote_cache_url": None,
     "remote_cache_password": None,
@@ -224,6 +249,17 @@ class RuntimeConfig:
     max_num_batched_tokens: int
     concurrency_limit: int
     schedule_policy: SchedulePolicy
+    enable_memory_cache: bool
+    memory_cache_size_mb: float
+    host_cache_size: Optional[int]
+    secondary_offload_min_priority: int
+    enable_memory_cache_disk: bool
+    memory_cache_disk_paths: Optional[str]
+    memory_cache_disk_size_mb: float
+    write_cache_sync: bool
+    kv_connector_module: Optional[str]
+    kv_connector_class: Optional[str]
+    kv_connector: Any
     enable_remote_cache: bool
     remote_cache_url: Optional[str]
     remote_cache_password: Optional[str] = field(repr=False)

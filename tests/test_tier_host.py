@@ -75,6 +75,17 @@ def test_store_then_load_returns_a_copy():
     tier.check_integrity()
 
 
+def test_lookup_orders_the_chain_so_blocks_loaded_first_go_first():
+    tier = HostTier(LAYOUT, 3 * BLOCK)
+    for i in (3, 2, 1):                          # stored tail first, as the device evicts
+        tier.store(meta(i), payload(i))
+    assert tier.lookup([meta(i).key for i in (1, 2, 3)]) == 3
+    assert tier.load(meta(1)) is not None
+    tier.store(meta(9), payload(9))              # onboarding block 1 offloaded another block
+    assert tier.lookup([meta(1).key]) == 0       # the block already loaded made room
+    assert tier.load(meta(2)) is not None and tier.load(meta(3)) is not None
+
+
 def test_lookup_counts_a_contiguous_prefix_of_the_chain():
     tier = HostTier(LAYOUT, 4 * BLOCK)
     for i in (1, 2, 4):
@@ -104,7 +115,8 @@ def test_eviction_takes_lowest_priority_then_least_recently_used():
     tier.store(meta(1, priority=80), payload(1))
     tier.store(meta(2, priority=35), payload(2))
     tier.store(meta(3, priority=35), payload(3))
-    assert tier.load(meta(2)) is not None       # 2 is now more recent than 3
+    assert tier.lookup([meta(2).key]) == 1      # a lookup uses 2: more recent than 3
+    assert tier.load(meta(3)) is not None       # a load does not reorder
     tier.store(meta(4, priority=50), payload(4))  # evicts 3: lowest priority, least recent
     assert tier.lookup([meta(3).key]) == 0
     tier.store(meta(5, priority=50), payload(5))  # evicts 2 (35 is still the lowest)

@@ -21,6 +21,7 @@ import torch
 
 from rtpkv.cache import BlockPool, KVCacheManager, KVEventBuffer, PinnedPrefix, PrefixIndex
 from rtpkv.cache.prefix_index import HashFn, sha256
+from rtpkv.cache.tiers.factory import build_tiers
 from rtpkv.config import RuntimeConfig
 from rtpkv.engine.model_runner import ModelRunner
 from rtpkv.engine.request import FinishReason, Request, StepOutput
@@ -68,7 +69,7 @@ def pool_blocks(model: Model, config: RuntimeConfig) -> int:
 
 class Engine:
     def __init__(self, model: Model, config: RuntimeConfig, hash_fn: HashFn = sha256,
-                 tiers: Sequence["KVTier"] = ()):
+                 tiers: Optional[Sequence["KVTier"]] = None):
         self.model = model
         self.config = config
         self.block_size = config.seq_size_per_block
@@ -81,7 +82,9 @@ class Engine:
         self.cache = KVCacheManager(num_blocks, self.block_size,
                                     PrefixIndex(model.fingerprint, self.block_size, hash_fn),
                                     pool=self.pool, reuse_enabled=config.reuse_cache,
-                                    events=self.events, tiers=tiers)
+                                    events=self.events,
+                                    tiers=build_tiers(config, model, self.block_size) if tiers is None else tiers,
+                                    offload_min_priority=config.secondary_offload_min_priority)
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model.module, self.pool)
         self.lock = threading.RLock()
@@ -138,6 +141,8 @@ class Engine:
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self._finish(req, FinishReason.ERROR,
                              EngineStoppedError("the pipeline was stopped before this request finished"))
+            for tier in self.cache.tiers:
+                tier.close()  # flushes queued disk writes
 
     @property
     def stopped(self) -> bool:

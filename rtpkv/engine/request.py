@@ -18,7 +18,7 @@ from rtpkv.generate_config import GenerateConfig
 if TYPE_CHECKING:
     from rtpkv.cache import PinnedPrefix
 
-TIER_NAMES = ("memory", "disk", "remote")  # below the device pool, in lookup order
+TIER_NAMES = ("memory", "disk", "remote", "connector")  # below the device pool, in lookup order
 
 _ids = itertools.count(1)
 
@@ -100,8 +100,8 @@ class Request:
 
     def allows_tier(self, name: str) -> bool:
         """rtp-llm's per-request switches: enable_memory_cache, enable_disk_cache,
-        enable_remote_cache."""
-        return getattr(self.config, f"enable_{name}_cache")
+        enable_remote_cache (a user connector has no switch: always allowed)."""
+        return getattr(self.config, f"enable_{name}_cache", True)
 
     @property
     def is_decoding(self) -> bool:

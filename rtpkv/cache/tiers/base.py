@@ -66,6 +66,9 @@ class KVTier(ABC):
     """
 
     name: str  # "memory" | "disk" | "remote": aux_info reports <name>_reuse_len
+    # True: the manager also stores each block here as soon as it is committed (filled), not only
+    # when it is evicted, so the block survives a restart (rtp-llm's write-through disk cache).
+    write_through: bool = False
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> int:

@@ -15,13 +15,14 @@ host copy, so evicting that block from the device again costs no copy.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
 from rtpkv.cache.tiers.base import BlockMeta, KVTier, TierLayout
+from rtpkv.cache.tiers.order import EvictionOrder
 
 
 @dataclass
@@ -51,8 +52,7 @@ class HostTier(KVTier):
         self._lock = threading.Lock()
         self._free: deque[int] = deque(range(self.num_blocks))
         self._slots: dict[bytes, _Slot] = {}
-        # priority -> keys in least recently used first order
-        self._lru: dict[int, OrderedDict[bytes, None]] = {}
+        self._order = EvictionOrder()
         self.counters = dict(offloaded_blocks=0, onboarded_blocks=0, lookup_blocks=0,
                              lookup_hits=0, evictions=0, handed_off=0, mismatches=0)
 
@@ -63,6 +63,9 @@ class HostTier(KVTier):
             for key in keys:
                 if key not in self._slots:
                     break
+                # touched in chain order: while the chain is onboarded (and each device block it
+                # needs offloads another block here), its blocks already loaded go first
+                self._order.touch(key)
                 found += 1
             self.counters["lookup_blocks"] += len(keys)
             self.counters["lookup_hits"] += found
@@ -79,7 +82,6 @@ class HostTier(KVTier):
             if not slot.meta.same_block(meta):
                 self.counters["mismatches"] += 1
                 return None
-            self._touch(meta.key, slot.meta.priority)
             self._wait(slot)
             self.counters["onboarded_blocks"] += 1
             data = self.buffer[slot.index]
@@ -91,9 +93,8 @@ class HostTier(KVTier):
             slot = self._slots.get(meta.key)
             if slot is not None and slot.meta.same_block(meta):
                 # already here (the tier is inclusive): refresh recency; the newest priority wins
-                self._unlist(meta.key, slot.meta.priority)
                 slot.meta = meta
-                self._list(meta.key, meta.priority)
+                self._order.add(meta.key, meta.priority)
                 return
             if slot is not None:
                 self._remove(meta.key)
@@ -101,7 +102,7 @@ class HostTier(KVTier):
                 self._evict_one()
             index = self._free.popleft()
             self._slots[meta.key] = _Slot(index, meta, self._copy_in(index, payload))
-            self._list(meta.key, meta.priority)
+            self._order.add(meta.key, meta.priority)
             self.counters["offloaded_blocks"] += 1
 
     def drop(self, key: bytes) -> None:
@@ -139,11 +140,10 @@ class HostTier(KVTier):
             assert not free & used, "a host slot is both free and used"
             assert len(free) + len(used) == self.num_blocks, \
                 f"host tier: free {len(free)} + used {len(used)} != total {self.num_blocks}"
-            listed = {key: p for p, keys in self._lru.items() for key in keys}
-            assert sum(len(keys) for keys in self._lru.values()) == len(listed) == len(self._slots), \
-                "host eviction order and slots differ"
+            self._order.check()
+            assert len(self._order) == len(self._slots), "host eviction order and slots differ"
             for key, slot in self._slots.items():
-                assert slot.meta.key == key and listed.get(key) == slot.meta.priority, \
+                assert slot.meta.key == key and self._order.priority(key) == slot.meta.priority, \
                     "host eviction order lists a block under another priority"
 
     def close(self) -> None:
@@ -175,8 +175,7 @@ class HostTier(KVTier):
             slot.copied = None
 
     def _evict_one(self) -> None:
-        priority = min(self._lru)  # empty priorities are deleted
-        key = next(iter(self._lru[priority]))
+        key = self._order.victim()
         slot = self._slots[key]
         if self.next_tier is not None:
             self._wait(slot)
@@ -187,17 +186,5 @@ class HostTier(KVTier):
 
     def _remove(self, key: bytes) -> None:
         slot = self._slots.pop(key)
-        self._unlist(key, slot.meta.priority)
+        self._order.remove(key)
         self._free.append(slot.index)
-
-    def _list(self, key: bytes, priority: int) -> None:
-        self._lru.setdefault(priority, OrderedDict())[key] = None
-
-    def _unlist(self, key: bytes, priority: int) -> None:
-        keys = self._lru[priority]
-        del keys[key]
-        if not keys:
-            del self._lru[priority]
-
-    def _touch(self, key: bytes, priority: int) -> None:
-        self._lru[priority].move_to_end(key)

@@ -1,0 +1,117 @@
+"""build_tiers: the tiers below the device pool that the configuration asks for, in lookup order
+(host memory, disk, then a user connector), each logged with its size at start-up.
+
+Host memory: ``host_cache_size`` bytes (TensorRT-LLM's name, set in ModelConfig; wins) or
+``MEMORY_CACHE_SIZE_MB`` when ``ENABLE_MEMORY_CACHE=1`` (rtp-llm's names); 0 or disabled means
+no tier. Disk: ``ENABLE_MEMORY_CACHE_DISK=1`` with ``MEMORY_CACHE_DISK_PATHS`` (one directory)
+and ``MEMORY_CACHE_DISK_SIZE_MB``; ``WRITE_CACHE_SYNC=1`` writes synchronously. Blocks the host
+tier evicts go to the disk tier when both are on. Connector: ``KV_CONNECTOR_MODULE`` +
+``KV_CONNECTOR_CLASS``, or ``kv_connector`` (a class or an instance) in ModelConfig.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from rtpkv.cache.connector import (ConnectorContext, load_connector_class, make_connector_tier)
+from rtpkv.cache.tiers.base import KVTier, TierLayout
+from rtpkv.cache.tiers.disk import DiskTier
+from rtpkv.cache.tiers.host import HostTier
+from rtpkv.errors import ConfigError
+
+log = logging.getLogger("rtpkv")
+
+MIB = 2 ** 20
+CONNECTOR_STAGING_BLOCKS = 64
+
+
+def tier_layout(model: Any, block_size: int) -> TierLayout:
+    """The payload every tier of this engine stores: one block of every layer's K and V."""
+    spec = model.spec
+    return TierLayout(fingerprint=model.fingerprint, block_size=block_size, dtype=model.dtype,
+                      shape=(2, spec.num_layers, spec.num_kv_heads, block_size, spec.head_dim))
+
+
+def host_cache_bytes(config: Any) -> int:
+    if config.host_cache_size is not None:
+        return config.host_cache_size
+    return int(config.memory_cache_size_mb * MIB) if config.enable_memory_cache else 0
+
+
+def build_tiers(config: Any, model: Any, block_size: int) -> list[KVTier]:
+    """The configured tiers; ConfigError naming the setting when one is unusable."""
+    layout = tier_layout(model, block_size)
+    disk = _disk_tier(config, layout)
+    tiers: list[KVTier] = []
+    host_bytes = host_cache_bytes(config)
+    if config.enable_memory_cache and host_bytes == 0:
+        log.warning("ENABLE_MEMORY_CACHE=1 but MEMORY_CACHE_SIZE_MB is 0: no host memory tier")
+    if host_bytes:
+        if host_bytes < layout.nbytes:
+            given = (f"host_cache_size={config.host_cache_size!r}" if config.host_cache_size is not None
+                     else f"MEMORY_CACHE_SIZE_MB={config.memory_cache_size_mb!r}")
+            raise ConfigError(f"{given} is invalid: it holds no KV block (one block takes "
+                              f"{layout.nbytes} bytes = {layout.nbytes / MIB:.3f} MiB)")
+        host = HostTier(layout, host_bytes, model.device, next_tier=disk)
+        tiers.append(host)
+        log.info("host memory KV tier: %d blocks of %d tokens (%.1f MiB)%s", host.num_blocks,
+                 block_size, host.num_blocks * layout.nbytes / MIB,
+                 ", pinned, side-stream copies" if host.cuda else "")
+    if disk is not None:
+        tiers.append(disk)
+    connector = _connector_tier(config, layout, model)
+    if connector is not None:
+        tiers.append(connector)
+    if tiers:
+        log.info("offload to tiers: blocks of retention priority >= %d",
+                 config.secondary_offload_min_priority)
+    return tiers
+
+
+def _disk_tier(config: Any, layout: TierLayout):
+    if not config.enable_memory_cache_disk:
+        return None
+    paths = [p.strip() for p in (config.memory_cache_disk_paths or "").split(",") if p.strip()]
+    if len(paths) != 1:
+        raise ConfigError(f"MEMORY_CACHE_DISK_PATHS={config.memory_cache_disk_paths!r} is invalid: "
+                          "ENABLE_MEMORY_CACHE_DISK=1 needs exactly one directory")
+    capacity = int(config.memory_cache_disk_size_mb * MIB)
+    try:
+        disk = DiskTier(layout, paths[0], capacity, write_sync=config.write_cache_sync)
+    except ValueError as exc:
+        raise ConfigError(f"MEMORY_CACHE_DISK_SIZE_MB={config.memory_cache_disk_size_mb!r} is "
+                          f"invalid: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"MEMORY_CACHE_DISK_PATHS={paths[0]!r} is invalid: {exc}") from None
+    stats = disk.stats()
+    log.info("disk KV tier: %s, %d files (%.1f MiB) found, bound %.1f MiB (about %d blocks), "
+             "%s writes; %d foreign and %d corrupt files found", paths[0], stats["disk_files"],
+             stats["disk_bytes"] / MIB, capacity / MIB, capacity // disk.record_bytes,
+             "synchronous" if config.write_cache_sync else "background",
+             stats["disk_foreign_files"], stats["disk_corrupt_files"])
+    return disk
+
+
+def _connector_tier(config: Any, layout: TierLayout, model: Any):
+    module, class_name = config.kv_connector_module, config.kv_connector_class
+    spec = config.kv_connector
+    if (module is None) != (class_name is None):
+        missing = "KV_CONNECTOR_CLASS" if class_name is None else "KV_CONNECTOR_MODULE"
+        raise ConfigError(f"{missing} is missing: KV_CONNECTOR_MODULE and KV_CONNECTOR_CLASS "
+                          "go together")
+    if spec is None and module is not None:
+        try:
+            spec = load_connector_class(module, class_name)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if spec is None:
+        return None
+    context = ConnectorContext(layout=layout, num_layers=model.spec.num_layers,
+                               num_staging_blocks=CONNECTOR_STAGING_BLOCKS)
+    try:
+        tier = make_connector_tier(spec, context)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    log.info("KV connector tier: %s", type(tier.connector).__qualname__)
+    return tier
