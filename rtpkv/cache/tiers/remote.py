@@ -38,6 +38,8 @@ log = logging.getLogger("rtpkv")
 
 KEY_PREFIX = b"rtpkv:kv:"
 ABSENT_MEMORY_S = 1.0   # how long a prefetch's "not there" answers `lookup` without asking again
+PRESENT_MEMORY_S = 60.0  # how long a key known to be stored is not sent again
+PRESENT_MEMORY_KEYS = 65536
 _STOP = object()
 
 
@@ -66,6 +68,7 @@ class RedisTier(KVTier):
     """The remote tier. `prefetch` a request's chain first; `lookup`/`load` then cost nothing."""
 
     name = "remote"
+    write_through = True   # replicas share what is computed, not only what is evicted
 
     def __init__(self, layout: TierLayout, url: str, *, password: Optional[str] = None,
                  ttl_s: int = 0, timeout_ms: int = 200, key_prefix: bytes = KEY_PREFIX,
@@ -86,19 +89,25 @@ class RedisTier(KVTier):
         self._retry_at = 0.0
         self._fetched: OrderedDict[bytes, tuple[BlockMeta, torch.Tensor]] = OrderedDict()
         self._absent: dict[bytes, float] = {}    # key -> until when a prefetch found it absent
+        self._present: OrderedDict[bytes, float] = OrderedDict()  # key -> until when known stored
+        self._present_s = min(PRESENT_MEMORY_S, ttl_s / 2) if ttl_s else PRESENT_MEMORY_S
         self._queue: "queue.Queue[Any]" = queue.Queue(maxsize=queue_blocks)
         self._pending = 0                         # queued or being written
         self._idle = threading.Condition(self._lock)
         self._closed = False
         self.counters = dict(hits=0, misses=0, stores=0, bytes_read=0, bytes_written=0,
                              errors=0, dropped=0, corrupt=0, foreign=0, mismatched=0,
-                             prefetches=0, down_events=0)
+                             prefetches=0, down_events=0, already_stored=0)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="rtpkv-remote-load")
         self._writer = threading.Thread(target=self._write_loop, name="rtpkv-remote-store",
                                         daemon=True)
         self._writer.start()
         log.info("remote KV cache: %s (timeout %d ms, ttl %s)", self.url, timeout_ms,
                  f"{ttl_s} s" if ttl_s else "none")
+        try:
+            self._client.ping()
+        except self._errors as exc:
+            self._failed(exc, "start-up")
 
     # ------------------------------------------------------------------ state
     @property
@@ -121,6 +130,7 @@ class RedisTier(KVTier):
             if not self._up:
                 return
             self._up = False
+            self._present.clear()   # the server may come back empty
             self._backoff = self._backoff_min
             self._retry_at = time.monotonic() + self._backoff
             self.counters["down_events"] += 1
@@ -177,7 +187,21 @@ class RedisTier(KVTier):
                 break
             self._keep(meta, payload)
             ready += 1
+        self._mark_present([m.key for m in metas[:ready]])
         return ready
+
+    def _mark_present(self, keys: Sequence[bytes]) -> None:
+        until = time.monotonic() + self._present_s
+        with self._lock:
+            for key in keys:
+                self._present[key] = until
+                self._present.move_to_end(key)
+            while len(self._present) > PRESENT_MEMORY_KEYS:
+                self._present.popitem(last=False)
+
+    def _known_stored(self, key: bytes) -> bool:
+        with self._lock:
+            return self._present.get(key, 0.0) > time.monotonic()
 
     def _mark_absent(self, key: bytes) -> None:
         """Remember for a second that the chain breaks here, so `lookup` need not ask again."""
@@ -234,7 +258,11 @@ class RedisTier(KVTier):
             self._failed(exc, "load")
             data = None
         payload = None if data is None else self._decode(meta, data)
-        self._count(**({"hits": 1} if payload is not None else {"misses": 1}))
+        if payload is None:
+            self._count(misses=1)
+            return None
+        self._mark_present([meta.key])
+        self._count(hits=1)
         return payload
 
     def _decode(self, meta: BlockMeta, data: bytes) -> Optional[torch.Tensor]:
@@ -257,6 +285,8 @@ class RedisTier(KVTier):
         return payload
 
     def _delete(self, key: bytes) -> None:
+        with self._lock:
+            self._present.pop(key, None)
         try:
             self._client.delete(self.redis_key(key))
         except self._errors as exc:
@@ -270,11 +300,15 @@ class RedisTier(KVTier):
         if not self._up or self._closed:
             self._count(dropped=1)
             return
+        if self._known_stored(meta.key):
+            self._count(already_stored=1)
+            return
         self._enqueue(("set", meta, payload.detach().to("cpu", copy=True).contiguous()))
 
     def drop(self, key: bytes) -> None:
         with self._lock:
             self._fetched.pop(key, None)
+            self._present.pop(key, None)
         if self._up and not self._closed:
             self._enqueue(("del", key))
 
@@ -322,6 +356,7 @@ class RedisTier(KVTier):
             self._done(len(batch), dropped=len(batch))
             return
         written = stores = 0
+        keys: dict[bytes, None] = {}   # set by this batch and not deleted after
         try:
             pipe = self._client.pipeline(transaction=False)
             for entry in batch:
@@ -330,13 +365,16 @@ class RedisTier(KVTier):
                     pipe.set(self.redis_key(entry[1].key), record, ex=self.ttl_s or None)
                     written += len(record)
                     stores += 1
+                    keys[entry[1].key] = None
                 else:
                     pipe.delete(self.redis_key(entry[1]))
+                    keys.pop(entry[1], None)
             pipe.execute()
         except self._errors as exc:
             self._failed(exc, "store")
             self._done(len(batch), dropped=stores)
             return
+        self._mark_present(list(keys))
         self._done(len(batch), stores=stores, bytes_written=written)
 
     def flush(self, timeout: float = 5.0) -> bool:
