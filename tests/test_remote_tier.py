@@ -406,14 +406,14 @@ def _wait_for(condition, what: str, timeout: float = 10.0) -> None:
 # ---------------------------------------------------------------------------- configuration
 def test_remote_settings_from_the_environment(monkeypatch):
     monkeypatch.setenv("ENABLE_REMOTE_CACHE", "1")
-    monkeypatch.setenv("REMOTE_CACHE_URL", "rediss://cache.internal:6380/2")
+    monkeypatch.setenv("REMOTE_CACHE_URL", "rediss://127.0.0.1:6380/2")
     monkeypatch.setenv("REMOTE_CACHE_TTL_S", "3600")
     monkeypatch.setenv("REMOTE_CACHE_TIMEOUT_MS", "50")
     monkeypatch.setenv("REMOTE_CACHE_PASSWORD", "pw")
     s = Settings.from_env()
     assert (s.enable_remote_cache, s.remote_cache_url, s.remote_cache_ttl_s,
             s.remote_cache_timeout_ms, s.remote_cache_password) == (
-        True, "rediss://cache.internal:6380/2", 3600, 50, "pw")
+        True, "rediss://127.0.0.1:6380/2", 3600, 50, "pw")
     assert "pw" not in repr(s)
 
 
