@@ -49,7 +49,7 @@ def _child(args: argparse.Namespace) -> None:
         ttft, _, res = timed_request(pipe, prompt, 16)
         stats = pipe.cache_stats()
     print(json.dumps({"ttft": ttft, "ids": res.output_ids, "aux": res.aux_info,
-                      "stores": stats.get("remote_stores", 0)}))
+                      "remote": {k: v for k, v in stats.items() if k.startswith("remote")}}))
 
 
 def _replica(block: int, question: int, url: str = "") -> dict:
@@ -66,8 +66,9 @@ def repeat(server: RedisServer, block: int) -> tuple[float, float, int]:
     """(TTFT from Redis, TTFT recomputing, remote_reuse_len) of one run."""
     server_flush(server)
     first = _replica(block, 0, server.url)
-    assert first["aux"]["remote_reuse_len"] == 0 and first["stores"] > 0
+    assert first["aux"]["remote_reuse_len"] == 0 and first["remote"]["remote_stores"] > 0, first
     served = _replica(block, 1, server.url)
+    assert served["aux"]["remote_reuse_len"] > 0, f"nothing served from Redis: {served['remote']}"
     recomputed = _replica(block, 1)
     assert served["ids"] == recomputed["ids"], "the remote tier changed a greedy answer"
     return served["ttft"], recomputed["ttft"], served["aux"]["remote_reuse_len"]
