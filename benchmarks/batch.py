@@ -1,5 +1,5 @@
 """Continuous batching throughput: 32 unrelated 512-token prompts submitted at once, 64 new
-tokens each (workload c of ../shared/BENCHMARKS.md), against one batched `transformers.generate`.
+tokens each (workload c of docs/BENCHMARKS.md), against one batched `transformers.generate`.
 
     python benchmarks/batch.py [--runs 3] [--policy GUARANTEED_NO_EVICT] [--budget 2048]
 """

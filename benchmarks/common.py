@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# The model of ../shared/BENCHMARKS.md: random Llama, vocab 8000, hidden 512, intermediate 1408,
+# The model of docs/BENCHMARKS.md: random Llama, vocab 8000, hidden 512, intermediate 1408,
 # 8 layers, 8 heads, 4 KV heads, float32 safetensors (31.8M parameters).
 BENCH_CHECKPOINT = dict(architecture="LlamaForCausalLM", vocab_size=8000, hidden_size=512,
                         intermediate_size=1408, num_layers=8, num_heads=8, num_kv_heads=4,

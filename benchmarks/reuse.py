@@ -2,7 +2,7 @@
 
     python benchmarks/reuse.py [--runs 3] [--block 64]
 
-Workloads (../shared/BENCHMARKS.md):
+Workloads (docs/BENCHMARKS.md):
   a      shared system prompt: 2,000-token prefix + 16 different 64-token questions, one after
          another, 16 new tokens each. Cold TTFT = the first request; warm = mean of the other 15.
   b      8-turn chat: turn 1 is 512 tokens; each turn appends the previous 32-token answer and

@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from rtpkv.config import RuntimeConfig, Settings, make_options, resolve
+from rtpkv.config import RuntimeConfig, Settings, resolve
 from rtpkv.errors import ConfigError
 from rtpkv.model_factory.llama import CausalLM
 from rtpkv.model_factory.model_config import ModelConfig
@@ -130,7 +130,7 @@ class ModelFactory:
             revision, model_config = None, revision
         model_config = model_config or ModelConfig()
         settings = Settings.from_env()
-        config = resolve(settings, make_options(ModelConfig, model_config.options()))
+        config = resolve(settings, model_config)
         model_dir = resolve_model_dir(model_path_or_name, revision)
         config_path = model_dir / "config.json"
         if not config_path.exists():

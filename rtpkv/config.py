@@ -1,16 +1,17 @@
-"""Settings: every environment variable rtpkv reads, validated once at start-up.
+"""Settings: every option rtpkv has, declared once (name, default, rule) in `RuntimeConfig`.
 
-`Settings` reads the environment; `ModelConfig` (rtpkv.model_factory) and keyword arguments
-override it field by field. An invalid value raises `ConfigError` naming the variable, the value
-and the accepted range.
+The layers, later winning field by field: the defaults declared on `RuntimeConfig` < the
+environment (`Settings`, one variable per field, upper-cased) < `ModelConfig` (rtpkv.model_factory)
+< keyword arguments to `Pipeline(...)`. A layer contributes only the fields it was given. Adding
+an option is one field declaration here (plus a validator where a rule needs one). An invalid
+value raises `ConfigError` naming the variable or field, the value and the accepted range.
 """
 
 from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -56,77 +57,25 @@ def parse_switch(value: Any) -> Any:
     raise ValueError("accepted values are 1/0, true/false, on/off (any case)")
 
 
-class CacheOptions(BaseModel):
-    """The fields shared by `Settings` (environment) and `ModelConfig` (code).
+def describe_validation_error(exc: ValidationError, name: Callable[[str], str] = str,
+                              value: Callable[[str, Any], Any] = lambda field, given: given) -> str:
+    """The one formatter of pydantic errors: a clause per bad field, joined by "; ".
 
-    Every field is optional here: None means "not given", and `resolve` fills the defaults.
-    """
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=False)
-
-    dtype: Optional[str] = Field(None, pattern="^(auto|float32|bfloat16|float16)$")
-    device: Optional[str] = Field(None, pattern=r"^(auto|cpu|cuda(:\d+)?)$")
-    max_seq_len: Optional[int] = Field(None, ge=0)
-    seq_size_per_block: Optional[int] = None
-    kv_cache_mem_mb: Optional[float] = Field(None, gt=0)
-    kv_cache_max_tokens: Optional[int] = Field(None, gt=0)
-    kv_cache_event_buffer_max_size: Optional[int] = Field(None, ge=0)
-    reuse_cache: Optional[bool] = None
-    multi_task_prompt: Optional[str] = None
-    multi_task_prompt_str: Optional[str] = None
-    capacity_scheduler_policy: Optional[CapacitySchedulerPolicy] = None
-    context_chunking_policy: Optional[ContextChunkingPolicy] = None
-    max_num_batched_tokens: Optional[int] = Field(None, ge=1)
-    concurrency_limit: Optional[int] = Field(None, ge=1)
-    schedule_policy: Optional[SchedulePolicy] = None
-    # tiers below the device pool (rtpkv.cache.tiers.factory)
-    enable_memory_cache: Optional[bool] = None
-    memory_cache_size_mb: Optional[float] = Field(None, ge=0)
-    host_cache_size: Optional[int] = Field(None, ge=0)   # bytes; set in ModelConfig, wins
-    secondary_offload_min_priority: Optional[int] = Field(None, ge=0, le=100)
-    enable_memory_cache_disk: Optional[bool] = None
-    memory_cache_disk_paths: Optional[str] = None
-    memory_cache_disk_size_mb: Optional[float] = Field(None, gt=0)
-    write_cache_sync: Optional[bool] = None
-    kv_connector_module: Optional[str] = None
-    kv_connector_class: Optional[str] = None
-    kv_connector: Optional[Any] = None   # a KvCacheConnector class or instance (ModelConfig)
-
-    enable_remote_cache: Optional[bool] = None
-    remote_cache_url: Optional[str] = None
-    remote_cache_password: Optional[str] = Field(None, repr=False)
-    remote_cache_ttl_s: Optional[int] = Field(None, ge=0)
-    remote_cache_timeout_ms: Optional[int] = Field(None, ge=1, le=60000)
-
-    @field_validator("reuse_cache", "enable_memory_cache", "enable_memory_cache_disk",
-                     "write_cache_sync", "enable_remote_cache", mode="before")
-    @classmethod
-    def _switch(cls, value: Any) -> Any:
-        return parse_switch(value)
-
-    @field_validator("seq_size_per_block")
-    @classmethod
-    def _power_of_two(cls, value: Optional[int]) -> Optional[int]:
-        if value is not None and (value < 1 or value > 1024 or value & (value - 1)):
-            raise ValueError("must be a power of two from 1 to 1024")
-        return value
-
-    @field_validator("capacity_scheduler_policy", "context_chunking_policy", mode="before")
-    @classmethod
-    def _upper(cls, value: Any) -> Any:
-        return value.strip().upper() if isinstance(value, str) else value
-
-    @field_validator("schedule_policy", mode="before")
-    @classmethod
-    def _lower(cls, value: Any) -> Any:
-        return value.strip().lower() if isinstance(value, str) else value
-
-    @field_validator("remote_cache_url")
-    @classmethod
-    def _redis_url(cls, value: Optional[str]) -> Optional[str]:
-        if value is not None:
-            check_redis_url(value)
-        return value
+    `name` turns a field into what the user wrote (an environment variable, a generate_config
+    key, ...); `value` may recover the value as the user wrote it (the raw environment string)."""
+    clauses = []
+    for err in exc.errors():
+        field = ".".join(str(part) for part in err["loc"]) or "value"
+        if err["type"] == "missing":
+            clauses.append(f"{name(field)} is missing")
+        elif err["type"] == "extra_forbidden":
+            clauses.append(f"{name(field)} is an unexpected key")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            shown = value(field, err.get("input"))
+            shown = _SECRET_VALUES.get(field, lambda v: v)(shown)
+            clauses.append(f"{name(field)}={shown!r} is invalid: {msg}")
+    return "; ".join(clauses)
 
 
 def check_redis_url(url: str) -> None:
@@ -165,10 +114,112 @@ def redact_url(url: str) -> str:
         return "<unparsable URL>"
 
 
-class Settings(CacheOptions, BaseSettings):
+# Values never shown as given in an error message.
+_SECRET_VALUES: dict[str, Callable[[Any], Any]] = {
+    "remote_cache_url": lambda v: redact_url(v) if isinstance(v, str) else v,
+    "remote_cache_password": lambda v: "***",
+}
+
+
+class RuntimeConfig(BaseModel):
+    """Every option with its default and its rule: the single list of rtpkv's options.
+
+    A resolved instance is what the engine runs with; `Settings` and `ModelConfig` are the same
+    fields read from the environment and from code."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    max_seq_len: int = Field(0, ge=0)  # 0: the checkpoint's max_position_embeddings
+    seq_size_per_block: int = 64
+    kv_cache_mem_mb: Optional[float] = Field(None, gt=0)
+    kv_cache_max_tokens: Optional[int] = Field(None, gt=0)
+    kv_cache_event_buffer_max_size: int = Field(0, ge=0)  # 0: KV cache events off
+    reuse_cache: bool = False
+    multi_task_prompt: Optional[str] = None
+    multi_task_prompt_str: Optional[str] = None
+    capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+    context_chunking_policy: ContextChunkingPolicy = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    concurrency_limit: int = Field(32, ge=1)
+    schedule_policy: SchedulePolicy = SchedulePolicy.FCFS
+    # tiers below the device pool (rtpkv.cache.tiers.factory)
+    enable_memory_cache: bool = False
+    memory_cache_size_mb: float = Field(0.0, ge=0)
+    host_cache_size: Optional[int] = Field(None, ge=0)   # bytes; set in ModelConfig, wins
+    secondary_offload_min_priority: int = Field(35, ge=0, le=100)
+    enable_memory_cache_disk: bool = False
+    memory_cache_disk_paths: Optional[str] = None
+    memory_cache_disk_size_mb: float = Field(10240.0, gt=0)
+    write_cache_sync: bool = False
+    kv_connector_module: Optional[str] = None
+    kv_connector_class: Optional[str] = None
+    kv_connector: Optional[Any] = None   # a KvCacheConnector class or instance (ModelConfig)
+    enable_remote_cache: bool = False
+    remote_cache_url: Optional[str] = None   # redis://[:password@]host[:port][/db], rediss://
+    remote_cache_password: Optional[str] = Field(None, repr=False)
+    remote_cache_ttl_s: int = Field(0, ge=0)  # 0: keys never expire
+    remote_cache_timeout_ms: int = Field(200, ge=1, le=60000)
+
+    @field_validator("reuse_cache", "enable_memory_cache", "enable_memory_cache_disk",
+                     "write_cache_sync", "enable_remote_cache", mode="before")
+    @classmethod
+    def _switch(cls, value: Any) -> Any:
+        return parse_switch(value)
+
+    @field_validator("seq_size_per_block")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value < 1 or value > 1024 or value & (value - 1):
+            raise ValueError("must be a power of two from 1 to 1024")
+        return value
+
+    @field_validator("capacity_scheduler_policy", "context_chunking_policy", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.strip().upper() if isinstance(value, str) else value
+
+    @field_validator("schedule_policy", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("remote_cache_url")
+    @classmethod
+    def _redis_url(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            check_redis_url(value)
+        return value
+
+    def given(self) -> dict[str, Any]:
+        """The options this layer was given (explicitly, not by default)."""
+        return {k: getattr(self, k) for k in RuntimeConfig.model_fields if k in self.model_fields_set}
+
+    def replace(self, **overrides: Any) -> "RuntimeConfig":
+        """A copy with `overrides` (option names; None means "not given") validated and applied."""
+        unknown = sorted(set(overrides) - set(RuntimeConfig.model_fields))
+        if unknown:
+            raise ConfigError(
+                f"unknown option(s) {unknown}; accepted: {sorted(RuntimeConfig.model_fields)}")
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return resolve(self, make_options(RuntimeConfig, given))
+
+
+def env_var_names() -> list[str]:
+    """The environment variables rtpkv reads: one per option, upper-cased."""
+    return [name.upper() for name in RuntimeConfig.model_fields]
+
+
+class Settings(RuntimeConfig, BaseSettings):
     """The environment: `REUSE_CACHE`, `SEQ_SIZE_PER_BLOCK`, `MULTI_TASK_PROMPT`, ..."""
 
     model_config = SettingsConfigDict(extra="ignore", case_sensitive=False, env_prefix="")
+
+    # `rtpkv serve` only (rtp-llm's names): the checkpoint and where to listen.
+    checkpoint_path: Optional[str] = None
+    start_port: int = Field(8088, ge=1, le=65535)
+    host: str = Field("127.0.0.1", min_length=1)
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -176,131 +227,25 @@ class Settings(CacheOptions, BaseSettings):
         try:
             return cls()
         except ValidationError as exc:
-            raise ConfigError(describe_validation_error(exc, env=True)) from None
+            raise ConfigError(describe_validation_error(exc, str.upper, _env_value)) from None
 
 
-def describe_validation_error(exc: ValidationError, env: bool = False) -> str:
-    """One line per bad field: the variable (or field), the value given, what is accepted."""
-    lines = []
-    for err in exc.errors():
-        field = ".".join(str(part) for part in err["loc"]) or "value"
-        name = field.upper() if env else field
-        value = err.get("input")
-        if env and field in CacheOptions.model_fields:
-            value = os.environ.get(name, os.environ.get(field, value))
-        if field == "remote_cache_url" and isinstance(value, str):
-            value = redact_url(value)
-        msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{name}={value!r} is invalid: {msg}")
-    return "; ".join(lines)
+def _env_value(field: str, given: Any) -> Any:
+    return os.environ.get(field.upper(), os.environ.get(field, given))
 
 
-DEFAULTS: dict[str, Any] = {
-    "dtype": "auto",
-    "device": "auto",
-    "max_seq_len": 0,
-    "seq_size_per_block": 64,
-    "kv_cache_mem_mb": None,
-    "kv_cache_max_tokens": None,
-    "kv_cache_event_buffer_max_size": 0,
-    "reuse_cache": False,
-    "multi_task_prompt": None,
-    "multi_task_prompt_str": None,
-    "capacity_scheduler_policy": CapacitySchedulerPolicy.GUARANTEED_NO_EVICT,
-    "context_chunking_policy": ContextChunkingPolicy.FIRST_COME_FIRST_SERVED,
-    "max_num_batched_tokens": 2048,
-    "concurrency_limit": 32,
-    "schedule_policy": SchedulePolicy.FCFS,
-    "enable_memory_cache": False,
-    "memory_cache_size_mb": 0.0,
-    "host_cache_size": None,
-    "secondary_offload_min_priority": 35,
-    "enable_memory_cache_disk": False,
-    "memory_cache_disk_paths": None,
-    "memory_cache_disk_size_mb": 10240.0,
-    "write_cache_sync": False,
-    "kv_connector_module": None,
-    "kv_connector_class": None,
-    "kv_connector": None,
-    "enable_remote_cache": False,
-    "remote_cache_url": None,
-    "remote_cache_password": None,
-    "remote_cache_ttl_s": 0,
-    "remote_cache_timeout_ms": 200,
-}
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """Every option with its final value: defaults < environment < ModelConfig < keywords."""
-
-    dtype: str
-    device: str
-    max_seq_len: int
-    seq_size_per_block: int
-    kv_cache_mem_mb: Optional[float]
-    kv_cache_max_tokens: Optional[int]
-    kv_cache_event_buffer_max_size: int
-    reuse_cache: bool
-    multi_task_prompt: Optional[str]
-    multi_task_prompt_str: Optional[str]
-    capacity_scheduler_policy: CapacitySchedulerPolicy
-    context_chunking_policy: ContextChunkingPolicy
-    max_num_batched_tokens: int
-    concurrency_limit: int
-    schedule_policy: SchedulePolicy
-    enable_memory_cache: bool
-    memory_cache_size_mb: float
-    host_cache_size: Optional[int]
-    secondary_offload_min_priority: int
-    enable_memory_cache_disk: bool
-    memory_cache_disk_paths: Optional[str]
-    memory_cache_disk_size_mb: float
-    write_cache_sync: bool
-    kv_connector_module: Optional[str]
-    kv_connector_class: Optional[str]
-    kv_connector: Any
-    enable_remote_cache: bool
-    remote_cache_url: Optional[str]
-    remote_cache_password: Optional[str] = field(repr=False)
-    remote_cache_ttl_s: int
-    remote_cache_timeout_ms: int
-
-    def __post_init__(self) -> None:
-        if self.enable_remote_cache and not self.remote_cache_url:
-            raise ConfigError("ENABLE_REMOTE_CACHE=1 needs REMOTE_CACHE_URL "
-                              "(redis://host:port/db, or rediss:// for TLS)")
-
-    def replace(self, **overrides: Any) -> "RuntimeConfig":
-        """A copy with `overrides` (ModelConfig field names) validated and applied."""
-        return resolve(self, make_options(CacheOptions, _checked(overrides)))
-
-
-def _checked(overrides: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(overrides) - set(CacheOptions.model_fields))
-    if unknown:
-        raise ConfigError(
-            f"unknown option(s) {unknown}; accepted: {sorted(CacheOptions.model_fields)}"
-        )
-    return overrides
-
-
-def make_options(kind: type[CacheOptions], values: dict[str, Any]) -> CacheOptions:
-    """Build an options model, turning pydantic's error into a ConfigError naming the field."""
+def make_options(kind: type[RuntimeConfig], values: dict[str, Any]) -> RuntimeConfig:
+    """Build an options layer, turning pydantic's error into a ConfigError naming the field."""
     try:
         return kind(**values)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
 
 
-def resolve(*layers: "CacheOptions | RuntimeConfig | None") -> RuntimeConfig:
-    """Merge option layers, later ones winning where they give a value (not None)."""
-    values = dict(DEFAULTS)
+def resolve(*layers: Optional[RuntimeConfig]) -> RuntimeConfig:
+    """Merge option layers, later ones winning for the fields they were given."""
+    values: dict[str, Any] = {}
     for layer in layers:
-        if layer is None:
-            continue
-        items = layer.__dict__ if isinstance(layer, RuntimeConfig) else layer.model_dump()
-        for key, value in items.items():
-            if value is not None and key in values:
-                values[key] = value
-    return RuntimeConfig(**values)
+        if layer is not None:
+            values.update(layer.given())
+    return make_options(RuntimeConfig, values)

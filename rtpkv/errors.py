@@ -13,6 +13,14 @@ class RequestError(RtpkvError, ValueError):
     """A request is invalid (bad prompt, too long, unknown task, ...); other requests go on."""
 
 
+class PromptTooLongError(RequestError):
+    """The prompt (with max_new_tokens) does not fit in max_seq_len."""
+
+
+class UnknownTaskError(RequestError):
+    """A request names a task_id that is not registered."""
+
+
 class CapacityError(RequestError):
     """A request can never fit in the KV pool."""
 

@@ -1,6 +1,8 @@
 """GenerateConfig: the per-request options of `pipeline(prompt, generate_config=...)`.
 
-Names follow rtp-llm's generate_config where it has one. Unknown keys are refused by name.
+Names follow rtp-llm's generate_config where it has one; every other key rtp-llm defines is
+accepted as `rtpkv.rtp_llm_compat` says (mapped, or checked that it leaves a missing feature
+off). Keys no one defines are refused by name.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rtpkv.cache.retention import KvCacheRetentionConfig
+from rtpkv.config import describe_validation_error
 from rtpkv.errors import ConfigError
+from rtpkv.rtp_llm_compat import from_rtp_llm
 
 
 class GenerateConfig(BaseModel):
@@ -21,6 +25,7 @@ class GenerateConfig(BaseModel):
     top_k: int = Field(0, ge=0)              # 0: no top-k filter; 1: greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     temperature: float = Field(1.0, ge=0.0)  # 0: greedy
+    do_sample: bool = True                   # False: greedy, whatever top_k/top_p/temperature say
     repetition_penalty: float = Field(1.0, gt=0.0)
     random_seed: Optional[int] = None
     stop_words_str: list[str] = Field(default_factory=list)
@@ -31,11 +36,17 @@ class GenerateConfig(BaseModel):
     cache_salt: Optional[str] = Field(None, max_length=256)
     return_incremental: bool = False
     return_logits: bool = False              # each response carries the logits of its tokens
-    timeout_ms: Optional[int] = Field(None, ge=1)
+    timeout_ms: Optional[int] = Field(None, ge=1)  # -1 (rtp-llm's default): no timeout
+    skip_special_tokens: bool = True         # in the response text
     kv_cache_retention_config: Optional[KvCacheRetentionConfig] = None  # object or plain dict
     enable_memory_cache: bool = True         # rtp-llm's per-request tier switches
     enable_disk_cache: bool = True
     enable_remote_cache: bool = True
+
+    @field_validator("timeout_ms", mode="before")
+    @classmethod
+    def _no_timeout(cls, value: Any) -> Any:
+        return None if value == -1 else value
 
     @field_validator("task_id")
     @classmethod
@@ -58,7 +69,7 @@ class GenerateConfig(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.top_k == 1 or self.temperature == 0.0
+        return not self.do_sample or self.top_k == 1 or self.temperature == 0.0
 
     @classmethod
     def build(cls, base: "dict[str, Any] | GenerateConfig | None",
@@ -69,16 +80,13 @@ class GenerateConfig(BaseModel):
             base = base.model_dump(exclude_unset=True)
         values = dict(base or {})
         values.update(overrides)
+        values = from_rtp_llm(values)
         unknown = sorted(set(values) - set(cls.model_fields))
         if unknown:
             raise ConfigError(f"unknown generate_config key(s) {unknown}; "
-                              f"accepted: {sorted(cls.model_fields)}")
+                              f"accepted: {sorted(cls.model_fields)} and rtp-llm's GenerateConfig keys")
         try:
             return cls(**values)
         except ValidationError as exc:
-            parts = []
-            for err in exc.errors():
-                key = ".".join(str(p) for p in err["loc"])
-                msg = err["msg"].removeprefix("Value error, ")
-                parts.append(f"generate_config[{key!r}]={err.get('input')!r} is invalid: {msg}")
-            raise ConfigError("; ".join(parts)) from None
+            raise ConfigError(describe_validation_error(
+                exc, lambda key: f"generate_config[{key!r}]")) from None

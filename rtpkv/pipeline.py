@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
+import queue
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from rtpkv.cache.prefix_index import HashFn, sha256
+from rtpkv.chat import Messages, render_chat
 from rtpkv.config import RuntimeConfig
 from rtpkv.engine import Engine, Request, StepOutput
-from rtpkv.engine.request import OutputSink
-from rtpkv.errors import ConfigError, RequestError
+from rtpkv.errors import ConfigError, PromptTooLongError, RequestError
 from rtpkv.generate_config import GenerateConfig
+from rtpkv.locked_tokenizer import LockedTokenizer
 from rtpkv.model_factory.factory import Model
 from rtpkv.tasks import Task, TaskPrompt, TaskRegistry, parse_tasks, tasks_from_config
 from rtpkv.text_stream import TextStream
@@ -73,42 +76,150 @@ class _ResponseBuilder:
                         logits)
 
 
-class ResponseStream(Iterator[Response]):
-    """The iterator `pipeline(...)` returns. Unlike a generator, it cancels its request when
-    closed or garbage-collected even if it was never iterated."""
+Tagged = tuple[int, StepOutput]   # (index of the prompt in the call, its output)
 
-    def __init__(self, engine: Engine, req: Request, builder: _ResponseBuilder):
-        self._engine, self._req, self._builder = engine, req, builder
-        self._ended = False
 
-    def __next__(self) -> Response:
-        while not self._ended:
-            out = self._req.outputs.get()
-            self._ended = out.finished
-            res = self._builder.feed(out)
+class _StreamOutputs:
+    """The outputs of one `pipeline(...)` call as the engine hands them over: a thread-safe
+    queue for `for`, moved to an asyncio queue (no thread per stream) the first time the stream
+    is awaited."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: "queue.Queue[Tagged]" = queue.Queue()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._async_queue: Optional["asyncio.Queue[Tagged]"] = None
+
+    def put(self, item: Tagged) -> None:
+        """From the engine thread."""
+        with self._lock:
+            if self._loop is None:
+                self._queue.put(item)
+            elif not self._loop.is_closed():  # a closed loop has no consumer left
+                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, item)
+
+    def get(self) -> Tagged:
+        if self._loop is not None:
+            raise RuntimeError("this stream is iterated with `async for`; keep to it")
+        return self._queue.get()
+
+    async def get_async(self) -> Tagged:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._loop is None:
+                self._loop, self._async_queue = loop, asyncio.Queue()
+                while not self._queue.empty():
+                    self._async_queue.put_nowait(self._queue.get_nowait())
+            elif self._loop is not loop:
+                raise RuntimeError("this stream is awaited from another event loop")
+        return await self._async_queue.get()
+
+
+@dataclass
+class _TaggedSink:
+    """Routes one member's outputs into the call's shared queue, tagged with its index."""
+
+    put_tagged: Callable[[Tagged], None]
+    index: int
+
+    def put(self, item: StepOutput) -> None:
+        self.put_tagged((self.index, item))
+
+
+@dataclass
+class BatchResponse:
+    """One streamed update of a batch (`pipeline(["a", "b"])`): one entry per prompt, in order.
+    Each update follows a new token of any member; members not started yet show ""."""
+
+    responses: list[Response]
+
+    @property
+    def generate_texts(self) -> list[str]:
+        return [r.generate_texts[0] for r in self.responses]
+
+    @property
+    def batch_response(self) -> list[str]:
+        return self.generate_texts
+
+    @property
+    def finished(self) -> bool:
+        return all(r.finished for r in self.responses)
+
+    @property
+    def output_ids(self) -> list[list[int]]:
+        return [r.output_ids for r in self.responses]
+
+    @property
+    def aux_info(self) -> list[dict[str, Any]]:
+        return [r.aux_info for r in self.responses]
+
+
+class ResponseStream(Iterator[Union[Response, BatchResponse]],
+                     AsyncIterator[Union[Response, BatchResponse]]):
+    """What `pipeline(...)` returns: the requests of one call (one prompt, or a batch) folded
+    into responses; iterate it with `for` or `async for`. Unlike a generator, it cancels its
+    requests when closed or garbage-collected even if it was never iterated."""
+
+    def __init__(self, engine: Engine, members: list[tuple[Request, _ResponseBuilder]],
+                 outputs: _StreamOutputs, batch: bool):
+        self._engine, self._members, self._outputs, self._batch = engine, members, outputs, batch
+        self._open = len(members)
+        self._latest = [Response([""], False, []) for _ in members]
+
+    @property
+    def requests(self) -> list[Request]:
+        return [req for req, _ in self._members]
+
+    def _fold(self, index: int, out: StepOutput) -> "Response | BatchResponse | None":
+        if out.finished:
+            self._open -= 1
+        try:
+            res = self._members[index][1].feed(out)
+        except BaseException:
+            self.close()
+            raise
+        if res is None or not self._batch:
+            return res
+        self._latest[index] = res
+        batch = BatchResponse(list(self._latest))
+        self._latest = [replace(r, generate_texts=[""]) if b.incremental else r
+                        for r, (_, b) in zip(self._latest, self._members)]
+        return batch
+
+    def __next__(self) -> Union[Response, BatchResponse]:
+        while self._open:
+            res = self._fold(*self._outputs.get())
             if res is not None:
                 return res
         raise StopIteration
 
+    def __aiter__(self) -> "ResponseStream":
+        return self
+
+    async def __anext__(self) -> Union[Response, BatchResponse]:
+        while self._open:
+            try:
+                item = await self._outputs.get_async()
+            except BaseException:  # the awaiting task was cancelled
+                self.close()
+                raise
+            res = self._fold(*item)
+            if res is not None:
+                return res
+        raise StopAsyncIteration
+
     def close(self) -> None:
-        """Stop early: the request leaves the engine within one step, its blocks released."""
-        self._ended = True
-        if not self._req.done.is_set():
-            self._engine.abort(self._req)
+        """Stop early: unfinished requests leave the engine within one step, blocks released."""
+        self._open = 0
+        for req, _ in self._members:
+            if not req.done.is_set():
+                self._engine.abort(req)
+
+    async def aclose(self) -> None:
+        self.close()
 
     def __del__(self) -> None:
         self.close()
-
-
-@dataclass
-class _LoopSink:
-    """Hands engine outputs to an asyncio queue from the engine thread: no thread per stream."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: "asyncio.Queue[StepOutput]"
-
-    def put(self, item: StepOutput) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class Pipeline:
@@ -119,7 +230,8 @@ class Pipeline:
         overriding the environment and the model's ModelConfig. `tasks` are task prompts given
         in code; otherwise ModelConfig.tasks, MULTI_TASK_PROMPT or MULTI_TASK_PROMPT_STR."""
         self.model = model
-        self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+        # One lock for every tokenizer call: the engine thread, stream consumers and callers.
+        self.tokenizer = LockedTokenizer(tokenizer if tokenizer is not None else model.tokenizer)
         config = model.config.replace(**options)
         task_list = self._initial_tasks(tasks, model, config)
         eos = set(model.spec.eos_token_ids)
@@ -179,9 +291,8 @@ class Pipeline:
         self.engine.unpin(self.tasks.pop(task_id).pinned)
 
     # ------------------------------------------------------------------ requests
-    def _request(self, prompt: Prompt, generate_config: Optional[dict[str, Any]],
-                 kwargs: dict[str, Any], sink: Optional[OutputSink] = None
-                 ) -> tuple[Request, _ResponseBuilder]:
+    def _prepare(self, prompt: Prompt, generate_config: Optional[dict[str, Any]],
+                 kwargs: dict[str, Any]) -> tuple[Request, _ResponseBuilder]:
         if self.engine.stopped:
             raise RequestError("the pipeline has been stopped")
         cfg = GenerateConfig.build(generate_config, kwargs)
@@ -195,21 +306,20 @@ class Pipeline:
         limit = self.config.max_seq_len
         room = limit - len(ids)
         if room < 1:
-            raise RequestError(f"prompt is {len(ids)} tokens ({len(prefix)} of them the task "
-                               f"prompt); max_seq_len is {limit}, leaving no room to generate")
+            raise PromptTooLongError(f"prompt is {len(ids)} tokens ({len(prefix)} of them the "
+                                     f"task prompt); max_seq_len is {limit}, leaving no room to "
+                                     "generate")
         max_new = cfg.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, room)
         if max_new > room:
-            raise RequestError(f"prompt of {len(ids)} tokens + max_new_tokens {max_new} exceeds "
-                               f"max_seq_len {limit}")
-        stream = TextStream(self.tokenizer, cfg.stop_words_str)
+            raise PromptTooLongError(f"prompt of {len(ids)} tokens + max_new_tokens {max_new} "
+                                     f"exceeds max_seq_len {limit}")
+        stream = TextStream(self.tokenizer, cfg.stop_words_str, cfg.min_new_tokens,
+                            cfg.skip_special_tokens)
         req = Request(ids, cfg, max_new_tokens=max_new, eos_token_ids=self.eos_token_ids,
                       stop_text=stream.stop_check(), prefix_handle=task.pinned if task else None)
         if cfg.kv_cache_retention_config is not None and not self.config.reuse_cache:
             self._note_retention_without_reuse()
-        if sink is not None:
-            req.outputs = sink
         aux = {"input_len": len(own), "prefix_len": len(prefix)}
-        self.engine.submit(req)
         return req, _ResponseBuilder(req, stream, cfg.return_incremental, aux)
 
     def _tokenize(self, prompt: Prompt, with_special: bool) -> list[int]:
@@ -230,30 +340,57 @@ class Pipeline:
             return list(prompt)
         raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def __call__(self, prompt: Prompt, generate_config: Optional[dict[str, Any]] = None,
-                 **kwargs: Any) -> "ResponseStream":
-        """Validate and submit now (errors raise here); iterate for streamed responses.
-        Closing or dropping the stream, even before its first response, cancels the request."""
-        req, builder = self._request(prompt, generate_config, kwargs)
-        return ResponseStream(self.engine, req, builder)
-
-    async def pipeline_async(self, prompt: Prompt, generate_config: Optional[dict[str, Any]] = None,
-                             **kwargs: Any) -> AsyncIterator[Response]:
-        """The same stream for asyncio callers: `async for res in pipeline.pipeline_async(...)`."""
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
-        req, builder = self._request(prompt, generate_config, kwargs, _LoopSink(loop, outputs))
+    def _submit(self, prompt: Union[Prompt, list[str], None], messages: Optional[Messages],
+                generate_config: Optional[dict[str, Any]], kwargs: dict[str, Any],
+                put: Callable[[tuple[int, StepOutput]], None]
+                ) -> tuple[list[tuple[Request, _ResponseBuilder]], bool]:
+        """Validate every prompt first, then submit them all: a bad member fails the call
+        before anything reaches the engine."""
+        if messages is not None:
+            if prompt is not None:
+                raise RequestError("pass either prompt or messages, not both")
+            prompt = self.chat_prompt(messages)
+        if prompt is None:
+            raise RequestError("prompt is missing (got NoneType); pass a string, token ids, a "
+                               "list of strings (a batch) or messages=[...]")
+        batch = isinstance(prompt, (list, tuple)) and bool(prompt) and all(
+            isinstance(p, str) for p in prompt)
+        prompts = list(prompt) if batch else [prompt]
+        prepared = [self._prepare(p, generate_config, kwargs) for p in prompts]
+        members = []
         try:
-            while True:
-                out = await outputs.get()
-                res = builder.feed(out)
-                if res is not None:
-                    yield res
-                if out.finished:
-                    return
-        finally:
-            if not req.done.is_set():
+            for index, (req, builder) in enumerate(prepared):
+                req.outputs = _TaggedSink(put, index)
+                self.engine.submit(req)
+                members.append((req, builder))
+        except BaseException:
+            for req, _ in members:
                 self.engine.abort(req)
+            raise
+        return members, batch
+
+    def __call__(self, prompt: Union[Prompt, list[str], None] = None,
+                 generate_config: Optional[dict[str, Any]] = None, *,
+                 messages: Optional[Messages] = None, **kwargs: Any) -> ResponseStream:
+        """Validate and submit now (errors raise here); iterate the stream with `for` or
+        `async for`. `prompt` is text, token ids, or a list of strings (a batch: each update is
+        a BatchResponse with one entry per prompt); `messages` are chat messages rendered with
+        the checkpoint's chat template. Closing or dropping the stream, even before its first
+        response, cancels the request(s)."""
+        outputs = _StreamOutputs()
+        members, batch = self._submit(prompt, messages, generate_config, kwargs, outputs.put)
+        return ResponseStream(self.engine, members, outputs, batch)
+
+    def pipeline_async(self, prompt: Union[Prompt, list[str], None] = None,
+                       generate_config: Optional[dict[str, Any]] = None, *,
+                       messages: Optional[Messages] = None, **kwargs: Any) -> ResponseStream:
+        """rtp-llm's name for the same stream, for asyncio callers:
+        `async for res in pipeline.pipeline_async(...)`."""
+        return self(prompt, generate_config, messages=messages, **kwargs)
+
+    def chat_prompt(self, messages: Messages) -> list[int]:
+        """The token ids of `messages` rendered for the assistant's reply (rtpkv.chat)."""
+        return render_chat(self.tokenizer, messages)
 
     def _note_retention_without_reuse(self) -> None:
         """A client may send a retention config everywhere: with reuse off it has no effect,

@@ -1,44 +1,71 @@
 """TextStream: output token ids -> the text a response may show so far.
 
 Stop words are cut from the text; while streaming, a tail that could still become a stop word is
-held back, and so is an incomplete UTF-8 character (decoded as U+FFFD at the end).
+held back, and so is an incomplete UTF-8 character, for at most `HOLD_TOKENS` tokens. The final
+text is exactly what decoding all output ids at once gives.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+REPLACEMENT = "\ufffd"
+# The longest wait for a character to complete: a UTF-8 character is at most 4 bytes, and a
+# byte-fallback token carries one. A tail still undecodable after this many tokens holds an
+# invalid sequence, which a full decode shows as U+FFFD too.
+HOLD_TOKENS = 4
+
 
 class TextStream:
     """Incremental detokenizer: each call decodes only the tokens since the last visible
-    boundary (plus a few before it, for word boundaries), so a long generation costs O(1) per
-    token rather than a full re-decode."""
+    boundary (plus the chunk before it, for word boundaries), so a long generation costs O(1)
+    per token rather than a full re-decode; one full decode makes the final text exact."""
 
-    def __init__(self, tokenizer: Any, stop_words: Sequence[str]):
+    def __init__(self, tokenizer: Any, stop_words: Sequence[str], min_new_tokens: int = 0,
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stop_words = list(stop_words)
+        self.min_new_tokens = min_new_tokens
         self.stopped = False
         self.text = ""          # the decoded text of ids[:self._read]
         self._prefix = 0        # ids[_prefix:_read] are decoded again as context
         self._read = 0
         self._scanned = 0       # text before this offset holds no stop word
-        self._cut = 0           # where the text ends once a stop word was found
+        self._floor = 0         # a stop word ending at or before this offset came before
+        self._cut = 0           # min_new_tokens, and does not count; where the text ends
         self._longest_stop = max((len(w) for w in self.stop_words), default=0)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
 
     def _catch_up(self, ids: Sequence[int], finished: bool) -> None:
+        if finished:
+            self.text = self.decode(ids)
+            self._prefix = self._read = len(ids)
+            return
         if len(ids) == self._read:
             return
         before = self.decode(ids[self._prefix:self._read])
-        after = self.decode(ids[self._prefix:])
+        cut = len(ids)
+        after = self.decode(ids[self._prefix:cut])
+        if after.endswith(REPLACEMENT):
+            if cut - self._read < HOLD_TOKENS:
+                return  # an incomplete character: the next token may complete it
+            # Held long enough: show the longest part that ends in a whole character, or else
+            # the oldest token, whose bytes no later token can complete any more.
+            for cut in range(len(ids) - 1, self._read, -1):
+                after = self.decode(ids[self._prefix:cut])
+                if not after.endswith(REPLACEMENT):
+                    break
+            else:
+                cut = self._read + 1
+                after = self.decode(ids[self._prefix:cut])
         added = after[len(before):]
-        # U+FFFD marks bytes not yet decodable: an incomplete character, or invalid bytes
-        # that only a wider window decodes as the full text does. Wait for more tokens.
-        if added and (finished or "\ufffd" not in added):
-            self.text += added
-            self._prefix, self._read = self._read, len(ids)
+        self.text += added
+        if added:  # keep a context that decodes to something, for the word boundary
+            self._prefix = self._read
+        self._read = cut
 
     def visible(self, ids: Sequence[int], finished: bool) -> str:
         """The text to show for output `ids` (the whole output so far)."""
@@ -46,8 +73,11 @@ class TextStream:
             return self.text[:self._cut]
         self._catch_up(ids, finished)
         text = self.text
+        if len(ids) < self.min_new_tokens:
+            self._floor = len(text)
         start = max(0, self._scanned - self._longest_stop + 1)
-        hits = [i for i in (text.find(s, start) for s in self.stop_words) if i >= 0]
+        hits = [i for i in (text.find(s, max(start, self._floor - len(s) + 1))
+                            for s in self.stop_words) if i >= 0]
         self._scanned = len(text)
         if hits:
             self.stopped, self._cut = True, min(hits)
@@ -67,7 +97,8 @@ class TextStream:
 
 
 class StopCheck:
-    """The engine's per-token stop_words_str test: decodes only the tail of the output."""
+    """The engine's per-token stop_words_str test: does a stop word end in the newest token's
+    text? Decodes only the tail of the output."""
 
     def __init__(self, stream: TextStream):
         self.stream = stream
@@ -75,5 +106,7 @@ class StopCheck:
         self.window = 4 * longest + 8  # byte-fallback tokens may carry a quarter of a character
 
     def __call__(self, output_ids: list[int]) -> bool:
-        tail = self.stream.decode(output_ids[-self.window:])
-        return any(s in tail for s in self.stream.stop_words)
+        window = output_ids[-self.window:]
+        tail = self.stream.decode(window)
+        new_from = len(self.stream.decode(window[:-1]).rstrip(REPLACEMENT))
+        return any(tail.find(s, max(0, new_from - len(s) + 1)) >= 0 for s in self.stream.stop_words)

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from rtpkv.config import RuntimeConfig
-from rtpkv.errors import ConfigError, RequestError
+from rtpkv.config import RuntimeConfig, describe_validation_error
+from rtpkv.errors import ConfigError, UnknownTaskError
 
 if TYPE_CHECKING:
     from rtpkv.cache import PinnedPrefix
@@ -60,11 +60,7 @@ def parse_tasks(entries: Any, source: str) -> list[TaskPrompt]:
         try:
             task = TaskPrompt(**entry)
         except ValidationError as exc:
-            faults = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc']) or 'entry'}: "
-                f"{'missing' if e['type'] == 'missing' else 'unexpected key' if e['type'] == 'extra_forbidden' else e['msg'].removeprefix('Value error, ')}"
-                for e in exc.errors())
-            raise ConfigError(f"{source}: entry {i} is invalid: {faults}") from None
+            raise ConfigError(f"{source}: entry {i}: {describe_validation_error(exc)}") from None
         if task.task_id in seen:
             raise ConfigError(f"{source}: entry {i} repeats task_id {task.task_id!r}")
         seen.add(task.task_id)
@@ -113,7 +109,7 @@ class TaskRegistry:
         key = str(task_id)
         if key not in self._tasks:
             known = ", ".join(repr(k) for k in self._tasks) or "none"
-            raise RequestError(f"unknown task_id {key!r}; known task ids: {known}")
+            raise UnknownTaskError(f"unknown task_id {key!r}; known task ids: {known}")
         return self._tasks[key]
 
     def add(self, task: Task) -> None:

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from rtpkv.config import env_var_names
 from rtpkv.model_factory import Model, ModelConfig, ModelFactory
 from rtpkv.model_factory.tiny import build_tiny_checkpoint
 from rtpkv.pipeline import Pipeline
@@ -16,15 +17,6 @@ from redis_server import RedisServer, RedisServerError
 
 torch.set_num_threads(2)
 
-ENV_VARS = ("REUSE_CACHE", "SEQ_SIZE_PER_BLOCK", "MULTI_TASK_PROMPT", "MULTI_TASK_PROMPT_STR",
-            "KV_CACHE_MEM_MB", "KV_CACHE_MAX_TOKENS", "KV_CACHE_EVENT_BUFFER_MAX_SIZE", "MAX_SEQ_LEN", "CAPACITY_SCHEDULER_POLICY",
-            "CONTEXT_CHUNKING_POLICY", "MAX_NUM_BATCHED_TOKENS", "CONCURRENCY_LIMIT",
-            "SCHEDULE_POLICY", "DTYPE", "DEVICE", "ENABLE_MEMORY_CACHE", "MEMORY_CACHE_SIZE_MB",
-            "HOST_CACHE_SIZE", "SECONDARY_OFFLOAD_MIN_PRIORITY", "ENABLE_MEMORY_CACHE_DISK",
-            "MEMORY_CACHE_DISK_PATHS", "MEMORY_CACHE_DISK_SIZE_MB", "WRITE_CACHE_SYNC",
-            "KV_CONNECTOR_MODULE", "KV_CONNECTOR_CLASS", "KV_CONNECTOR", "ENABLE_REMOTE_CACHE",
-            "REMOTE_CACHE_URL", "REMOTE_CACHE_PASSWORD", "REMOTE_CACHE_TTL_S",
-            "REMOTE_CACHE_TIMEOUT_MS")
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -44,7 +36,7 @@ ARCHITECTURES = {
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     """Tests start from an environment that sets none of rtpkv's variables."""
-    for name in ENV_VARS:
+    for name in env_var_names():
         monkeypatch.delenv(name, raising=False)
 
 

@@ -33,6 +33,27 @@ def test_seed_api_and_aux_info(make_pipeline):
     assert aux["cost_time"] >= aux["first_token_cost_time"] > 0
 
 
+def test_one_response_per_generated_token_the_last_one_finished(make_pipeline):
+    pipe = make_pipeline()
+    responses = list(pipe(PROMPT, top_k=1, max_new_tokens=5, ignore_eos=True))
+    assert [len(r.output_ids) for r in responses] == [1, 2, 3, 4, 5]
+    assert [r.finished for r in responses] == [False] * 4 + [True]
+    assert responses[-1].aux_info["finish_reason"] == "length"
+    stopped = list(pipe(PROMPT, top_k=1, max_new_tokens=20, ignore_eos=True,
+                        stop_words_list=[responses[2].output_ids[2:3]]))
+    assert len(stopped) == 3 and stopped[-1].finished and not stopped[-2].finished
+
+
+def test_a_request_ended_before_its_first_token_gets_one_final_response(make_pipeline):
+    pipe = make_pipeline()
+    with pipe.engine.lock:  # cancelled before the engine ever schedules it
+        stream = pipe(PROMPT, top_k=1, max_new_tokens=5)
+        pipe.engine.abort(stream.requests[0])
+    responses = list(stream)
+    assert len(responses) == 1 and responses[0].finished and responses[0].output_ids == []
+    assert responses[0].aux_info["finish_reason"] == "cancelled"
+
+
 def test_token_id_prompt_is_used_as_given(make_pipeline):
     pipe = make_pipeline()
     ids = pipe.tokenizer(PROMPT).input_ids
@@ -253,3 +274,55 @@ def test_incremental_detokenization_equals_a_full_decode(make_pipeline, checkpoi
     pipe = make_pipeline(checkpoints(arch))
     res = run(pipe, PROMPT, max_new_tokens=200)
     assert res.batch_response[0] == pipe.tokenizer.decode(res.output_ids, skip_special_tokens=True)
+
+
+def test_the_stream_itself_supports_async_for(make_pipeline):
+    pipe = make_pipeline()
+    expected = [r.output_ids for r in pipe(PROMPT, top_k=1, max_new_tokens=6, ignore_eos=True)]
+
+    async def main():
+        stream = pipe(PROMPT, top_k=1, max_new_tokens=6, ignore_eos=True)
+        first = next(stream)  # a stream may start with `for` and go on with `async for`
+        return [first.output_ids] + [r.output_ids async for r in stream]
+
+    assert asyncio.run(main()) == expected
+
+
+def test_breaking_out_of_async_for_cancels(make_pipeline):
+    pipe = make_pipeline()
+
+    async def main():
+        stream = pipe(PROMPT, top_k=1, max_new_tokens=200, ignore_eos=True)
+        async for res in stream:
+            if len(res.output_ids) == 3:
+                break
+        await stream.aclose()
+        return stream
+
+    stream = asyncio.run(main())
+    req = stream.requests[0]
+    assert req.done.wait(5) and req.num_output < 200
+    assert idle_in_use(pipe) == 0
+
+
+def test_a_stream_awaited_once_refuses_plain_next(make_pipeline):
+    pipe = make_pipeline()
+
+    async def main():
+        stream = pipe(PROMPT, top_k=1, max_new_tokens=50, ignore_eos=True)
+        await stream.__anext__()
+        with pytest.raises(RuntimeError, match="async for"):
+            next(stream)
+        stream.close()
+
+    asyncio.run(main())
+
+
+def test_top_level_imports():
+    import rtpkv
+    from rtpkv import ModelConfig as MC, ModelFactory as MF, Pipeline as P
+
+    assert (P, MF, MC) == (Pipeline, ModelFactory, ModelConfig)
+    assert {"Pipeline", "ModelFactory", "ModelConfig"} <= set(dir(rtpkv))
+    with pytest.raises(AttributeError, match="Pipline"):
+        rtpkv.Pipline

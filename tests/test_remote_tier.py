@@ -440,9 +440,6 @@ def test_bad_url_error_hides_the_password(monkeypatch):
     assert "hunter2" not in str(info.value) and "***" in str(info.value)
 
 
-def test_enabled_without_a_url_is_refused():
-    from rtpkv.config import resolve
-    from rtpkv.model_factory import ModelConfig
-
+def test_enabled_without_a_url_is_refused(make_pipeline):
     with pytest.raises(ConfigError, match="ENABLE_REMOTE_CACHE=1 needs REMOTE_CACHE_URL"):
-        resolve(ModelConfig(enable_remote_cache=True))
+        make_pipeline(enable_remote_cache=True)

@@ -131,11 +131,11 @@ def test_environment_file_wins_over_string(llama_path, tmp_path, monkeypatch, ca
 @pytest.mark.parametrize("text,match", [
     ("[{", "invalid JSON"),
     ('{"task_id": 1}', "expected a JSON list"),
-    ('[{"task_id": 1, "prompt": "a"}, {"prompt": "b"}]', "entry 1 is invalid: task_id: missing"),
-    ('[{"task_id": 1, "prompt": "a", "extra": 2}]', "entry 0 is invalid: extra: unexpected key"),
-    ('[{"task_id": 1, "prompt": ""}]', "entry 0 is invalid: prompt: prompt must not be empty"),
+    ('[{"task_id": 1, "prompt": "a"}, {"prompt": "b"}]', "entry 1: task_id is missing"),
+    ('[{"task_id": 1, "prompt": "a", "extra": 2}]', "entry 0: extra is an unexpected key"),
+    ('[{"task_id": 1, "prompt": ""}]', "entry 0: prompt='' is invalid: prompt must not be empty"),
     ('[{"task_id": 1, "prompt": "a"}, {"task_id": "1", "prompt": "b"}]', "entry 1 repeats task_id '1'"),
-    ('[{"task_id": [1], "prompt": "a"}]', "entry 0 is invalid: task_id"),
+    ('[{"task_id": [1], "prompt": "a"}]', "entry 0: task_id=\\[1\\] is invalid: task_id must be an int or a string"),
     ('["a"]', "entry 0 is str"),
 ])
 def test_malformed_task_json_names_the_entry(text, match):
@@ -151,7 +151,7 @@ def test_missing_task_file_is_named(llama_path, tmp_path, monkeypatch):
     bad = tmp_path / "bad.json"
     bad.write_text('[{"task_id": 1}]')
     monkeypatch.setenv("MULTI_TASK_PROMPT", str(bad))
-    with pytest.raises(ConfigError, match="bad.json.*entry 0 is invalid: prompt: missing"):
+    with pytest.raises(ConfigError, match="bad.json.*entry 0: prompt is missing"):
         Pipeline(load(llama_path, kv_cache_max_tokens=1024))
 
 

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 

@@ -24,7 +24,9 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     return [_sample_one(logits[i], req) for i, req in enumerate(requests)]
 
 
-def _sample_one(row: torch.Tensor, req: Request) -> int:
+def process_logits(row: torch.Tensor, req: Request) -> torch.Tensor:
+    """The request's logits row after every processor (a new tensor): what it samples from,
+    or takes the arg-max of when greedy."""
     cfg = req.config
     row = row.clone()
     if cfg.repetition_penalty != 1.0:
@@ -37,15 +39,22 @@ def _sample_one(row: torch.Tensor, req: Request) -> int:
         if banned:
             row[torch.tensor(banned, device=row.device)] = float("-inf")
     if cfg.greedy:
-        return int(row.argmax())
+        return row
     row = row / cfg.temperature
     if cfg.top_k > 0 and cfg.top_k < row.numel():
         kth = torch.topk(row, cfg.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
     if cfg.top_p < 1.0:
         sorted_logits, order = torch.sort(row, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= cfg.top_p  # keep the token that crosses top_p
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= cfg.top_p  # keep the token that crosses top_p
         row[order[drop]] = float("-inf")
+    return row
+
+
+def _sample_one(row: torch.Tensor, req: Request) -> int:
+    row = process_logits(row, req)
+    if req.config.greedy:
+        return int(row.argmax())
     probs = row.softmax(-1)
     return int(torch.multinomial(probs.cpu(), 1, generator=req.generator))

@@ -62,6 +62,9 @@ def build_tiers(config: Any, model: Any, block_size: int) -> list[KVTier]:
     if disk is not None:
         tiers.append(disk)
     if config.enable_remote_cache:
+        if not config.remote_cache_url:
+            raise ConfigError("ENABLE_REMOTE_CACHE=1 needs REMOTE_CACHE_URL "
+                              "(redis://host:port/db, or rediss:// for TLS)")
         from rtpkv.cache.tiers.remote import RedisTier  # needs the optional redis client
 
         tiers.append(RedisTier(layout, config.remote_cache_url,

@@ -1,0 +1,218 @@
+"""The HTTP app: rtp-llm's native `POST /`, OpenAI's /v1 routes, /health, /cache_status and
+/metrics over one Pipeline. Every route is async on `pipeline_async`: the engine thread hands
+tokens to the event loop, so there is no thread per request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Union
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response as HttpResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from rtpkv.pipeline import BatchResponse, Pipeline, Response, ResponseStream
+from rtpkv.server import native, openai
+from rtpkv.server.errors import ApiError, ErrorCode, api_error
+from rtpkv.server.metrics import ServerMetrics
+from rtpkv.server.sse import ClientGone, EventStreamResponse, until_disconnect
+
+GENERATION_ROUTES = ("/", "/v1/chat/completions", "/v1/completions")
+CLIENT_CLOSED = 499  # nginx's status for "client closed the request"
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the pipeline, the served model's name, in-flight accounting."""
+
+    pipeline: Pipeline
+    model_name: str
+    metrics: ServerMetrics = field(init=False)
+    in_flight: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.pipeline.cache_stats, lambda: self.in_flight)
+
+    @property
+    def concurrency_limit(self) -> int:
+        return self.pipeline.config.concurrency_limit
+
+    def check_available(self) -> None:
+        if self.pipeline.engine.stopped:
+            raise ApiError(503, ErrorCode.ENGINE_STOPPED,
+                           "the engine is stopped (the server is shutting down)")
+
+    def start(self, route: str, num_prompts: int,
+              submit: Callable[[], ResponseStream]) -> AsyncGenerator[Any, None]:
+        """Admit a request under CONCURRENCY_LIMIT (counted in prompts) and submit it."""
+        self.check_available()
+        if self.in_flight + num_prompts > self.concurrency_limit:
+            raise ApiError(409, ErrorCode.CONCURRENCY_LIMIT_ERROR,
+                           f"{self.in_flight} requests in flight + {num_prompts} new > "
+                           f"CONCURRENCY_LIMIT={self.concurrency_limit}; retry later")
+        stream = submit()
+        self.in_flight += num_prompts
+        return self._run(route, num_prompts, stream)
+
+    async def _run(self, route: str, num_prompts: int, stream: ResponseStream
+                   ) -> AsyncGenerator[Union[Response, BatchResponse], None]:
+        """The stream's responses; at the end (finished, failed, or closed because the client
+        left) the requests are released and counted."""
+        outcome = "cancelled"
+        last: Union[Response, BatchResponse, None] = None
+        try:
+            async for res in stream:
+                last = res
+                yield res
+            outcome = "finished"
+        except Exception as exc:
+            outcome = api_error(exc).outcome
+            raise
+        finally:
+            stream.close()
+            self.in_flight -= num_prompts
+            if last is not None:
+                for aux in (last.aux_info if isinstance(last, BatchResponse) else [last.aux_info]):
+                    self.metrics.observe(aux)
+            self.metrics.requests.labels(route, outcome).inc()
+
+
+async def _last(responses: AsyncGenerator[Any, None]) -> Any:
+    last = None
+    try:
+        async for last in responses:
+            pass
+    finally:
+        await responses.aclose()
+    return last
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                       f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                       f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _submitting(fn: Callable[[], ResponseStream]) -> Callable[[], ResponseStream]:
+    """Pipeline validation errors become HTTP errors (400 naming the field, ...)."""
+    def call() -> ResponseStream:
+        try:
+            return fn()
+        except Exception as exc:
+            raise api_error(exc) from exc
+    return call
+
+
+def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: bool = True
+               ) -> FastAPI:
+    """The app over `pipeline`; on shutdown it stops the pipeline unless told otherwise."""
+    state = ServerState(pipeline, model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if stop_pipeline_on_shutdown:
+            pipeline.stop()
+
+    app = FastAPI(title="rtpkv", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.rtpkv = state
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+        path = request.url.path
+        if path in GENERATION_ROUTES:
+            state.metrics.requests.labels(path, exc.outcome).inc()
+        body = exc.openai_body() if path.startswith("/v1") else exc.native_body()
+        return JSONResponse(body, status_code=exc.status)
+
+    # ------------------------------------------------------------------ rtp-llm native
+    @app.post("/")
+    async def generate(request: Request) -> Any:
+        req = native.parse(await _json_body(request))
+        responses = state.start("/", req.num_prompts, _submitting(
+            lambda: pipeline.pipeline_async(req.prompt, req.generate_config)))
+        if req.stream:
+            return EventStreamResponse(native.events(responses))
+        try:
+            last = await until_disconnect(request.receive, _last(responses))
+        except ClientGone:
+            return HttpResponse(status_code=CLIENT_CLOSED)
+        except Exception as exc:
+            raise api_error(exc) from exc
+        return JSONResponse(native.body(last))
+
+    # ------------------------------------------------------------------ OpenAI
+    def _check_model(name: Any) -> None:
+        if name is not None and name != model_name:
+            raise ApiError(404, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                           f"model {name!r} does not exist; this server serves {model_name!r}",
+                           "model")
+
+    async def _openai(request: Request, route: str, req: Any, num_prompts: int,
+                      submit: Callable[[], ResponseStream]) -> Any:
+        _check_model(req.model)
+        shaper = openai.Shaper(chat=route.endswith("chat/completions"), model=model_name)
+        responses = state.start(route, num_prompts, _submitting(submit))
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return EventStreamResponse(shaper.events(responses, include_usage))
+        try:
+            last = await until_disconnect(request.receive, _last(responses))
+        except ClientGone:
+            return HttpResponse(status_code=CLIENT_CLOSED)
+        except Exception as exc:
+            raise api_error(exc) from exc
+        return JSONResponse(shaper.response(last))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        req = openai.parse(openai.ChatCompletionRequest, await _json_body(request))
+        config = req.generate_config()
+        return await _openai(request, "/v1/chat/completions", req, 1,
+                             lambda: pipeline.pipeline_async(messages=req.messages,
+                                                             generate_config=config))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        req = openai.parse(openai.CompletionRequest, await _json_body(request))
+        config = req.generate_config()
+        return await _openai(request, "/v1/completions", req, req.num_prompts,
+                             lambda: pipeline.pipeline_async(req.prompt, config))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": state.created, "owned_by": "rtpkv",
+             "max_model_len": pipeline.config.max_seq_len}]}
+
+    # ------------------------------------------------------------------ operations
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if pipeline.engine.stopped:
+            return JSONResponse({"status": "stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/cache_status")
+    async def cache_status() -> dict[str, Any]:
+        stats = await asyncio.to_thread(pipeline.cache_stats)  # waits for the step's lock
+        return {**stats, "requests_in_flight": state.in_flight,
+                "task_ids": pipeline.tasks.ids()}
+
+    @app.get("/metrics")
+    async def metrics() -> HttpResponse:
+        body = await asyncio.to_thread(state.metrics.render)  # reads cache_stats under its lock
+        return HttpResponse(body, media_type=CONTENT_TYPE_LATEST)
+
+    return app

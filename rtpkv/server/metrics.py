@@ -1,0 +1,80 @@
+"""Prometheus metrics of one server: requests by outcome, latencies, token counts, and the KV
+cache read from `cache_stats()` at scrape time. Each app has its own registry."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0)
+
+
+class _CacheCollector(Collector):
+    """KV blocks by state, hit rate and scheduler queues, straight from the engine."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], in_flight: Callable[[], int]):
+        self._stats, self._in_flight = stats, in_flight
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        blocks = GaugeMetricFamily("rtpkv_kv_blocks", "KV cache blocks by state", labels=["state"])
+        for state in ("free", "cached", "in_use", "pinned"):
+            blocks.add_metric([state], stats[f"blocks_{state}"])
+        yield blocks
+        yield GaugeMetricFamily("rtpkv_kv_blocks_total", "KV cache blocks in the pool",
+                                value=stats["blocks_total"])
+        yield GaugeMetricFamily("rtpkv_cache_hit_rate",
+                                "prompt tokens found in the cache / prompt tokens looked up",
+                                value=stats["hit_rate"])
+        yield CounterMetricFamily("rtpkv_cache_query_tokens", "prompt tokens looked up",
+                                  value=stats["queries"])
+        yield CounterMetricFamily("rtpkv_cache_hit_tokens", "prompt tokens found in the cache",
+                                  value=stats["hits"])
+        yield CounterMetricFamily("rtpkv_cache_evictions", "blocks evicted",
+                                  value=stats["evictions"])
+        yield GaugeMetricFamily("rtpkv_requests_running", "requests in the running batch",
+                                value=stats["requests_running"])
+        yield GaugeMetricFamily("rtpkv_requests_waiting", "requests waiting for admission",
+                                value=stats["requests_waiting"])
+        yield GaugeMetricFamily("rtpkv_requests_in_flight", "engine requests the server holds",
+                                value=self._in_flight())
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict[str, Any]], in_flight: Callable[[], int]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("rtpkv_requests", "HTTP generation requests by route and outcome",
+                                ["route", "outcome"], registry=r)
+        self.ttft = Histogram("rtpkv_time_to_first_token_seconds",
+                              "engine arrival to first generated token, per request",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("rtpkv_time_per_output_token_seconds",
+                              "mean time per generated token after the first, per request",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("rtpkv_prompt_tokens", "prompt tokens (task prompt included)",
+                                     registry=r)
+        self.generation_tokens = Counter("rtpkv_generation_tokens", "generated tokens",
+                                         registry=r)
+        self.reused_tokens = Counter("rtpkv_reused_tokens", "prompt tokens served from the cache",
+                                     registry=r)
+        r.register(_CacheCollector(stats, in_flight))
+
+    def observe(self, aux: dict[str, Any]) -> None:
+        """Record one finished engine request from its aux_info."""
+        self.prompt_tokens.inc(aux.get("input_len", 0) + aux.get("prefix_len", 0))
+        self.generation_tokens.inc(aux.get("output_len", 0))
+        self.reused_tokens.inc(aux.get("reuse_len", 0))
+        first = aux.get("first_token_cost_time")
+        if first is not None:
+            self.ttft.observe(first / 1000.0)
+            n = aux.get("output_len", 0)
+            if n > 1:
+                self.tpot.observe((aux["cost_time"] - first) / 1000.0 / (n - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,188 @@
+"""OpenAI's schema: /v1/chat/completions and /v1/completions requests mapped onto
+generate_config, and their responses and SSE chunks.
+
+Fields rtpkv does not implement are not declared: like any undeclared key they pass through to
+generate_config (that is how rtpkv's extras such as `task_id`, `cache_salt`, `top_k` arrive from
+the `openai` client's `extra_body`), so an unsupported one is refused by name there.
+`usage.prompt_tokens_details.cached_tokens` is the request's `reuse_len`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncGenerator, Optional, Union
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rtpkv.pipeline import BatchResponse, Response
+from rtpkv.server.errors import ApiError, ErrorCode, api_error
+
+DONE = "data: [DONE]\n\n"
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: Optional[str] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    n: int = Field(1, ge=1, le=1)
+    user: Optional[str] = None  # OpenAI's end-user id: accepted for compatibility, not used
+
+    def generate_config(self) -> dict[str, Any]:
+        """The rtpkv generate_config: mapped OpenAI fields, then the extras as given."""
+        config: dict[str, Any] = dict(self.model_extra or {})
+        mapped = {"max_new_tokens": self.max_new_tokens(), "temperature": self.temperature,
+                  "top_p": self.top_p, "random_seed": self.seed,
+                  "stop_words_str": [self.stop] if isinstance(self.stop, str) else self.stop}
+        config.update({k: v for k, v in mapped.items() if v is not None})
+        config["return_incremental"] = False  # deltas are cut per choice here
+        return config
+
+    def max_new_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+
+    def max_new_tokens(self) -> Optional[int]:
+        if self.max_completion_tokens is not None and self.max_tokens is not None \
+                and self.max_completion_tokens != self.max_tokens:
+            raise ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                           f"max_tokens={self.max_tokens} and max_completion_tokens="
+                           f"{self.max_completion_tokens} disagree; give one", "max_tokens")
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str], list[int]]
+
+    @property
+    def batch(self) -> bool:
+        return isinstance(self.prompt, list) and any(isinstance(p, str) for p in self.prompt)
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompt) if self.batch else 1
+
+
+def parse(kind: type[_Common], body: dict[str, Any]) -> Any:
+    """Validate a request; the error names the first bad field and what it accepts."""
+    try:
+        return kind.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        value = err.get("input")
+        shown = "missing" if err["type"] == "missing" else f"{value!r} is invalid"
+        raise ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                       f"{field}: {shown}: {err['msg'].removeprefix('Value error, ')}",
+                       field) from None
+
+
+def usage(aux: list[dict[str, Any]]) -> dict[str, Any]:
+    prompt = sum(a.get("input_len", 0) + a.get("prefix_len", 0) for a in aux)
+    completion = sum(a.get("output_len", 0) for a in aux)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(a.get("reuse_len", 0) for a in aux)}}
+
+
+def _members(res: Union[Response, BatchResponse]) -> list[Response]:
+    return res.responses if isinstance(res, BatchResponse) else [res]
+
+
+def _finish_reason(res: Response) -> Optional[str]:
+    if not res.finished:
+        return None
+    return FINISH_REASONS.get(res.aux_info.get("finish_reason"), "stop")
+
+
+class Shaper:
+    """Builds one request's OpenAI objects: chat.completion(.chunk) or text_completion."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def response(self, res: Union[Response, BatchResponse]) -> dict[str, Any]:
+        choices = []
+        for i, r in enumerate(_members(res)):
+            text = r.generate_texts[0]
+            choice: dict[str, Any] = {"index": i, "finish_reason": _finish_reason(r),
+                                      "logprobs": None}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return {**self._head(self.object), "choices": choices,
+                "usage": usage([r.aux_info for r in _members(res)])}
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return "data: " + orjson.dumps({**self._head(obj), "choices": choices, **extra}).decode() \
+            + "\n\n"
+
+    def _choice(self, index: int, text: Optional[str], finish: Optional[str],
+                role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+    async def events(self, responses: AsyncGenerator[Union[Response, BatchResponse], None],
+                     include_usage: bool) -> AsyncGenerator[str, None]:
+        """OpenAI's SSE stream: a role chunk first (chat), a chunk per choice whose text grew,
+        a chunk with its finish_reason, the usage chunk when asked, then `data: [DONE]`."""
+        shown: list[str] = []
+        done: list[bool] = []
+        last: Optional[Union[Response, BatchResponse]] = None
+        try:
+            async for res in responses:
+                last = res
+                members = _members(res)
+                if not shown:
+                    shown, done = [""] * len(members), [False] * len(members)
+                    if self.chat:
+                        yield self._chunk([self._choice(i, "", None, role=True)
+                                           for i in range(len(members))])
+                for i, r in enumerate(members):
+                    text = r.generate_texts[0]
+                    delta = text[len(shown[i]):]
+                    shown[i] = text
+                    if delta:
+                        yield self._chunk([self._choice(i, delta, None)])
+                    if r.finished and not done[i]:
+                        done[i] = True
+                        yield self._chunk([self._choice(i, None if self.chat else "",
+                                                        _finish_reason(r))])
+            if include_usage and last is not None:
+                yield self._chunk([], usage=usage([r.aux_info for r in _members(last)]))
+        except Exception as exc:
+            yield "data: " + orjson.dumps(api_error(exc).openai_body()).decode() + "\n\n"
+        finally:
+            await responses.aclose()
+        yield DONE

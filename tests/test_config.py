@@ -1,0 +1,102 @@
+"""Options: one declaration per option, layered defaults < environment < ModelConfig <
+keywords, and one error formatter naming the variable, the value and the accepted range."""
+
+import logging
+
+import pytest
+
+from rtpkv.config import (CapacitySchedulerPolicy, RuntimeConfig, Settings, env_var_names,
+                          resolve)
+from rtpkv.errors import ConfigError
+from rtpkv.generate_config import GenerateConfig
+from rtpkv.model_factory import ModelConfig
+
+# A valid non-default value for every option: a new option without an entry here fails
+# test_every_option_is_read_from_its_environment_variable, so it cannot skip the environment.
+NON_DEFAULT = {
+    "dtype": ("bfloat16", "bfloat16"),
+    "device": ("cpu", "cpu"),
+    "max_seq_len": ("128", 128),
+    "seq_size_per_block": ("16", 16),
+    "kv_cache_mem_mb": ("12.5", 12.5),
+    "kv_cache_max_tokens": ("4096", 4096),
+    "kv_cache_event_buffer_max_size": ("1000", 1000),
+    "reuse_cache": ("on", True),
+    "multi_task_prompt": ("/tmp/tasks.json", "/tmp/tasks.json"),
+    "multi_task_prompt_str": ("[]", "[]"),
+    "capacity_scheduler_policy": ("max_utilization", CapacitySchedulerPolicy.MAX_UTILIZATION),
+    "context_chunking_policy": ("EQUAL_PROGRESS", "EQUAL_PROGRESS"),
+    "max_num_batched_tokens": ("512", 512),
+    "concurrency_limit": ("4", 4),
+    "schedule_policy": ("LPM", "lpm"),
+}
+
+
+def test_every_option_is_read_from_its_environment_variable(monkeypatch):
+    assert sorted(NON_DEFAULT) == sorted(RuntimeConfig.model_fields)
+    assert env_var_names() == [name.upper() for name in RuntimeConfig.model_fields]
+    for name, (raw, _) in NON_DEFAULT.items():
+        monkeypatch.setenv(name.upper(), raw)
+    config = resolve(Settings.from_env())
+    for name, (_, expected) in NON_DEFAULT.items():
+        assert getattr(config, name) == expected, name
+        assert getattr(config, name) != RuntimeConfig.model_fields[name].default, name
+
+
+def test_layers_win_in_order_and_only_for_what_they_were_given(monkeypatch):
+    monkeypatch.setenv("SEQ_SIZE_PER_BLOCK", "16")
+    monkeypatch.setenv("CONCURRENCY_LIMIT", "8")
+    config = resolve(Settings.from_env(), ModelConfig(seq_size_per_block=4, max_seq_len=None))
+    assert (config.seq_size_per_block, config.concurrency_limit, config.max_seq_len) == (4, 8, 0)
+    assert config.max_num_batched_tokens == 2048  # the declared default
+    final = config.replace(concurrency_limit=2, kv_cache_mem_mb=None)
+    assert (final.seq_size_per_block, final.concurrency_limit, final.kv_cache_mem_mb) == (4, 2, None)
+    assert config.concurrency_limit == 8, "replace returns a copy"
+
+
+def test_unknown_option_is_refused_with_the_accepted_ones():
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['reuse'\]; accepted: .*'reuse_cache'"):
+        RuntimeConfig().replace(reuse=True)
+
+
+@pytest.mark.parametrize("build,match", [
+    (lambda: ModelConfig(seq_size_per_block=48),
+     r"^seq_size_per_block=48 is invalid: must be a power of two from 1 to 1024$"),
+    (lambda: RuntimeConfig().replace(concurrency_limit=0),
+     r"^concurrency_limit=0 is invalid: Input should be greater than or equal to 1$"),
+    (lambda: GenerateConfig.build({"top_p": 1.5}, {}),
+     r"^generate_config\['top_p'\]=1.5 is invalid: Input should be less than or equal to 1$"),
+])
+def test_one_formatter_names_field_value_and_range(build, match):
+    with pytest.raises(ConfigError, match=match):
+        build()
+
+
+def test_environment_errors_quote_the_variable_as_written(monkeypatch):
+    monkeypatch.setenv("MAX_NUM_BATCHED_TOKENS", "0")
+    monkeypatch.setenv("DEVICE", "tpu")
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env()
+    assert "MAX_NUM_BATCHED_TOKENS='0' is invalid: Input should be greater than or equal to 1" in str(info.value)
+    assert "DEVICE='tpu' is invalid" in str(info.value)
+
+
+def test_model_config_accepts_rtp_llm_fields_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="rtpkv"):
+        config = ModelConfig(ckpt_path="/models/x", act_type="FP16", seq_size_per_block=8)
+    assert "'act_type', 'ckpt_path'" in caplog.text and "no effect" in caplog.text
+    assert config.given() == {"seq_size_per_block": 8}
+
+
+def test_model_config_typo_lists_the_accepted_fields():
+    with pytest.raises(ConfigError, match=r"unknown ModelConfig field\(s\) \['seq_size_per_blok'\]; "
+                                          r"accepted: \[.*'seq_size_per_block'.*'tasks'"):
+        ModelConfig(seq_size_per_blok=8)
+
+
+def test_model_config_assignment_is_validated_and_counts_as_given():
+    config = ModelConfig()
+    config.reuse_cache = "on"
+    assert config.given() == {"reuse_cache": True}
+    with pytest.raises(ValueError, match="dtype"):
+        config.dtype = "float8"
