@@ -106,7 +106,7 @@ def main() -> None:
         outputs = []
         for run in ("First", "Second"):
             config = ModelConfig(kv_connector=FolderKvCacheConnector, reuse_cache=True)
-            model = ModelFactory.from_huggingface(model_name, config)
+            model = ModelFactory.from_huggingface(model_name, config, show_progress=False)
             pipeline = Pipeline(model, model.tokenizer)
             for res in pipeline(test_text, generate_config=generate_config):
                 pass

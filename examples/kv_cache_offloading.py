@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 
-from transformers import AutoTokenizer
-
 from rtpkv.cli import DEMO_CHECKPOINT
 from rtpkv.model_factory import ModelConfig, ModelFactory
 from rtpkv.model_factory.tiny import cached_tiny_checkpoint
@@ -23,21 +21,20 @@ def main(args: argparse.Namespace) -> None:
                 "Contains at most iter_stats_max_iterations iterations.")
     prompt_b = ("Use for skipping decoding step for non generation model, "
                 "and return the batch_output (such as mm_embeddings)")
-    max_new_tokens = 32
+    # As in TensorRT-LLM's demo, max_seq_len equals the device pool and each request generates up
+    # to max_seq_len: a request fills the whole pool, so B evicts every block of A.
+    max_seq_len = 128
+    kv_cache_max_tokens = 128
     kv_cache_page_size = 16
     model_dir = args.model or str(cached_tiny_checkpoint("demo", **DEMO_CHECKPOINT))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    longest = max(len(tokenizer(p).input_ids) for p in (prompt_a, prompt_b)) + max_new_tokens
-    # a device pool only large enough for a single request
-    kv_cache_max_tokens = -(-longest // kv_cache_page_size) * kv_cache_page_size
     host_cache_size = 2 ** 30 if args.enable_offloading else 0   # 1 GiB of host memory, or none
 
     model = ModelFactory.from_huggingface(model_dir, ModelConfig(
-        reuse_cache=True, seq_size_per_block=kv_cache_page_size,
+        reuse_cache=True, seq_size_per_block=kv_cache_page_size, max_seq_len=max_seq_len,
         kv_cache_max_tokens=kv_cache_max_tokens, host_cache_size=host_cache_size),
         show_progress=False)
     with Pipeline(model, model.tokenizer) as pipeline:
-        config = {"top_k": 1, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+        config = {"top_k": 1, "ignore_eos": True}   # up to max_seq_len
         for round_name, prompts in (("First", (prompt_a, prompt_b)), ("Second", (prompt_a, prompt_b))):
             print(f"--- {round_name} Round ---")
             for prompt in prompts:

@@ -200,6 +200,7 @@ def test_asynchronous_saves_hold_staging_until_finished(tier):
     t.check_integrity()
     t.store(meta(9), payload(9))                              # no staging block free: dropped
     assert t.stats()["connector_saves_dropped"] == 1
+    assert t.lookup([meta(0).key]) == 0                       # no staging block to load into
     t.connector.done.append(t.connector.last)
     t.store(meta(10), payload(10))                            # reaped, then saved
     assert t.stats()["connector_saved_blocks"] == 5

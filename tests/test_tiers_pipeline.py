@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import textwrap
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,8 @@ import transformers
 from conftest import run
 
 from rtpkv.cache.connector import KvCacheConnector
+from rtpkv.cache.tiers import BlockMeta
+from rtpkv.cache.tiers.factory import tier_layout
 from rtpkv.cache.tiers.record import encode_record
 from rtpkv.errors import ConfigError
 
@@ -321,11 +323,8 @@ def test_a_foreign_file_under_a_matching_name_is_a_miss(make_pipeline, tmp_path)
     pipe = make_pipeline(reuse_cache=True, seq_size_per_block=B, **disk(tmp_path))
     files = _block_files(tmp_path, pipe)
     pipe.stop()
-    from rtpkv.cache.tiers.factory import tier_layout
     layout = tier_layout(pipe.engine.model, B)
-    from dataclasses import replace
     foreign = replace(layout, fingerprint="ef" * 32)
-    from rtpkv.cache.tiers import BlockMeta
     files[1].write_bytes(encode_record(BlockMeta(b"k" * 32, b"p" * 32, tuple(A_IDS[4:8])),
                                        torch.zeros(layout.shape, dtype=layout.dtype), foreign))
     pipe = make_pipeline(reuse_cache=True, seq_size_per_block=B, **disk(tmp_path))
@@ -433,3 +432,19 @@ def test_a_connector_that_raises_is_a_miss_and_the_engine_goes_on(make_pipeline,
     assert "store unreachable" in caplog.text
     assert pipe.cache_stats()["connector_errors"] == 2   # the second B hits on the device
     assert_same(res, plain)
+
+
+def test_the_folder_connector_example_persists_blocks_across_pipelines(make_pipeline, tmp_path,
+                                                                        monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples"))
+    from kv_cache_connector import CONNECTOR_CACHE_FOLDER_KEY, FolderKvCacheConnector
+
+    monkeypatch.setenv(CONNECTOR_CACHE_FOLDER_KEY, str(tmp_path))
+    first = make_pipeline(reuse_cache=True, seq_size_per_block=B, kv_connector=FolderKvCacheConnector)
+    res1 = run(first, A_IDS, max_new_tokens=6, return_logits=True)
+    first.stop()
+    assert len(list(tmp_path.glob("*.safetensors"))) >= 5
+    second = make_pipeline(reuse_cache=True, seq_size_per_block=B, kv_connector=FolderKvCacheConnector)
+    res2 = run(second, A_IDS, max_new_tokens=6, return_logits=True)
+    assert res2.aux_info["connector_reuse_len"] == 20
+    assert_same(res2, res1)

@@ -216,7 +216,7 @@ class ConnectorTier(KVTier):
             log.warning("kv connector: get_num_new_matched_tokens returned %r tokens; a whole "
                         "number of %d-token blocks is needed, taken as a miss", tokens, B)
             return 0
-        found = min(tokens // B, len(keys), self.context.num_staging_blocks)
+        found = min(tokens // B, len(keys), len(self._free))   # staging blocks bound a load
         request.block_keys = request.block_keys[:found]
         self._matched = request if found else None
         self.counters["lookup_hits"] += found

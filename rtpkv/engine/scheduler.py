@@ -234,7 +234,9 @@ class Scheduler:
         req = self._next_fetched()
         if req is None:
             return False
-        match = self.cache.lookup(req)
+        # tier hits need fresh blocks like computed ones: whether the request fits depends on
+        # the device hits alone, and the tiers are asked once, when it is admitted
+        match = self.cache.lookup(req, with_tiers=False)
         if self.config.capacity_scheduler_policy == CapacitySchedulerPolicy.MAX_UTILIZATION:
             fits = self.cache.can_admit(req, match, req.num_tokens)
         else:
@@ -242,7 +244,7 @@ class Scheduler:
         if not fits:
             return False
         self.waiting.remove(req)
-        reused = self.cache.admit(req, match)
+        reused = self.cache.admit(req, self.cache.lookup(req))
         if req.reuse_len is None:
             req.reuse_len = reused.pop("local")
             req.reuse_by_tier = reused

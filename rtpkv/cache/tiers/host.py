@@ -156,6 +156,11 @@ class HostTier(KVTier):
         caller's stream made to wait for the copy before it can reuse the source memory."""
         target = self.buffer[index]
         if not (self.cuda and payload.is_cuda):
+            if self.cuda:
+                # a copy into the slot's last occupant (side stream) or out of it (an onboard on
+                # the engine's stream) may still be in flight: the CPU writes after both
+                self._stream.synchronize()
+                torch.cuda.current_stream(self.device).synchronize()
             target.copy_(payload)
             return None
         current = torch.cuda.current_stream(self.device)
