@@ -6,7 +6,7 @@ writing every block through to Redis when nothing is reused.
 Starts a private redis-server on a free loopback port (tests/redis_server.py; needs the
 redis-server binary) and stops it at the end.
 
-  repeat  workload a (../shared/BENCHMARKS.md): process 1 computes the 2,000-token prefix + a
+  repeat  workload a (docs/BENCHMARKS.md): process 1 computes the 2,000-token prefix + a
           64-token question (its blocks are written through to Redis) and exits; process 2, a
           fresh replica, asks the same prefix with another question: its TTFT, served from
           Redis, against the TTFT of a replica without the remote tier (recomputation). Each
