@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import os
 from typing import Any, Callable, Optional
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -71,8 +72,53 @@ def describe_validation_error(exc: ValidationError, name: Callable[[str], str] =
             clauses.append(f"{name(field)} is an unexpected key")
         else:
             msg = err["msg"].removeprefix("Value error, ")
-            clauses.append(f"{name(field)}={value(field, err.get('input'))!r} is invalid: {msg}")
+            shown = value(field, err.get("input"))
+            shown = _SECRET_VALUES.get(field, lambda v: v)(shown)
+            clauses.append(f"{name(field)}={shown!r} is invalid: {msg}")
     return "; ".join(clauses)
+
+
+def check_redis_url(url: str) -> None:
+    """redis://[user:password@]host[:port][/db] or rediss:// (TLS); raises ValueError saying why."""
+    accepted = "accepted: redis://[:password@]host[:port][/db] or rediss:// for TLS"
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; {accepted}") from None
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError("port must be 1 to 65535") from None
+    if parts.scheme not in ("redis", "rediss"):
+        raise ValueError(f"scheme must be redis or rediss; {accepted}")
+    if not parts.hostname:
+        raise ValueError(f"no host; {accepted}")
+    if port == 0:
+        raise ValueError("port must be 1 to 65535")
+    db = parts.path.lstrip("/")
+    if db and not (db.isdigit() and int(db) < 16384):
+        raise ValueError(f"database {db!r} must be a number from 0; {accepted}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"options after '?' or '#' are not accepted; {accepted}")
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password replaced by ***, for logs and error messages."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+        return parts._replace(netloc=netloc).geturl()
+    except ValueError:
+        return "<unparsable URL>"
+
+
+# Values never shown as given in an error message.
+_SECRET_VALUES: dict[str, Callable[[Any], Any]] = {
+    "remote_cache_url": lambda v: redact_url(v) if isinstance(v, str) else v,
+    "remote_cache_password": lambda v: "***",
+}
 
 
 class RuntimeConfig(BaseModel):
@@ -113,9 +159,14 @@ class RuntimeConfig(BaseModel):
     kv_connector_module: Optional[str] = None
     kv_connector_class: Optional[str] = None
     kv_connector: Optional[Any] = None   # a KvCacheConnector class or instance (ModelConfig)
+    enable_remote_cache: bool = False
+    remote_cache_url: Optional[str] = None   # redis://[:password@]host[:port][/db], rediss://
+    remote_cache_password: Optional[str] = Field(None, repr=False)
+    remote_cache_ttl_s: int = Field(0, ge=0)  # 0: keys never expire
+    remote_cache_timeout_ms: int = Field(200, ge=1, le=60000)
 
     @field_validator("reuse_cache", "enable_memory_cache", "enable_memory_cache_disk",
-                     "write_cache_sync", mode="before")
+                     "write_cache_sync", "enable_remote_cache", mode="before")
     @classmethod
     def _switch(cls, value: Any) -> Any:
         return parse_switch(value)
@@ -136,6 +187,13 @@ class RuntimeConfig(BaseModel):
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("remote_cache_url")
+    @classmethod
+    def _redis_url(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            check_redis_url(value)
+        return value
 
     def given(self) -> dict[str, Any]:
         """The options this layer was given (explicitly, not by default)."""

@@ -13,6 +13,7 @@ from rtpkv.config import env_var_names
 from rtpkv.model_factory import Model, ModelConfig, ModelFactory
 from rtpkv.model_factory.tiny import build_tiny_checkpoint
 from rtpkv.pipeline import Pipeline
+from redis_server import RedisServer, RedisServerError
 
 torch.set_num_threads(2)
 
@@ -54,6 +55,42 @@ def checkpoints(tmp_path_factory) -> Callable[[str], Path]:
 @pytest.fixture(scope="session")
 def llama_path(checkpoints) -> Path:
     return checkpoints("llama")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A private redis-server on a free loopback port for the whole session. A test that needs
+    it fails (never skips) when it cannot be started."""
+    try:
+        server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    except RedisServerError as exc:
+        pytest.fail(str(exc))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """The session server's URL, emptied for this test."""
+    if not redis_server.ping():  # a test killed it: bring it back
+        redis_server.start()
+    import redis
+
+    with redis.Redis.from_url(redis_server.url) as client:
+        client.flushall()
+    return redis_server.url
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A redis-server for this test alone (tests that kill and restart it)."""
+    (tmp_path / "redis").mkdir()
+    try:
+        server = RedisServer(tmp_path / "redis").start()
+    except RedisServerError as exc:
+        pytest.fail(str(exc))
+    yield server
+    server.stop()
 
 
 def load(path: Path, **config: Any) -> Model:

@@ -34,13 +34,18 @@ NON_DEFAULT = {
     "memory_cache_size_mb": ("64", 64.0),
     "host_cache_size": ("1048576", 1048576),
     "secondary_offload_min_priority": ("50", 50),
-    "enable_memory_cache_disk": ("1", True),
+    "enable_memory_cache_disk": ("true", True),
     "memory_cache_disk_paths": ("/tmp/kv", "/tmp/kv"),
     "memory_cache_disk_size_mb": ("100", 100.0),
     "write_cache_sync": ("1", True),
-    "kv_connector_module": ("my_connectors", "my_connectors"),
-    "kv_connector_class": ("FolderConnector", "FolderConnector"),
-    "kv_connector": ("my_connectors:FolderConnector", "my_connectors:FolderConnector"),
+    "kv_connector_module": ("my.module", "my.module"),
+    "kv_connector_class": ("MyConnector", "MyConnector"),
+    "kv_connector": ("my.module.MyConnector", "my.module.MyConnector"),
+    "enable_remote_cache": ("1", True),
+    "remote_cache_url": ("redis://127.0.0.1:6380/1", "redis://127.0.0.1:6380/1"),
+    "remote_cache_password": ("pw", "pw"),
+    "remote_cache_ttl_s": ("3600", 3600),
+    "remote_cache_timeout_ms": ("50", 50),
 }
 
 

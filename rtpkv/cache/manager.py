@@ -44,7 +44,9 @@ from rtpkv.cache.prefix_index import PrefixIndex
 from rtpkv.cache.retention import KvCacheRetentionConfig
 
 if TYPE_CHECKING:
-    from rtpkv.cache.tiers.base import KVTier
+    from concurrent.futures import Future
+
+    from rtpkv.cache.tiers.base import BlockMeta, KVTier
 
 log = logging.getLogger("rtpkv")
 
@@ -248,18 +250,24 @@ class KVCacheManager:
             self._lookup_tiers(seq, match, parent_key, limit)
         return match
 
-    def _lookup_tiers(self, seq: CacheSequence, match: PrefixMatch, parent_key: bytes,
-                      limit: int) -> None:
+    def _tier_metas(self, seq: CacheSequence, start: int, parent_key: bytes,
+                    limit: int) -> list["BlockMeta"]:
+        """The BlockMeta of `seq`'s full blocks start..limit-1, chained from parent_key."""
         from rtpkv.cache.tiers.base import BlockMeta
 
         B = self.block_size
         metas = []
-        for i in range(len(match.device), limit):
+        for i in range(start, limit):
             tokens = tuple(seq.token_ids[i * B:(i + 1) * B])
             extra = seq.salt if i == 0 else b""
             key = self.index.key(parent_key, tokens, extra)
             metas.append(BlockMeta(key=key, parent_key=parent_key, tokens=tokens, extra=extra))
             parent_key = key
+        return metas
+
+    def _lookup_tiers(self, seq: CacheSequence, match: PrefixMatch, parent_key: bytes,
+                      limit: int) -> None:
+        metas = self._tier_metas(seq, len(match.device), parent_key, limit)
         pos = 0
         for tier in self.tiers:
             if pos == len(metas):
@@ -270,6 +278,27 @@ class KVCacheManager:
             if n:
                 match.tiers.append(TierHit(tier, metas[pos:pos + n]))
                 pos += n
+
+    def prefetch(self, seq: CacheSequence) -> list["Future[int]"]:
+        """Start fetching `seq`'s prompt blocks from the tiers that fetch in the background (the
+        Redis tier's `prefetch`), so that its admission finds them in memory and the engine
+        thread never waits on the network. Returns the futures to wait for (maybe none)."""
+        fetching = [t for t in self.tiers if hasattr(t, "prefetch") and seq.allows_tier(t.name)]
+        if not fetching or not self.reuse_applies(seq):
+            return []
+        match = self.lookup(seq, with_tiers=False)
+        parent_key = self.blocks[match.device[-1]].key if match.device else self.index.root
+        metas = self._tier_metas(seq, len(match.device), parent_key,
+                                 (seq.num_tokens - 1) // self.block_size)
+        pos = 0
+        for tier in self.tiers:
+            if pos == len(metas):
+                break
+            if tier in fetching:
+                return [tier.prefetch(metas[pos:])]
+            if seq.allows_tier(tier.name):
+                pos += tier.lookup([m.key for m in metas[pos:]])
+        return []
 
     def admit(self, seq: CacheSequence, match: PrefixMatch) -> dict[str, int]:
         """Give `seq` its cached prefix: share the device hits, onboard tier hits into fresh

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Optional
 
 from rtpkv.cache import KVCacheManager
 from rtpkv.config import CapacitySchedulerPolicy, ContextChunkingPolicy, RuntimeConfig, SchedulePolicy
@@ -48,9 +50,15 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []       # in admission order
         self._admitting = True
+        self._fetching: dict[Request, list[Future[int]]] = {}  # tier blocks being fetched
 
     def add(self, req: Request) -> None:
+        """Queue a new request, and start fetching its cached blocks from background tiers:
+        it is admitted once they are in memory; others are admitted meanwhile."""
         self.waiting.append(req)
+        futures = self.cache.prefetch(req)
+        if futures:
+            self._fetching[req] = futures
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -148,6 +156,7 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         """Drop the request from the queues and give back its blocks."""
+        self._fetching.pop(req, None)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -213,13 +222,24 @@ class Scheduler:
             cached = {r: self.cache.lookup(r, with_tiers=False).num_blocks for r in self.waiting}
             self.waiting = deque(sorted(self.waiting, key=lambda r: -cached[r]))
 
+    def _next_fetched(self) -> Optional[Request]:
+        """The first waiting request whose blocks are not still being fetched from a tier."""
+        for req in self.waiting:
+            futures = self._fetching.get(req)
+            if futures is None or all(f.done() for f in futures):
+                self._fetching.pop(req, None)
+                return req
+        return None
+
     def _admit_next(self) -> bool:
         """Admit the next waiting request if the policies allow; it joins `running`."""
         if not self.waiting or len(self.running) >= self.config.concurrency_limit:
             return False
         if not self._admitting:
             return False
-        req = self.waiting[0]
+        req = self._next_fetched()
+        if req is None:
+            return False
         # tier hits need fresh blocks like computed ones: whether the request fits depends on
         # the device hits alone, and the tiers are asked once, when it is admitted
         match = self.cache.lookup(req, with_tiers=False)
@@ -230,7 +250,7 @@ class Scheduler:
             fits = self.cache.can_admit(req, match, self.tokens_for(req), self._reserved(), chunk)
         if not fits:
             return False
-        self.waiting.popleft()
+        self.waiting.remove(req)
         reused = self.cache.admit(req, self.cache.lookup(req))
         if req.reuse_len is None:
             req.reuse_len = reused.pop("local")

@@ -1,5 +1,5 @@
 """build_tiers: the tiers below the device pool that the configuration asks for, in lookup order
-(host memory, disk, then a user connector), each logged with its size at start-up.
+(host memory, disk, Redis, then a user connector), each logged with its size at start-up.
 
 Host memory: ``host_cache_size`` bytes (TensorRT-LLM's name, set in ModelConfig; wins) or
 ``MEMORY_CACHE_SIZE_MB`` when ``ENABLE_MEMORY_CACHE=1`` (rtp-llm's names); 0 or disabled means
@@ -7,6 +7,7 @@ no tier. Disk: ``ENABLE_MEMORY_CACHE_DISK=1`` with ``MEMORY_CACHE_DISK_PATHS`` (
 and ``MEMORY_CACHE_DISK_SIZE_MB``; ``WRITE_CACHE_SYNC=1`` writes synchronously. Blocks the host
 tier evicts go to the disk tier when both are on. Connector: ``KV_CONNECTOR_MODULE`` +
 ``KV_CONNECTOR_CLASS``, or ``kv_connector`` (a class or an instance) in ModelConfig.
+Redis: ``ENABLE_REMOTE_CACHE=1`` with ``REMOTE_CACHE_URL`` (rtpkv.cache.tiers.remote).
 """
 
 from __future__ import annotations
@@ -60,6 +61,16 @@ def build_tiers(config: Any, model: Any, block_size: int) -> list[KVTier]:
                  ", pinned, side-stream copies" if host.cuda else "")
     if disk is not None:
         tiers.append(disk)
+    if config.enable_remote_cache:
+        if not config.remote_cache_url:
+            raise ConfigError("ENABLE_REMOTE_CACHE=1 needs REMOTE_CACHE_URL "
+                              "(redis://host:port/db, or rediss:// for TLS)")
+        from rtpkv.cache.tiers.remote import RedisTier  # needs the optional redis client
+
+        tiers.append(RedisTier(layout, config.remote_cache_url,
+                               password=config.remote_cache_password,
+                               ttl_s=config.remote_cache_ttl_s,
+                               timeout_ms=config.remote_cache_timeout_ms))
     connector = _connector_tier(config, layout, model)
     if connector is not None:
         tiers.append(connector)
