@@ -21,9 +21,11 @@ position is older than what the next query attends to is released during the req
 (`release_out_of_window`) and its entry becomes `RELEASED`, so positions never shift and the
 table keeps its length; attention backends read only inside the window, never such an entry.
 A released block is released as at the end of a request: a full, indexed one stays cached
-(evictable) and findable, the rest go back to the free list. When a block fills with content that is already indexed, the request keeps its
-own copy (unindexed; it shares the content's serial so the chain behind it still matches), and
-it is indexed when it is released if the other copy has gone by then.
+(evictable) and findable, the rest go back to the free list.
+
+When a block fills with content that is already indexed, the request keeps its own copy
+(unindexed; it shares the content's serial so the chain behind it still matches), and it is
+indexed when it is released if the other copy has gone by then.
 
 Only the engine thread calls it (under the engine lock).
 """
