@@ -56,6 +56,16 @@ def timed_request(pipe, ids: Sequence[int], max_new_tokens: int, **cfg: Any) -> 
     return ttft, time.perf_counter() - t0, res
 
 
+def interleaved(fn, runs: int) -> tuple[list, list]:
+    """fn(True) and fn(False) `runs` times each, alternating which goes first, so that drift
+    in the machine's speed falls on both sides alike."""
+    on, off = [], []
+    for i in range(runs):
+        for flag in ((True, False) if i % 2 == 0 else (False, True)):
+            (on if flag else off).append(fn(flag))
+    return on, off
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]

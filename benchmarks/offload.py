@@ -22,7 +22,7 @@ import argparse
 import statistics
 import time
 
-from common import pipeline, random_ids, setup_threads, table, timed_request
+from common import interleaved, pipeline, random_ids, setup_threads, table, timed_request
 
 HOST = 1 << 30
 
@@ -75,13 +75,6 @@ def none(tier: bool, block: int):
         stats = pipe.cache_stats()
     return total, inside[0], outs, stats
 
-
-def interleaved(fn, runs: int) -> tuple[list, list]:
-    on, off = [], []
-    for i in range(runs):
-        for flag in ((True, False) if i % 2 == 0 else (False, True)):
-            (on if flag else off).append(fn(flag))
-    return on, off
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ import argparse
 import statistics
 import time
 
-from common import pipeline, random_ids, setup_threads, table, timed_request
+from common import interleaved, pipeline, random_ids, setup_threads, table, timed_request
 
 
 def workload_a(reuse: bool, block: int) -> tuple[float, float, list[list[int]]]:
@@ -86,15 +86,6 @@ def _time_calls(obj, names: tuple[str, ...]) -> list[float]:
         setattr(obj, name, timed)
     return spent
 
-
-def interleaved(fn, runs: int) -> tuple[list, list]:
-    """fn(True) and fn(False) `runs` times each, alternating which goes first, so that drift
-    in the machine's speed falls on both sides alike."""
-    on, off = [], []
-    for i in range(runs):
-        for reuse in ((True, False) if i % 2 == 0 else (False, True)):
-            (on if reuse else off).append(fn(reuse))
-    return on, off
 
 
 def main() -> None:

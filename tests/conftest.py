@@ -93,6 +93,24 @@ def own_redis(tmp_path):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def hf(llama_path):
+    """The Llama test checkpoint in transformers, the reference every cache path is held to."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).eval()
+
+
+def hf_reference(hf, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and the logits of each generated position."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=n, min_new_tokens=n)[0, len(prompt):].tolist()
+        logits = hf(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:len(prompt) - 1 + n]
+    return out, logits
+
+
 def load(path: Path, **config: Any) -> Model:
     return ModelFactory.from_huggingface(path, ModelConfig(**config), show_progress=False)
 

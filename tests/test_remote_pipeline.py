@@ -17,8 +17,7 @@ import time
 import pytest
 import redis
 import torch
-import transformers
-from conftest import run
+from conftest import hf_reference, run
 from redis_server import SilentServer, free_port
 
 from rtpkv.cache.tiers.base import BlockMeta
@@ -27,21 +26,6 @@ from rtpkv.cache.tiers.record import decode_record, encode_record
 B = 4
 A_IDS = list(range(10, 32))          # 22 tokens: 5 full blocks reusable (the last token never)
 REMOTE_REUSE = 20
-
-
-@pytest.fixture(scope="module")
-def hf(llama_path):
-    return transformers.AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).eval()
-
-
-def hf_reference(hf, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens and the logits of each generated position."""
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                          max_new_tokens=n, min_new_tokens=n)[0, len(prompt):].tolist()
-        logits = hf(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:len(prompt) - 1 + n]
-    return out, logits
 
 
 def assert_same(res, tokens: list[int], logits: torch.Tensor) -> None:

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
-from conftest import run
+from conftest import hf_reference, run
 
 from rtpkv.cache.connector import KvCacheConnector
 from rtpkv.cache.tiers import BlockMeta
@@ -31,21 +30,6 @@ A_IDS = list(range(10, 32))            # 22 tokens: 5 full blocks are reusable (
 B_IDS = list(range(100, 122))
 ONE_REQUEST = dict(reuse_cache=True, seq_size_per_block=B, kv_cache_max_tokens=24)  # 6 blocks
 HOST = 1 << 20                          # bytes: plenty for the tiny model's blocks
-
-
-@pytest.fixture(scope="module")
-def hf(llama_path):
-    return transformers.AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).eval()
-
-
-def hf_reference(hf, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens and the logits of each generated position."""
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                          max_new_tokens=n, min_new_tokens=n)[0, len(prompt):].tolist()
-        logits = hf(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:len(prompt) - 1 + n]
-    return out, logits
 
 
 def assert_same(res, ref) -> None:
