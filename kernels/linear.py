@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 LINEAR_PATHS = ("auto", "native", "onednn", "fp32-compute")
-MIN_ROWS = 8
+MIN_ROWS = 16
 
 
 def bf16_gemm_supported() -> bool:
