@@ -56,6 +56,23 @@ def timed_request(pipe, ids: Sequence[int], max_new_tokens: int, **cfg: Any) -> 
     return ttft, time.perf_counter() - t0, res
 
 
+def time_calls(objs_and_names: Sequence[tuple[Any, str]]) -> list[float]:
+    """Wrap methods so the seconds spent inside them add up in the returned cell."""
+    spent = [0.0]
+    for obj, name in objs_and_names:
+        method = getattr(obj, name)
+
+        def timed(*args, _method=method, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+    return spent
+
+
 def interleaved(fn, runs: int) -> tuple[list, list]:
     """fn(True) and fn(False) `runs` times each, alternating which goes first, so that drift
     in the machine's speed falls on both sides alike."""

@@ -22,26 +22,9 @@ import argparse
 import statistics
 import time
 
-from common import interleaved, pipeline, random_ids, setup_threads, table, timed_request
+from common import interleaved, pipeline, random_ids, setup_threads, table, time_calls, timed_request
 
 HOST = 1 << 30
-
-
-def time_calls(objs_and_names) -> list[float]:
-    """Wrap methods so the seconds spent inside them add up in the returned cell."""
-    spent = [0.0]
-    for obj, name in objs_and_names:
-        method = getattr(obj, name)
-
-        def timed(*args, _method=method, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return _method(*args, **kwargs)
-            finally:
-                spent[0] += time.perf_counter() - t0
-
-        setattr(obj, name, timed)
-    return spent
 
 
 def tier_calls(pipe) -> list[float]:

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-from common import interleaved, pipeline, random_ids, setup_threads, table, timed_request
+from common import interleaved, pipeline, random_ids, setup_threads, table, time_calls, timed_request
 
 
 def workload_a(reuse: bool, block: int) -> tuple[float, float, list[list[int]]]:
@@ -62,7 +61,7 @@ def workload_none(reuse: bool, block: int) -> tuple[float, float, float]:
     """Mean TTFT, total time, and the seconds spent in reuse bookkeeping (hashing, matching,
     registering blocks), timed around the cache manager's own calls."""
     with pipeline(reuse_cache=reuse, seq_size_per_block=block) as pipe:
-        bookkeeping = _time_calls(pipe.engine.cache, ("lookup", "commit"))
+        bookkeeping = time_calls([(pipe.engine.cache, "lookup"), (pipe.engine.cache, "commit")])
         ttfts, totals = [], []
         for i in range(16):
             ttft, total, _ = timed_request(pipe, random_ids(512, seed=400 + i), 16)
@@ -70,21 +69,6 @@ def workload_none(reuse: bool, block: int) -> tuple[float, float, float]:
             totals.append(total)
     return statistics.mean(ttfts), sum(totals), bookkeeping[0]
 
-
-def _time_calls(obj, names: tuple[str, ...]) -> list[float]:
-    spent = [0.0]
-    for name in names:
-        method = getattr(obj, name)
-
-        def timed(*args, _method=method, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return _method(*args, **kwargs)
-            finally:
-                spent[0] += time.perf_counter() - t0
-
-        setattr(obj, name, timed)
-    return spent
 
 
 
