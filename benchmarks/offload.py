@@ -59,7 +59,6 @@ def none(tier: bool, block: int):
     return total, inside[0], outs, stats
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)

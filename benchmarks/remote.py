@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import pipeline, random_ids, setup_threads, table, timed_request
+from common import pipeline, random_ids, setup_threads, table, time_calls, timed_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from redis_server import RedisServer  # noqa: E402
@@ -82,7 +82,7 @@ def none(server: RedisServer, remote: bool, block: int) -> tuple[float, float, i
     if remote:
         options.update(enable_remote_cache=True, remote_cache_url=server.url)
     with pipeline(**options) as pipe:
-        handing = _timed(pipe.engine.cache, "_write_through")
+        handing = time_calls([(pipe.engine.cache, "_write_through")])
         timed_request(pipe, random_ids(80, seed=9999), 2)
         handing[0] = 0.0
         outs, t0 = [], time.perf_counter()
@@ -92,22 +92,6 @@ def none(server: RedisServer, remote: bool, block: int) -> tuple[float, float, i
         total = time.perf_counter() - t0
         stores = pipe.cache_stats().get("remote_stores", 0)
     return total, handing[0], stores, outs
-
-
-def _timed(obj, name: str) -> list[float]:
-    """Accumulate the seconds spent in obj.name into the returned one-element list."""
-    spent = [0.0]
-    method = getattr(obj, name)
-
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            spent[0] += time.perf_counter() - t0
-
-    setattr(obj, name, timed)
-    return spent
 
 
 def server_flush(server: RedisServer) -> None:

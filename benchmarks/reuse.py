@@ -70,8 +70,6 @@ def workload_none(reuse: bool, block: int) -> tuple[float, float, float]:
     return statistics.mean(ttfts), sum(totals), bookkeeping[0]
 
 
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)

@@ -6,7 +6,8 @@ request-level API here; the scheduler, the engine, the pipeline and the task reg
 block tables (handed to the attention backend) and opaque `PinnedPrefix` handles, nothing else.
 
 A request's life in the cache:
-    match = lookup(seq)          which prefix is cached: device blocks, then tier blocks
+    match = lookup(seq)          which prefix the device pool holds
+    lookup_tiers(seq, match)     ... and what the tiers hold after it (once, at admission)
     can_admit(seq, match, ...)   whether the blocks it needs can be had
     admit(seq, match)            share the device hits, onboard the tier hits
     grow(seq, tokens)            append fresh blocks for the next chunk (never rewrites a table)
@@ -216,9 +217,10 @@ class KVCacheManager:
                 f"{self.block_size} tokens)")
 
     # ------------------------------------------------------------------ lookup and admission
-    def lookup(self, seq: CacheSequence, with_tiers: bool = True) -> PrefixMatch:
-        """The longest cached prefix of `seq` (at most all but its last token, whose logits
-        are needed): the pinned task prefix, then device hits, then tier hits. Read-only."""
+    def lookup(self, seq: CacheSequence) -> PrefixMatch:
+        """The longest cached prefix of `seq` in the device pool (at most all but its last
+        token, whose logits are needed): the pinned task prefix, then device hits. Read-only;
+        `lookup_tiers` extends it below the pool."""
         B = self.block_size
         limit = (seq.num_tokens - 1) // B
         match = PrefixMatch()
@@ -248,8 +250,6 @@ class KVCacheManager:
             match.device.append(block_id)
             match.revived += block.ref_count == 0
             parent_key, parent_serial = key, block.serial
-        if with_tiers and self.tiers:
-            self._lookup_tiers(seq, match, parent_key, limit)
         return match
 
     def _tier_metas(self, seq: CacheSequence, start: int, parent_key: bytes,
@@ -267,9 +267,18 @@ class KVCacheManager:
             parent_key = key
         return metas
 
-    def _lookup_tiers(self, seq: CacheSequence, match: PrefixMatch, parent_key: bytes,
-                      limit: int) -> None:
-        metas = self._tier_metas(seq, len(match.device), parent_key, limit)
+    def _chain_end(self, match: PrefixMatch) -> bytes:
+        """The key the blocks after `match`'s device hits chain from."""
+        return self.blocks[match.device[-1]].key if match.device else self.index.root
+
+    def lookup_tiers(self, seq: CacheSequence, match: PrefixMatch) -> None:
+        """Extend `match` with the tier hits that continue its device hits (each tier asked
+        once, in order). Asked once, at admission: a waiting request's fit depends on its
+        device hits alone, since tier hits need fresh blocks like computed ones."""
+        if not self.tiers or not self.reuse_applies(seq):
+            return
+        metas = self._tier_metas(seq, len(match.device), self._chain_end(match),
+                                 (seq.num_tokens - 1) // self.block_size)
         pos = 0
         for tier in self.tiers:
             if pos == len(metas):
@@ -288,9 +297,8 @@ class KVCacheManager:
         fetching = [t for t in self.tiers if hasattr(t, "prefetch") and seq.allows_tier(t.name)]
         if not fetching or not self.reuse_applies(seq):
             return []
-        match = self.lookup(seq, with_tiers=False)
-        parent_key = self.blocks[match.device[-1]].key if match.device else self.index.root
-        metas = self._tier_metas(seq, len(match.device), parent_key,
+        match = self.lookup(seq)
+        metas = self._tier_metas(seq, len(match.device), self._chain_end(match),
                                  (seq.num_tokens - 1) // self.block_size)
         pos = 0
         for tier in self.tiers:

@@ -219,7 +219,7 @@ class Scheduler:
     def _order_waiting(self) -> None:
         if (self.config.schedule_policy == SchedulePolicy.LPM
                 and 1 < len(self.waiting) <= _LPM_MAX_QUEUE):
-            cached = {r: self.cache.lookup(r, with_tiers=False).num_blocks for r in self.waiting}
+            cached = {r: self.cache.lookup(r).num_blocks for r in self.waiting}
             self.waiting = deque(sorted(self.waiting, key=lambda r: -cached[r]))
 
     def _next_fetched(self) -> Optional[Request]:
@@ -240,9 +240,7 @@ class Scheduler:
         req = self._next_fetched()
         if req is None:
             return False
-        # tier hits need fresh blocks like computed ones: whether the request fits depends on
-        # the device hits alone, and the tiers are asked once, when it is admitted
-        match = self.cache.lookup(req, with_tiers=False)
+        match = self.cache.lookup(req)  # the fit depends on device hits; tiers come at admission
         chunk = self.config.max_num_batched_tokens
         if self.config.capacity_scheduler_policy == CapacitySchedulerPolicy.MAX_UTILIZATION:
             fits = self.cache.can_admit(req, match, req.num_tokens, chunk=chunk)
@@ -251,7 +249,8 @@ class Scheduler:
         if not fits:
             return False
         self.waiting.remove(req)
-        reused = self.cache.admit(req, self.cache.lookup(req))
+        self.cache.lookup_tiers(req, match)
+        reused = self.cache.admit(req, match)
         if req.reuse_len is None:
             req.reuse_len = reused.pop("local")
             req.reuse_by_tier = reused

@@ -137,6 +137,17 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
         body = exc.openai_body() if path.startswith("/v1") else exc.native_body()
         return JSONResponse(body, status_code=exc.status)
 
+    async def _respond(request: Request, responses: Any, render: Callable[[Any], Any]) -> Any:
+        """A non-streaming answer: the last update rendered as JSON; a client that went away
+        cancels its work (499)."""
+        try:
+            last = await until_disconnect(request.receive, _last(responses))
+        except ClientGone:
+            return HttpResponse(status_code=CLIENT_CLOSED)
+        except Exception as exc:
+            raise api_error(exc) from exc
+        return JSONResponse(render(last))
+
     # ------------------------------------------------------------------ rtp-llm native
     @app.post("/")
     async def generate(request: Request) -> Any:
@@ -145,13 +156,7 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
             lambda: pipeline.pipeline_async(req.prompt, req.generate_config)))
         if req.stream:
             return EventStreamResponse(native.events(responses))
-        try:
-            last = await until_disconnect(request.receive, _last(responses))
-        except ClientGone:
-            return HttpResponse(status_code=CLIENT_CLOSED)
-        except Exception as exc:
-            raise api_error(exc) from exc
-        return JSONResponse(native.body(last))
+        return await _respond(request, responses, native.body)
 
     # ------------------------------------------------------------------ OpenAI
     def _check_model(name: Any) -> None:
@@ -168,13 +173,7 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStreamResponse(shaper.events(responses, include_usage))
-        try:
-            last = await until_disconnect(request.receive, _last(responses))
-        except ClientGone:
-            return HttpResponse(status_code=CLIENT_CLOSED)
-        except Exception as exc:
-            raise api_error(exc) from exc
-        return JSONResponse(shaper.response(last))
+        return await _respond(request, responses, shaper.response)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
