@@ -7,8 +7,8 @@ block tables (handed to the attention backend) and opaque `PinnedPrefix` handles
 
 A request's life in the cache:
     match = lookup(seq)          which prefix the device pool holds
-    lookup_tiers(seq, match)     ... and what the tiers hold after it (once, at admission)
-    can_admit(seq, match, ...)   whether the blocks it needs can be had
+    can_admit(seq, match, ...)   whether the blocks it needs can be had (device hits decide)
+    lookup_tiers(seq, match)     what the tiers hold after the device hits (once, at admission)
     admit(seq, match)            share the device hits, onboard the tier hits
     grow(seq, tokens)            append fresh blocks for the next chunk (never rewrites a table)
     commit(seq)                  blocks that filled become hittable (and written through)
