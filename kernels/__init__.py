@@ -33,12 +33,13 @@ def attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
     if wants_cpu:
         if device.type != "cpu":
             raise ValueError(f"RTPKV_ATTENTION=cpu-paged needs a CPU model, not {device}")
-        if cpu_attention.available():
+        if cpu_attention.available(head_dim):
             return cpu_attention.CpuPagedAttention(dtype)
         if name == "cpu-paged":
-            raise RuntimeError("RTPKV_ATTENTION=cpu-paged: the kernel could not be built "
-                               "(see the warning above)")
-        log.warning("CPU paged-attention kernel unavailable: using the torch reference backend")
+            raise RuntimeError("RTPKV_ATTENTION=cpu-paged: the kernel could not be built (see "
+                               f"the warning above) or does not support head_dim {head_dim}")
+        log.warning("CPU paged-attention kernel unavailable for head_dim %d: using the torch "
+                    "reference backend", head_dim)
     return TorchAttention(head_dim, dtype, device)
 
 

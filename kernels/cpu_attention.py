@@ -35,11 +35,14 @@ def _library():
         lib.rtpkv_paged_attention.argtypes = [ctypes.POINTER(_Args), _P, _I]
         lib.rtpkv_paged_attention.restype = None
         lib.rtpkv_tile_limit.restype = _I
+        lib.rtpkv_head_dim_multiple.restype = _I
     return lib
 
 
-def available() -> bool:
-    return _library() is not None
+def available(head_dim: int) -> bool:
+    """Whether the kernel builds and handles heads of `head_dim` (a multiple of 8)."""
+    lib = _library()
+    return lib is not None and head_dim % lib.rtpkv_head_dim_multiple() == 0
 
 
 @dataclass

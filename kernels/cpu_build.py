@@ -1,7 +1,8 @@
 """Build and load the C kernels of kernels/csrc with the system C compiler, once per machine.
 
 The library is plain C with OpenMP (no torch headers, so a build takes about a second), compiled
-for the host CPU (-march=native) into the user's cache directory, keyed by the source, the
+for the host CPU (-march=native; no FMA contraction, so the same expression gives the same bits
+wherever it is inlined: the kernels place their FMAs explicitly) into the user's cache directory, keyed by the source, the
 compiler and the CPU's flags. It links the same `libgomp.so.1` torch loads, so it runs on torch's
 own OpenMP thread pool: one pool, sized by `torch.set_num_threads`. When no compiler is found
 or the build fails, `load_library` returns None and callers use their pure-torch fallback.
@@ -23,7 +24,7 @@ from typing import Optional
 log = logging.getLogger("rtpkv")
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 
 def _cache_dir() -> Path:

@@ -1,33 +1,46 @@
-"""Linear layers for inference, their GEMM path chosen once at load time.
+"""Linear layers for inference: the GEMM path chosen once at load time, batch invariance measured.
 
 Paths (`RTPKV_LINEAR`, default "auto"):
-  native        F.linear in the model's dtype (MKL for float32 on x86).
-  onednn        weights prepacked once for oneDNN (`torch.ops.mkldnn._linear_pointwise`); for
-                bfloat16 this needs AVX512-BF16/AVX-NE-CONVERT or AMX.
-  fp32-compute  a bfloat16 model on a CPU without bf16 GEMM instructions: weights kept as float32
-                copies of their bf16 values, activations widened, results rounded back to bf16.
-                bf16 GEMMs there run through a slow reference loop (~1-2 GFLOPS against ~27
-                for float32 on the AMD EPYC of the benchmarks); the values are those of a bf16
-                GEMM accumulating in float32, as oneDNN's.
-"auto" takes onednn for bf16 where the CPU supports it, fp32-compute for bf16 elsewhere, and
-native otherwise (on that EPYC, MKL and prepacked oneDNN float32 run at the same speed).
+  onednn        weights prepacked once for oneDNN (`torch.ops.mkldnn._linear_pointwise`), in the
+                model's dtype: float32 everywhere, bfloat16 where the CPU has bf16 GEMM
+                instructions (AVX512-BF16, AVX-NE-CONVERT, AMX).
+  fp32-compute  a bfloat16 model on a CPU without them: weights widened once to float32 copies
+                of their bf16 values and prepacked for oneDNN, activations widened, results
+                rounded back to bf16 (the values of a bf16 GEMM accumulating in float32; bf16
+                GEMMs there run through a reference loop at 1-2 GFLOPS).
+  native        F.linear in the model's dtype (MKL for float32 on x86): the reference.
+"auto" takes onednn where torch has it (fp32-compute for bf16 on CPUs without bf16 GEMMs) and
+native on other devices. On the 2-core AVX2 EPYC of the benchmarks oneDNN runs float32 GEMMs at
+about 73 GFLOPS against MKL's 20-31, and a one-row GEMV 3-7x faster than MKL's padded call.
 
-Batch invariance: MKL picks another kernel for very small row counts (below 8 rows, the
-reduction order changes), so every call computes at least MIN_ROWS rows, padding with zeros. A
-row's output then does not depend on how many rows share the call, which the bf16 reuse
-guarantee needs (a decode alone and in a batch of 32 give the same bits).
+Batch invariance: a GEMM library may pick another kernel, and so another reduction order, for
+another row count (MKL does below 16 rows; oneDNN with weights packed for one row does). The
+bf16 reuse guarantee needs a row's output not to depend on how many rows share its call, so
+`min_rows` is measured for each GEMM shape when a model loads (`invariant_min_rows`): the fewest
+rows a call must compute for every probed row count, at any offset, to give the same bits as
+one large reference call. Calls with fewer rows are padded with zeros to `min_rows`. oneDNN
+prepacked for 256 rows needs no padding on that EPYC (min_rows 1); MKL needs 16.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+log = logging.getLogger("rtpkv")
+
 LINEAR_PATHS = ("auto", "native", "onednn", "fp32-compute")
-MIN_ROWS = 16
+PACKED_ROWS = 256                     # the row count oneDNN weights are prepacked for
+PADDING_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+PROBE_ROWS = (*range(1, 18), 24, 31, 32, 33, 48, 63, 64, 65, 100, 255, 256, 300)
+REFERENCE_ROWS = 320
+
+_min_rows_by_shape: dict[tuple, int] = {}
 
 
 def bf16_gemm_supported() -> bool:
@@ -44,9 +57,13 @@ def linear_path(dtype: torch.dtype, device: torch.device, name: str | None = Non
     if device.type != "cpu":
         return "native"
     if name == "auto":
-        if dtype == torch.bfloat16:
-            return "onednn" if bf16_gemm_supported() else "fp32-compute"
-        return "native"
+        if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16):
+            return "native"
+        if dtype == torch.bfloat16 and not bf16_gemm_supported():
+            return "fp32-compute"
+        return "onednn"
+    if name in ("onednn", "fp32-compute") and not torch.backends.mkldnn.is_available():
+        raise ValueError(f"RTPKV_LINEAR={name} needs a torch build with oneDNN (mkldnn)")
     if name == "onednn" and dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"RTPKV_LINEAR=onednn supports float32 and bfloat16, not {dtype}")
     if name == "onednn" and dtype == torch.bfloat16 and not bf16_gemm_supported():
@@ -57,8 +74,25 @@ def linear_path(dtype: torch.dtype, device: torch.device, name: str | None = Non
     return name
 
 
+def invariant_min_rows(gemm: Callable[[torch.Tensor], torch.Tensor], in_features: int,
+                       dtype: torch.dtype, device: torch.device) -> int:
+    """The fewest rows `gemm` must compute so that each row's output is the same bits for every
+    row count in PROBE_ROWS (at an offset into the batch) as in one REFERENCE_ROWS call."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(REFERENCE_ROWS, in_features, generator=g).to(dtype=dtype, device=device)
+    reference = gemm(x)
+    for pad in PADDING_CANDIDATES:
+        if all(torch.equal(gemm(F.pad(x[o:o + m], (0, 0, 0, max(0, pad - m))))[:m],
+                           reference[o:o + m])
+               for m in PROBE_ROWS for o in (min(m % 7, REFERENCE_ROWS - m),)):
+            return pad
+    log.warning("no padding up to %d rows makes this GEMM batch-invariant: outputs may differ "
+                "in the last bits between batch sizes", PADDING_CANDIDATES[-1])
+    return PADDING_CANDIDATES[-1]
+
+
 class InferenceLinear(nn.Module):
-    """y = x W^T + b through `path`, at least MIN_ROWS rows per GEMM."""
+    """y = x W^T + b through `path`, at least `min_rows` rows per GEMM (measured once per shape)."""
 
     def __init__(self, linear: nn.Linear, path: str):
         super().__init__()
@@ -72,20 +106,29 @@ class InferenceLinear(nn.Module):
             bias = None if bias is None else bias.float()
         self.weight = weight
         self.bias = bias
-        if path == "onednn":
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 256)
+        if path in ("onednn", "fp32-compute"):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_ROWS)
+        key = (path, self.out_dtype, weight.device, self.in_features, self.out_features,
+               bias is not None, torch.get_num_threads())
+        if key not in _min_rows_by_shape:
+            with torch.inference_mode():
+                _min_rows_by_shape[key] = invariant_min_rows(self._gemm, self.in_features,
+                                                             self.out_dtype, weight.device)
+        self.min_rows = _min_rows_by_shape[key]
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, path={self.path}"
+        return f"{self.in_features}, {self.out_features}, path={self.path}, min_rows={self.min_rows}"
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.path == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.path == "fp32-compute":
+            return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias, "none",
+                                                      [], "").to(self.out_dtype)
+        return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows < MIN_ROWS:
-            x = F.pad(x, (0, 0, 0, MIN_ROWS - rows))
-        if self.path == "onednn":
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        elif self.path == "fp32-compute":
-            y = F.linear(x.float(), self.weight, self.bias).to(self.out_dtype)
-        else:
-            y = F.linear(x, self.weight, self.bias)
-        return y[:rows] if rows < MIN_ROWS else y
+        if rows >= self.min_rows:
+            return self._gemm(x)
+        return self._gemm(F.pad(x, (0, 0, 0, self.min_rows - rows)))[:rows]

@@ -10,7 +10,8 @@ from conftest import run
 
 from rtpkv.kernels import AttentionBatch, TorchAttention, attention_backend, cpu_attention
 from rtpkv.kernels import cpu_build
-from rtpkv.kernels.linear import MIN_ROWS, InferenceLinear, bf16_gemm_supported, linear_path
+from rtpkv.kernels.linear import (PADDING_CANDIDATES, InferenceLinear, bf16_gemm_supported,
+                                  invariant_min_rows, linear_path)
 
 CPU = torch.device("cpu")
 H, KVH, D, B, NUM_BLOCKS = 4, 2, 16, 4, 40
@@ -113,14 +114,37 @@ def test_inference_linear_matches_f_linear_and_is_row_invariant(path):
     ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())
     torch.testing.assert_close(full.float(), ref, atol=1e-4 if dtype == torch.float32 else 5e-2,
                                rtol=1e-2)
-    for rows in (1, 3, MIN_ROWS - 1, MIN_ROWS, 33):
+    assert fast.min_rows in PADDING_CANDIDATES
+    for rows in (1, 3, 15, 16, 33):
         assert torch.equal(fast(x[:rows]), full[:rows])
+        assert torch.equal(fast(x[7:7 + rows]), full[7:7 + rows])
+
+
+def test_min_rows_is_measured_from_the_gemm():
+    """A GEMM that changes its reduction order below 8 rows is padded to 8; one that is
+    invariant is not padded; one that never is gets the largest padding and a warning."""
+    w = torch.randn(24, 32, generator=torch.Generator().manual_seed(0))
+
+    def row_by_row(x):
+        return torch.stack([w @ row for row in x])
+
+    def small_m_kernel(x):
+        y = row_by_row(x)
+        return y * (1 + 2 ** -20) if x.shape[0] < 8 else y
+
+    assert invariant_min_rows(small_m_kernel, 32, torch.float32, CPU) == 8
+    assert invariant_min_rows(row_by_row, 32, torch.float32, CPU) == 1
+
+    def batch_dependent(x):
+        return row_by_row(x) + x.shape[0] * 1e-3
+
+    assert invariant_min_rows(batch_dependent, 32, torch.float32, CPU) == PADDING_CANDIDATES[-1]
 
 
 def test_bf16_defaults_to_a_fast_gemm_path():
     expected = "onednn" if bf16_gemm_supported() else "fp32-compute"
     assert linear_path(torch.bfloat16, CPU, "auto") == expected
-    assert linear_path(torch.float32, CPU, "auto") == "native"
+    assert linear_path(torch.float32, CPU, "auto") == "onednn"
 
 
 def test_bad_kernel_choices_are_refused(monkeypatch):

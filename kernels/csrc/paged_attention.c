@@ -2,19 +2,40 @@
  *
  * Every query token attends to positions [0, pos] of its sequence (with an attention window W:
  * [pos - W + 1, pos], and blocks wholly before that are never read: their table entries may be
- * released), block by block in position order, with an online softmax. The arithmetic done for one query depends only on that query,
- * its position and the cached K/V it reads: not on how many other tokens share the batch, nor on
- * where its prefill chunk starts, nor on the thread that runs it. That makes prefix reuse,
- * chunked prefill and batching bit-exact (the batch-invariance guarantee of rtpkv).
+ * released), block by block in position order, with an online softmax.
  *
- * Work items are (tile of up to TILE consecutive tokens of one sequence, kv head); the query
- * heads of a GQA group share each block read while it is in L1.
+ * Batch invariance. The arithmetic done for one query depends only on that query, its position
+ * and the cached K/V it reads: not on how many other tokens share the batch, nor on where its
+ * prefill chunk starts, nor on the thread that runs it. That makes prefix reuse, chunked
+ * prefill and batching bit-exact (the guarantee of rtpkv). For one query row and one block:
+ *   score_j = fma chain over d = 0..D-1 in order, from 0: s = fma(q[d], k[j][d], s);
+ *   x_j     = score_j * scale, or -inf outside the query's keys [first, valid);
+ *   m'      = max(m, x_0, x_1, ...);  z = (m' == -inf ? 0 : m');  alpha = exp(m - z);
+ *   w_j     = exp(x_j - z);  sum = ((0 + w_0) + w_1) + ...;  l = fma(l, alpha, sum);
+ *   acc[d]  = acc[d] * alpha, then the chain acc[d] = fma(w_j, v[j][d], acc[d]) over j in order;
+ * and finally out[d] = acc[d] * (1 / l). Keys past a query's last one only ever add exact zeros.
+ *
+ * Two vectorisations compute exactly that. Tiles of at least 8 query rows (prefill) put 8 query
+ * rows in the lanes of a vector, so K and V are read in place as broadcasts and the softmax runs
+ * on 8 rows at once; smaller tiles (decodes: the G query heads of one token) put 8 keys in the
+ * lanes, K being transposed 8x8 in registers, and the values' 8 columns.
+ *
+ * Work items are (tile of up to TILE consecutive tokens of one sequence, kv head): the query
+ * heads of a GQA group and the tile's tokens share each block read while it is in cache.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "the CPU paged-attention kernel needs AVX2 and FMA"
+#endif
+
 #define TILE 16
+#define NK_MAX 6   /* keys per score tile (2 query vectors) */
+#define ND_MAX 6   /* value columns per value tile (2 query vectors) */
+#define KEY_LANES_MAX_ROWS 7   /* tiles of fewer query rows put keys in the lanes */
 
 typedef struct {
     const void *q;          /* (T, H, D) float32 or bfloat16 */
@@ -30,189 +51,387 @@ typedef struct {
     int64_t window;         /* tokens attended per query, itself included; 0: no window */
 } attn_args;
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+typedef __m256 v8;
+
+#define ld _mm256_loadu_ps
+#define st _mm256_storeu_ps
+#define bcast _mm256_set1_ps
+#define fmadd _mm256_fmadd_ps
+
+static inline float hmax(v8 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
 }
 
-/* exp(x) for x <= 0 (Cephes polynomial, ~1 ulp); exactly 0 below -87 and for -inf. Plain
- * arithmetic, so the vectorised and the scalar code give the same bits. */
-static inline float exp_nonpos(float x) {
-    float c = x < -87.0f ? -87.0f : x;
-    float n = floorf(c * 1.44269504088896341f + 0.5f);
-    float r = c - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, 4);
-    return x < -87.0f ? 0.0f : p * two_n;
-}
-
-typedef float v8 __attribute__((vector_size(32)));
-
-static inline void load_row(float *dst, const void *src, int64_t offset, int64_t D, int bf16) {
-    if (bf16) {
-        const uint16_t *s = (const uint16_t *)src + offset;
-        for (int64_t d = 0; d < D; d++) dst[d] = bf16_to_f32(s[d]);
-    } else {
-        memcpy(dst, (const float *)src + offset, (size_t)D * sizeof(float));
+static inline void load_rows(float *dst, const void *src, int64_t offset, int64_t n, int bf16) {
+    if (!bf16) {
+        memcpy(dst, (const float *)src + offset, (size_t)n * sizeof(float));
+        return;
+    }
+    const uint16_t *s = (const uint16_t *)src + offset;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i)));
+        st(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+    for (; i < n; i++) {
+        uint32_t u = (uint32_t)s[i] << 16;
+        memcpy(dst + i, &u, 4);
     }
 }
 
-static inline v8 ld(const float *p) { v8 x; memcpy(&x, p, sizeof(x)); return x; }
-static inline void st(float *p, v8 x) { memcpy(p, &x, sizeof(x)); }
+/* exp(x) for x <= 0 (Cephes polynomial, ~1 ulp) on 8 lanes; exactly 0 below -87 and for -inf. */
+static inline v8 exp_nonpos(v8 x) {
+    const v8 low = bcast(-87.0f);
+    const v8 c = _mm256_max_ps(x, low);
+    const v8 n = _mm256_floor_ps(fmadd(c, bcast(1.44269504088896341f), bcast(0.5f)));
+    const v8 r = fmadd(n, bcast(2.12194440e-4f), _mm256_fnmadd_ps(n, bcast(0.693359375f), c));
+    v8 p = bcast(1.9875691500e-4f);
+    p = fmadd(p, r, bcast(1.3981999507e-3f));
+    p = fmadd(p, r, bcast(8.3334519073e-3f));
+    p = fmadd(p, r, bcast(4.1665795894e-2f));
+    p = fmadd(p, r, bcast(1.6666665459e-1f));
+    p = fmadd(p, r, bcast(5.0000001201e-1f));
+    p = _mm256_add_ps(fmadd(_mm256_mul_ps(p, r), r, r), bcast(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const v8 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, low, _CMP_LT_OQ), y);
+}
 
-/* Scores of query rows qa and qb against the 8 * KG keys of kt (D x BP, transposed), KG <= 4.
- * Each score is a sum over d in order: the same bits whichever rows are paired. */
-static inline void scores2(const float *qa, const float *qb, const float *kt, int64_t D,
-                           int64_t BP, int64_t g0, int64_t KG, float *sa, float *sb) {
-    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+static inline float exp1(float x) { return _mm256_cvtss_f32(exp_nonpos(bcast(x))); }
+
+/* The keys [first, valid) of block p that a query at `pos` attending from `lo` reads. */
+static inline void block_range(int64_t pos, int64_t lo, int64_t p, int64_t B, int64_t *first,
+                               int64_t *valid) {
+    int64_t v = pos - p * B + 1, f = lo - p * B;
+    v = v < 0 ? 0 : v < B ? v : B;
+    f = f < 0 ? 0 : f;
+    *first = f;
+    *valid = f >= v ? 0 : v;
+}
+
+/* ---- query rows in the lanes (tiles of 8 or more rows) ---------------------------------- */
+
+/* sT[j][i0..] for keys j < NK of k (rows of D floats): QV vectors of 8 query rows. */
+static inline __attribute__((always_inline)) void qk_tile(
+        const float *qT, int64_t NQP, int64_t i0, const float *k, int64_t D, float *sT,
+        const int QV, const int NK) {
+    v8 acc[2][NK_MAX];
+    for (int g = 0; g < QV; g++)
+        for (int j = 0; j < NK; j++) acc[g][j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d++) {
-        const float *k = kt + d * BP + g0 * 8;
-        const v8 x = {qa[d], qa[d], qa[d], qa[d], qa[d], qa[d], qa[d], qa[d]};
-        const v8 y = {qb[d], qb[d], qb[d], qb[d], qb[d], qb[d], qb[d], qb[d]};
-        v8 k0 = ld(k);
-        a0 += x * k0; b0 += y * k0;
-        if (KG > 1) { v8 k1 = ld(k + 8); a1 += x * k1; b1 += y * k1; }
-        if (KG > 2) { v8 k2 = ld(k + 16); a2 += x * k2; b2 += y * k2; }
-        if (KG > 3) { v8 k3 = ld(k + 24); a3 += x * k3; b3 += y * k3; }
-    }
-    st(sa + g0 * 8, a0); st(sb + g0 * 8, b0);
-    if (KG > 1) { st(sa + g0 * 8 + 8, a1); st(sb + g0 * 8 + 8, b1); }
-    if (KG > 2) { st(sa + g0 * 8 + 16, a2); st(sb + g0 * 8 + 16, b2); }
-    if (KG > 3) { st(sa + g0 * 8 + 24, a3); st(sb + g0 * 8 + 24, b3); }
-}
-
-/* acc[d] = acc[d] * alpha + sum_j w[j] * v[j][d] over j < n, in order of j, for 8 * DG
- * columns starting at column c0 (DG <= 4), for two query rows at once. */
-static inline void values2(float *acc_a, float *acc_b, float alpha_a, float alpha_b,
-                           const float *wa, const float *wb, const float *vb, int64_t D,
-                           int64_t n, int64_t c0, int64_t DG) {
-    v8 a[4], b[4];
-    for (int64_t g = 0; g < DG; g++) {
-        a[g] = ld(acc_a + c0 + 8 * g) * alpha_a;
-        b[g] = ld(acc_b + c0 + 8 * g) * alpha_b;
-    }
-    for (int64_t j = 0; j < n; j++) {
-        const v8 x = {wa[j], wa[j], wa[j], wa[j], wa[j], wa[j], wa[j], wa[j]};
-        const v8 y = {wb[j], wb[j], wb[j], wb[j], wb[j], wb[j], wb[j], wb[j]};
-        const float *v = vb + j * D + c0;
-        for (int64_t g = 0; g < DG; g++) {
-            v8 vv = ld(v + 8 * g);
-            a[g] += x * vv;
-            b[g] += y * vv;
+        v8 qv[2];
+        for (int g = 0; g < QV; g++) qv[g] = ld(qT + d * NQP + i0 + 8 * g);
+        for (int j = 0; j < NK; j++) {
+            const v8 kv = bcast(k[j * D + d]);
+            for (int g = 0; g < QV; g++) acc[g][j] = fmadd(qv[g], kv, acc[g][j]);
         }
     }
-    for (int64_t g = 0; g < DG; g++) {
-        st(acc_a + c0 + 8 * g, a[g]);
-        st(acc_b + c0 + 8 * g, b[g]);
+    for (int j = 0; j < NK; j++)
+        for (int g = 0; g < QV; g++) st(sT + j * NQP + i0 + 8 * g, acc[g][j]);
+}
+
+#define QK_CASE(qv, nk) case (qv) * 8 + (nk): qk_tile(qT, NQP, i0, k, D, sT + j0 * NQP, qv, nk); break;
+
+static void qk_lanes(const float *qT, int64_t NQP, const float *kb, int64_t D, int64_t n, float *sT) {
+    for (int64_t i0 = 0; i0 < NQP; i0 += 16) {
+        const int qv = NQP - i0 >= 16 ? 2 : 1;
+        for (int64_t j0 = 0; j0 < n; j0 += NK_MAX) {
+            const int nk = n - j0 < NK_MAX ? (int)(n - j0) : NK_MAX;
+            const float *k = kb + j0 * D;
+            switch (qv * 8 + nk) {
+                QK_CASE(1, 1) QK_CASE(1, 2) QK_CASE(1, 3) QK_CASE(1, 4) QK_CASE(1, 5) QK_CASE(1, 6)
+                QK_CASE(2, 1) QK_CASE(2, 2) QK_CASE(2, 3) QK_CASE(2, 4) QK_CASE(2, 5) QK_CASE(2, 6)
+            }
+        }
     }
 }
 
-/* One query row's online-softmax update from its raw scores s[0..BP): masks keys outside
- * [first, valid), turns s into weights, returns the rescale factor of the old accumulator. */
-static inline float softmax_step(float *s, int64_t BP, int64_t first, int64_t valid, float scale,
-                                 float *m, float *l) {
-    float mx = *m;
-#pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < BP; j++) {
-        s[j] = j >= first && j < valid ? s[j] * scale : -INFINITY;
-        mx = s[j] > mx ? s[j] : mx;
+/* accT[d][i0..] = accT * alpha, then + sum_{j < n} wT[j][i0..] * v[j][d], for columns
+ * d0..d0+ND and QV vectors of 8 query rows. */
+static inline __attribute__((always_inline)) void pv_tile(
+        float *accT, const float *alpha, const float *wT, int64_t NQP, int64_t i0,
+        const float *vb, int64_t D, int64_t n, int64_t d0, const int QV, const int ND) {
+    v8 acc[2][ND_MAX];
+    for (int g = 0; g < QV; g++) {
+        const v8 al = ld(alpha + i0 + 8 * g);
+        for (int c = 0; c < ND; c++)
+            acc[g][c] = _mm256_mul_ps(ld(accT + (d0 + c) * NQP + i0 + 8 * g), al);
     }
-    float alpha = exp_nonpos(*m - mx), sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < BP; j++) {
-        s[j] = exp_nonpos(s[j] - mx);
-        sum += s[j];
+    for (int64_t j = 0; j < n; j++) {
+        v8 w[2];
+        for (int g = 0; g < QV; g++) w[g] = ld(wT + j * NQP + i0 + 8 * g);
+        for (int c = 0; c < ND; c++) {
+            const v8 vv = bcast(vb[j * D + d0 + c]);
+            for (int g = 0; g < QV; g++) acc[g][c] = fmadd(w[g], vv, acc[g][c]);
+        }
     }
-    *l = *l * alpha + sum;
-    *m = mx;
-    return alpha;
+    for (int g = 0; g < QV; g++)
+        for (int c = 0; c < ND; c++) st(accT + (d0 + c) * NQP + i0 + 8 * g, acc[g][c]);
 }
 
-static void attend_tile(const attn_args *a, int64_t t0, int64_t nt, int64_t kvh) {
-    const int64_t D = a->D, B = a->B, G = a->H / a->KVH, NQ = nt * G;
-    const int64_t BP = (B + 7) / 8 * 8, NQP = NQ + (NQ & 1);
-    float q[NQP][D], acc[NQP][D], m[NQP], l[NQP], s[NQP][BP], row[D];
-    float kt[D][BP], vb[B][D];   /* keys transposed: scores vectorise over keys */
-    int64_t pos[NQP], lo[NQP];   /* a row attends to keys [lo, pos] */
+#define PV_CASE(qv, nd) case (qv) * 8 + (nd): pv_tile(accT, alpha, wT, NQP, i0, vb, D, n, d0, qv, nd); break;
+
+static void pv_lanes(float *accT, const float *alpha, const float *wT, int64_t NQP,
+                     const float *vb, int64_t D, int64_t n) {
+    for (int64_t i0 = 0; i0 < NQP; i0 += 16) {
+        const int qv = NQP - i0 >= 16 ? 2 : 1;
+        for (int64_t d0 = 0; d0 < D; d0 += ND_MAX) {
+            const int nd = D - d0 < ND_MAX ? (int)(D - d0) : ND_MAX;
+            switch (qv * 8 + nd) {
+                PV_CASE(1, 1) PV_CASE(1, 2) PV_CASE(1, 3) PV_CASE(1, 4) PV_CASE(1, 5) PV_CASE(1, 6)
+                PV_CASE(2, 1) PV_CASE(2, 2) PV_CASE(2, 3) PV_CASE(2, 4) PV_CASE(2, 5) PV_CASE(2, 6)
+            }
+        }
+    }
+}
+
+static void attend_query_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t kvh) {
+    const int64_t D = a->D, B = a->B, G = a->H / a->KVH, NQ = nt * G, NQP = (NQ + 7) / 8 * 8;
+    float qT[D][NQP], accT[D][NQP], sT[B][NQP], row[D];
+    float m[NQP], l[NQP], alpha[NQP];
+    int32_t pos[NQP], lo[NQP];   /* a row attends to keys [lo, pos]; padding rows: none */
+    float kconv[a->bf16 ? B : 1][D], vconv[a->bf16 ? B : 1][D];
     int64_t max_pos = 0, min_lo = INT64_MAX;
-    memset(kt, 0, sizeof(kt));
-    memset(q, 0, sizeof(q));
+    memset(qT, 0, sizeof(qT));
+    memset(accT, 0, sizeof(accT));
     for (int64_t i = 0; i < NQP; i++) {
-        for (int64_t d = 0; d < D; d++) acc[i][d] = 0.0f;
         m[i] = -INFINITY;
         l[i] = 0.0f;
-        pos[i] = -1;               /* the padding row (odd NQ) attends to nothing */
+        pos[i] = -1;
         lo[i] = 0;
         if (i >= NQ) continue;
-        int64_t t = t0 + i / G, h = kvh * G + i % G;
-        load_row(q[i], a->q, (t * a->H + h) * D, D, a->bf16);
+        const int64_t t = t0 + i / G, h = kvh * G + i % G;
+        load_rows(row, a->q, (t * a->H + h) * D, D, a->bf16);
+        for (int64_t d = 0; d < D; d++) qT[d][i] = row[d];
         pos[i] = a->q_pos[t];
         lo[i] = a->window > 0 && pos[i] - a->window + 1 > 0 ? pos[i] - a->window + 1 : 0;
         if (pos[i] > max_pos) max_pos = pos[i];
         if (lo[i] < min_lo) min_lo = lo[i];
     }
-    if (min_lo == INT64_MAX) min_lo = 0;
     const int32_t *table = a->tables + (int64_t)a->q_seq[t0] * a->max_blocks;
+    const v8 scale = bcast(a->scale), ninf = bcast(-INFINITY), zero = _mm256_setzero_ps();
     for (int64_t p = min_lo / B; p * B <= max_pos; p++) {
-        int64_t base = (kvh * a->S + (int64_t)table[p] * B) * D;
-        int64_t rows = max_pos - p * B + 1 < B ? max_pos - p * B + 1 : B;
-        for (int64_t j = 0; j < rows; j++) {
-            load_row(row, a->k_cache, base + j * D, D, a->bf16);
-            for (int64_t d = 0; d < D; d++) kt[d][j] = row[d];
-            load_row(vb[j], a->v_cache, base + j * D, D, a->bf16);
+        const int64_t base = (kvh * a->S + (int64_t)table[p] * B) * D;
+        const int64_t n = max_pos - p * B + 1 < B ? max_pos - p * B + 1 : B;  /* keys read */
+        const float *kb = (const float *)a->k_cache + base, *vb = (const float *)a->v_cache + base;
+        if (a->bf16) {
+            load_rows(&kconv[0][0], a->k_cache, base, n * D, 1);
+            load_rows(&vconv[0][0], a->v_cache, base, n * D, 1);
+            kb = &kconv[0][0];
+            vb = &vconv[0][0];
         }
-        for (int64_t i = 0; i < NQP; i += 2) {
-            if ((p * B > pos[i] || (p + 1) * B <= lo[i])
-                && (p * B > pos[i + 1] || (p + 1) * B <= lo[i + 1])) continue;
-            for (int64_t g = 0; g < BP / 8; g += 4)
-                scores2(q[i], q[i + 1], &kt[0][0], D, BP, g, BP / 8 - g < 4 ? BP / 8 - g : 4,
-                        s[i], s[i + 1]);
-            float alpha[2];
-            int64_t n[2];
-            for (int64_t r = 0; r < 2; r++) {
-                int64_t valid = pos[i + r] - p * B + 1;
-                valid = valid < 0 ? 0 : valid < B ? valid : B;
-                int64_t first = lo[i + r] - p * B;
-                first = first < 0 ? 0 : first;
-                if (first >= valid) valid = 0;
-                n[r] = valid;
-                alpha[r] = valid ? softmax_step(s[i + r], BP, first, valid, a->scale, &m[i + r],
-                                                &l[i + r])
-                                 : 1.0f;
-                if (!valid) for (int64_t j = 0; j < BP; j++) s[i + r][j] = 0.0f;
+        qk_lanes(&qT[0][0], NQP, kb, D, n, &sT[0][0]);
+        for (int64_t i0 = 0; i0 < NQP; i0 += 8) {
+            const __m256i hi = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(pos + i0)),
+                                                _mm256_set1_epi32((int)(p * B - 1)));
+            const __m256i from = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(lo + i0)),
+                                                  _mm256_set1_epi32((int)(p * B)));
+            const v8 m_old = ld(m + i0);
+            v8 mx = m_old;
+            for (int64_t j = 0; j < n; j++) {   /* key j is in the row's range: from <= j < hi */
+                const __m256i jj = _mm256_set1_epi32((int)j);
+                const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(from, jj),
+                                                       _mm256_cmpgt_epi32(hi, jj));
+                const v8 x = _mm256_blendv_ps(ninf, _mm256_mul_ps(ld(sT[j] + i0), scale),
+                                              _mm256_castsi256_ps(in));
+                st(sT[j] + i0, x);
+                mx = _mm256_max_ps(mx, x);
             }
-            int64_t nmax = n[0] > n[1] ? n[0] : n[1];
-            for (int64_t c = 0; c < D; c += 32)
-                values2(acc[i], acc[i + 1], alpha[0], alpha[1], s[i], s[i + 1], &vb[0][0], D,
-                        nmax, c, (D - c) / 8 < 4 ? (D - c) / 8 : 4);
+            const v8 z = _mm256_andnot_ps(_mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ), mx);
+            v8 sum = zero;
+            for (int64_t j = 0; j < n; j++) {
+                const v8 w = exp_nonpos(_mm256_sub_ps(ld(sT[j] + i0), z));
+                st(sT[j] + i0, w);
+                sum = _mm256_add_ps(sum, w);
+            }
+            const v8 al = exp_nonpos(_mm256_sub_ps(m_old, z));
+            st(alpha + i0, al);
+            st(l + i0, fmadd(ld(l + i0), al, sum));
+            st(m + i0, mx);
+        }
+        pv_lanes(&accT[0][0], alpha, &sT[0][0], NQP, vb, D, n);
+    }
+    for (int64_t i = 0; i < NQ; i++) {
+        const int64_t t = t0 + i / G, h = kvh * G + i % G;
+        const float inv = 1.0f / l[i];
+        float *o = a->out + (t * a->H + h) * D;
+        for (int64_t d = 0; d < D; d++) o[d] = accT[d][i] * inv;
+    }
+}
+
+/* ---- keys in the lanes (tiles of fewer than 8 rows: decodes) ------------------------------ */
+
+/* Transposes the 8x8 floats at rows[r] + d0 (r < 8) into t[c] = (rows[0][d0 + c], ...). */
+static inline void transpose8(const float *const *rows, int64_t d0, v8 *t) {
+    v8 r[8];
+    for (int i = 0; i < 4; i++)
+        r[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(rows[i] + d0)),
+                                    _mm_loadu_ps(rows[i + 4] + d0), 1);
+    for (int i = 0; i < 4; i++)
+        r[i + 4] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(rows[i] + d0 + 4)),
+                                        _mm_loadu_ps(rows[i + 4] + d0 + 4), 1);
+    for (int h = 0; h < 2; h++) {   /* each half: 4x4 transposes in both 128-bit lanes */
+        v8 *x = r + 4 * h;
+        const v8 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
+        const v8 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
+        t[4 * h + 0] = _mm256_shuffle_ps(t0, t2, 0x44);
+        t[4 * h + 1] = _mm256_shuffle_ps(t0, t2, 0xEE);
+        t[4 * h + 2] = _mm256_shuffle_ps(t1, t3, 0x44);
+        t[4 * h + 3] = _mm256_shuffle_ps(t1, t3, 0xEE);
+    }
+}
+
+/* s[r][j0..j0 + 8 KG) = the scores of query rows r < NQ (q: rows of D floats) against the keys
+ * at rows[0..8 KG), keys in the lanes: 8 x 8 blocks of K are transposed in registers. */
+static inline __attribute__((always_inline)) void qk_keys_tile(
+        const float *q, int64_t D, const float *const *rows, float *s, int64_t BP, int64_t j0,
+        const int NQ, const int KG) {
+    v8 acc[KEY_LANES_MAX_ROWS][2];
+    for (int r = 0; r < NQ; r++)
+        for (int g = 0; g < KG; g++) acc[r][g] = _mm256_setzero_ps();
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+        for (int g = 0; g < KG; g++) {
+            v8 kt[8];
+            transpose8(rows + 8 * g, d0, kt);
+            for (int c = 0; c < 8; c++)
+                for (int r = 0; r < NQ; r++)
+                    acc[r][g] = fmadd(bcast(q[r * D + d0 + c]), kt[c], acc[r][g]);
+        }
+    }
+    for (int r = 0; r < NQ; r++)
+        for (int g = 0; g < KG; g++) st(s + r * BP + j0 + 8 * g, acc[r][g]);
+}
+
+#define QK_KEYS_CASE(nq, kg) case (nq) * 4 + (kg): qk_keys_tile(q, D, rows, s, BP, j0, nq, kg); break;
+
+static void qk_keys(const float *q, int64_t D, const float *const *rows, float *s, int64_t BP,
+                    int64_t j0, int nq, int kg) {
+    switch (nq * 4 + kg) {
+        QK_KEYS_CASE(1, 1) QK_KEYS_CASE(2, 1) QK_KEYS_CASE(3, 1) QK_KEYS_CASE(4, 1)
+        QK_KEYS_CASE(5, 1) QK_KEYS_CASE(6, 1) QK_KEYS_CASE(7, 1)
+        QK_KEYS_CASE(1, 2) QK_KEYS_CASE(2, 2) QK_KEYS_CASE(3, 2) QK_KEYS_CASE(4, 2)
+        QK_KEYS_CASE(5, 2) QK_KEYS_CASE(6, 2) QK_KEYS_CASE(7, 2)
+    }
+}
+
+/* acc[c0 + c] = acc[c0 + c] * alpha, then + sum_{j < n} w[j] * v[j][c0 + c], for 8 * DG
+ * columns: the columns in the lanes, DG independent chains. */
+static inline __attribute__((always_inline)) void pv_row_tile(
+        float *acc, float alpha, const float *w, const float *vb, int64_t D, int64_t n,
+        int64_t c0, const int DG) {
+    v8 o[8];
+    for (int g = 0; g < DG; g++) o[g] = _mm256_mul_ps(ld(acc + c0 + 8 * g), bcast(alpha));
+    for (int64_t j = 0; j < n; j++) {
+        const v8 wj = bcast(w[j]);
+        for (int g = 0; g < DG; g++) o[g] = fmadd(wj, ld(vb + j * D + c0 + 8 * g), o[g]);
+    }
+    for (int g = 0; g < DG; g++) st(acc + c0 + 8 * g, o[g]);
+}
+
+#define PV_ROW_CASE(dg) case dg: pv_row_tile(acc, alpha, w, vb, D, n, c0, dg); break;
+
+static void pv_row(float *acc, float alpha, const float *w, const float *vb, int64_t D, int64_t n) {
+    for (int64_t c0 = 0; c0 < D; c0 += 64) {
+        switch ((D - c0) / 8 < 8 ? (int)((D - c0) / 8) : 8) {
+            PV_ROW_CASE(1) PV_ROW_CASE(2) PV_ROW_CASE(3) PV_ROW_CASE(4)
+            PV_ROW_CASE(5) PV_ROW_CASE(6) PV_ROW_CASE(7) PV_ROW_CASE(8)
+        }
+    }
+}
+
+static void attend_key_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t kvh) {
+    const int64_t D = a->D, B = a->B, G = a->H / a->KVH, NQ = nt * G;
+    const int64_t BP = (B + 15) / 16 * 16;
+    float q[NQ][D], acc[NQ][D], s[NQ][BP], m[NQ], l[NQ];
+    float kconv[B][D], vconv[a->bf16 ? B : 1][D];
+    float zeros[D];
+    memset(zeros, 0, sizeof(zeros));
+    int64_t pos[NQ], lo[NQ];
+    int64_t max_pos = 0, min_lo = INT64_MAX;
+    for (int64_t i = 0; i < NQ; i++) {
+        const int64_t t = t0 + i / G, h = kvh * G + i % G;
+        load_rows(q[i], a->q, (t * a->H + h) * D, D, a->bf16);
+        for (int64_t d = 0; d < D; d++) acc[i][d] = 0.0f;
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+        pos[i] = a->q_pos[t];
+        lo[i] = a->window > 0 && pos[i] - a->window + 1 > 0 ? pos[i] - a->window + 1 : 0;
+        if (pos[i] > max_pos) max_pos = pos[i];
+        if (lo[i] < min_lo) min_lo = lo[i];
+    }
+    const int32_t *table = a->tables + (int64_t)a->q_seq[t0] * a->max_blocks;
+    const v8 scale = bcast(a->scale), ninf = bcast(-INFINITY);
+    for (int64_t p = min_lo / B; p * B <= max_pos; p++) {
+        const int64_t base = (kvh * a->S + (int64_t)table[p] * B) * D;
+        const int64_t n = max_pos - p * B + 1 < B ? max_pos - p * B + 1 : B;
+        const float *kb = (const float *)a->k_cache + base, *vb = (const float *)a->v_cache + base;
+        load_rows(&kconv[0][0], a->k_cache, base, n * D, a->bf16);   /* read in order */
+        kb = &kconv[0][0];
+        if (a->bf16) {
+            load_rows(&vconv[0][0], a->v_cache, base, n * D, 1);
+            vb = &vconv[0][0];
+        }
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {   /* scores, 16 keys at a time */
+            const float *rows[16];
+            for (int r = 0; r < 16; r++) rows[r] = j0 + r < n ? kb + (j0 + r) * D : zeros;
+            qk_keys(&q[0][0], D, rows, &s[0][0], BP, j0, (int)NQ, n - j0 > 8 ? 2 : 1);
+        }
+        for (int64_t i = 0; i < NQ; i++) {
+            int64_t first, valid;
+            block_range(pos[i], lo[i], p, B, &first, &valid);
+            if (!valid) continue;
+            v8 mx = bcast(m[i]);
+            for (int64_t j0 = 0; j0 < valid; j0 += 8) {
+                const __m256i jj = _mm256_add_epi32(_mm256_set1_epi32((int)j0),
+                                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+                const __m256i in = _mm256_andnot_si256(
+                    _mm256_cmpgt_epi32(_mm256_set1_epi32((int)first), jj),
+                    _mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), jj));
+                const v8 x = _mm256_blendv_ps(ninf, _mm256_mul_ps(ld(s[i] + j0), scale),
+                                              _mm256_castsi256_ps(in));
+                st(s[i] + j0, x);
+                mx = _mm256_max_ps(mx, x);
+            }
+            const float m_new = hmax(mx), z = m_new == -INFINITY ? 0.0f : m_new;
+            const v8 vz = bcast(z);
+            float sum = 0.0f;
+            for (int64_t j0 = 0; j0 < valid; j0 += 8) {
+                st(s[i] + j0, exp_nonpos(_mm256_sub_ps(ld(s[i] + j0), vz)));
+                for (int64_t j = j0; j < valid && j < j0 + 8; j++) sum += s[i][j];
+            }
+            const float al = exp1(m[i] - z);
+            l[i] = fmaf(l[i], al, sum);
+            m[i] = m_new;
+            pv_row(acc[i], al, s[i], vb, D, valid);
         }
     }
     for (int64_t i = 0; i < NQ; i++) {
-        int64_t t = t0 + i / G, h = kvh * G + i % G;
-        float inv = 1.0f / l[i];
+        const int64_t t = t0 + i / G, h = kvh * G + i % G;
+        const v8 inv = bcast(1.0f / l[i]);
         float *o = a->out + (t * a->H + h) * D;
-        for (int64_t d = 0; d < D; d++) o[d] = acc[i][d] * inv;
+        for (int64_t d0 = 0; d0 < D; d0 += 8) st(o + d0, _mm256_mul_ps(ld(acc[i] + d0), inv));
     }
 }
 
 /* tile_start: (num_tiles + 1,) first token of each tile (tiles never cross sequences). */
 void rtpkv_paged_attention(const attn_args *a, const int64_t *tile_start, int64_t num_tiles) {
-    const int64_t items = num_tiles * a->KVH;
+    const int64_t items = num_tiles * a->KVH, G = a->H / a->KVH;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t w = 0; w < items; w++) {
-        int64_t tile = w / a->KVH, kvh = w % a->KVH;
-        attend_tile(a, tile_start[tile], tile_start[tile + 1] - tile_start[tile], kvh);
+        const int64_t tile = w / a->KVH, kvh = w % a->KVH;
+        const int64_t t0 = tile_start[tile], nt = tile_start[tile + 1] - t0;
+        if (nt * G <= KEY_LANES_MAX_ROWS)
+            attend_key_lanes(a, t0, nt, kvh);
+        else
+            attend_query_lanes(a, t0, nt, kvh);
     }
 }
 
 int64_t rtpkv_tile_limit(void) { return TILE; }
+
+/* The kernel computes in groups of 8 columns. */
+int64_t rtpkv_head_dim_multiple(void) { return 8; }
