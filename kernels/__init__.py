@@ -10,7 +10,8 @@ import torch
 
 from rtpkv.kernels.attention import AttentionBackend, AttentionBatch, TorchAttention
 from rtpkv.kernels.norm import rms_norm
-from rtpkv.kernels.rope import apply_rope, rope_table
+from rtpkv.kernels.activation import silu_and_mul
+from rtpkv.kernels.rope import apply_rope_, rope_table
 
 log = logging.getLogger("rtpkv")
 
@@ -47,8 +48,9 @@ __all__ = [
     "AttentionBackend",
     "AttentionBatch",
     "TorchAttention",
-    "apply_rope",
+    "apply_rope_",
     "attention_backend",
     "rms_norm",
     "rope_table",
+    "silu_and_mul",
 ]

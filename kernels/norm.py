@@ -1,9 +1,35 @@
-"""RMSNorm, computed in float32 as transformers does, cast back to the input dtype."""
+"""RMSNorm, computed in float32 as transformers does, cast back to the input dtype; optionally
+fused with the residual add before it (vLLM's fused_add_rms_norm)."""
+
+from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
+from rtpkv.kernels import fused_ops
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """weight * normalize(h) with h = x, or h = residual + x stored into `residual` (in place).
+    The C kernel when it takes the tensors, else rms_norm_reference."""
+    if not (x.is_contiguous() and (residual is None or residual.is_contiguous())
+            and fused_ops.usable(x, weight, *(() if residual is None else (residual,)))):
+        return rms_norm_reference(x, weight, eps, residual)
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    fused_ops.library().rtpkv_rms_norm(x.data_ptr(), fused_ops.ptr(residual), weight.data_ptr(),
+                                       out.data_ptr(), x.numel() // dim, dim, eps,
+                                       int(x.dtype == torch.bfloat16))
+    return out
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if residual is not None:
+        residual.add_(x)
+        x = residual
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

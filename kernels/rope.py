@@ -1,6 +1,9 @@
-"""Rotary position embedding with a cos/sin table precomputed once per model."""
+"""Rotary position embedding (Llama's rotate_half form) with a cos/sin table precomputed once
+per model, applied in place."""
 
 import torch
+
+from rtpkv.kernels import fused_ops
 
 
 def rope_table(inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype,
@@ -17,9 +20,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: (T, heads, d), k: (T, kv_heads, d); cos/sin: (T, d) rows for each token's position."""
-    cos = cos.unsqueeze(1)
-    sin = sin.unsqueeze(1)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor) -> None:
+    """Rotates q: (T, heads, d) and k: (T, kv_heads, d) in place; cos/sin: (max_positions, d)
+    tables, positions: (T,) int64. The C kernel takes rows of any stride with contiguous heads
+    (views into the fused qkv output); otherwise the torch reference."""
+    if (q.stride(1) == q.shape[2] and q.stride(2) == 1 and k.stride(1) == k.shape[2]
+            and k.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()
+            and positions.dtype == torch.int64 and positions.is_contiguous()
+            and fused_ops.usable(q, k, cos, sin, multiple=16)):
+        fused_ops.library().rtpkv_rope(q.data_ptr(), k.data_ptr(), q.shape[0], q.shape[1],
+                                       k.shape[1], q.stride(0), k.stride(0), q.shape[2],
+                                       cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                                       int(q.dtype == torch.bfloat16))
+        return
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    q.copy_(q * c + _rotate_half(q) * s)
+    k.copy_(k * c + _rotate_half(k) * s)

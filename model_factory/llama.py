@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rtpkv.kernels import AttentionBackend, apply_rope, attention_backend, rms_norm, rope_table
+from rtpkv.kernels import (AttentionBackend, apply_rope_, attention_backend, rms_norm, rope_table,
+                           silu_and_mul)
 from rtpkv.kernels.linear import InferenceLinear, linear_path
 from rtpkv.model_factory.spec import ModelSpec
 
@@ -23,8 +24,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """With `residual`: normalizes residual + x, stored into `residual`."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -54,7 +56,7 @@ class Attention(nn.Module):
         self.qkv = fused
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv: tuple[torch.Tensor, torch.Tensor], meta: Any,
                 attention: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
@@ -67,7 +69,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, cos, sin)
+        apply_rope_(q, k, rope[0], rope[1], positions)
         out = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -90,10 +92,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(silu_and_mul(self.gate_up(x)))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -152,12 +152,15 @@ class CausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: Any) -> torch.Tensor:
         """`meta` comes from `self.attention.build` for this batch."""
-        h = self.model.embed_tokens(input_ids)
-        cos, sin = self.cos[positions], self.sin[positions]
+        residual = self.model.embed_tokens(input_ids)   # the residual stream, added to in place
+        rope = (self.cos, self.sin)
+        h = None
         for layer, kv in zip(self.model.layers, kv_caches):
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv, meta, self.attention)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.norm(h)
+            x = (layer.input_layernorm(residual) if h is None
+                 else layer.input_layernorm(h, residual))
+            h = layer.self_attn(x, positions, rope, kv, meta, self.attention)
+            h = layer.mlp(layer.post_attention_layernorm(h, residual))
+        return self.model.norm(h, residual)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

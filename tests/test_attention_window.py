@@ -203,7 +203,7 @@ def test_reuse_under_a_window_equals_recomputation(windowed, make_pipeline, monk
             a = run(reused, history, max_new_tokens=20, return_logits=True)
             b = run(plain, history, max_new_tokens=20, return_logits=True)
             assert a.output_ids == b.output_ids
-            torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=0)
+            torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=0)
             if backend == "cpu-paged":   # batch-invariant kernel: bit-identical
                 assert torch.equal(a.logits, b.logits)
             reused.check_integrity()

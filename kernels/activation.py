@@ -1,0 +1,21 @@
+"""The gated MLP activation: SiLU(gate) * up over the fused gate_up projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rtpkv.kernels import fused_ops
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(..., 2 * inter) -> (..., inter): the C kernel when it takes the tensor, else torch."""
+    inter = gate_up.shape[-1] // 2
+    if not (gate_up.is_contiguous() and inter % 8 == 0 and fused_ops.usable(gate_up)):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+    fused_ops.library().rtpkv_silu_and_mul(gate_up.data_ptr(), out.data_ptr(),
+                                           gate_up.numel() // (2 * inter), inter,
+                                           int(gate_up.dtype == torch.bfloat16))
+    return out

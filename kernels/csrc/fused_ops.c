@@ -1,0 +1,141 @@
+/* The elementwise steps of a decoder layer fused into one pass each over memory: RMSNorm (with
+ * the residual add before it), SiLU(gate) * up, and RoPE in place. Rows are independent and each
+ * is computed the same way whatever the number of rows, so these keep batch invariance. Values
+ * are float32 or bfloat16; bfloat16 results are rounded (to nearest even) where torch's ops
+ * round them, so the numbers follow the torch reference of kernels/norm.py, rope.py and
+ * activation.py (RoPE bit for bit, the others to float32 rounding).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "the fused CPU ops need AVX2 and FMA"
+#endif
+
+typedef __m256 v8;
+
+static inline v8 load8(const void *p, int64_t i, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)p + i);
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+/* bfloat16 rounding to nearest even, kept in float32 lanes (the low 16 bits cleared). */
+static inline v8 round_bf16(v8 x) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline void store8(void *p, int64_t i, v8 x, int bf16) {
+    if (!bf16) {
+        _mm256_storeu_ps((float *)p + i, x);
+        return;
+    }
+    __m256i u = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(x)), 16);
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extractf128_si256(u, 1));
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), packed);
+}
+
+/* Rounds x as an op of the tensor's dtype would. */
+static inline v8 as_dtype(v8 x, int bf16) { return bf16 ? round_bf16(x) : x; }
+
+/* exp(x) on 8 lanes (Cephes polynomial, ~1 ulp), saturating to 0 and +inf. */
+static inline v8 exp8(v8 x) {
+    const v8 c = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const v8 n = _mm256_floor_ps(_mm256_fmadd_ps(c, _mm256_set1_ps(1.44269504088896341f),
+                                                 _mm256_set1_ps(0.5f)));
+    const v8 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f),
+                                 _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c));
+    v8 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    v8 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    y = _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), y);
+    return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY),
+                            _mm256_cmp_ps(x, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
+}
+
+/* out = weight * (h / sqrt(mean(h^2) + eps)) per row, where h = x, or h = residual + x written
+ * back to residual when residual is not NULL. Rows of `dim` values; dim a multiple of 8. */
+void rtpkv_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows,
+                    int64_t dim, float eps, int bf16) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t o = r * dim;
+        v8 sq = _mm256_setzero_ps();
+        for (int64_t i = 0; i < dim; i += 8) {
+            v8 h = load8(x, o + i, bf16);
+            if (residual) {
+                h = as_dtype(_mm256_add_ps(load8(residual, o + i, bf16), h), bf16);
+                store8(residual, o + i, h, bf16);
+            }
+            sq = _mm256_fmadd_ps(h, h, sq);
+        }
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(sq), _mm256_extractf128_ps(sq, 1));
+        s = _mm_hadd_ps(s, s);
+        s = _mm_hadd_ps(s, s);
+        const v8 inv = _mm256_set1_ps(1.0f / sqrtf(_mm_cvtss_f32(s) / (float)dim + eps));
+        const void *src = residual ? residual : x;
+        for (int64_t i = 0; i < dim; i += 8) {
+            const v8 h = as_dtype(_mm256_mul_ps(load8(src, o + i, bf16), inv), bf16);
+            store8(out, o + i, _mm256_mul_ps(load8(weight, i, bf16), h), bf16);
+        }
+    }
+}
+
+/* out[r] = silu(gate_up[r][:inter]) * gate_up[r][inter:], silu(g) = g / (1 + exp(-g)). */
+void rtpkv_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int bf16) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < inter; i += 8) {
+            const v8 g = load8(gate_up, r * 2 * inter + i, bf16);
+            const v8 u = load8(gate_up, r * 2 * inter + inter + i, bf16);
+            const v8 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            const v8 silu = as_dtype(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), bf16);
+            store8(out, r * inter + i, _mm256_mul_ps(silu, u), bf16);
+        }
+    }
+}
+
+/* Rotates heads [0, heads) of each token in place: x1 * cos - x2 * sin, x2 * cos + x1 * sin
+ * for the halves x1, x2 of a head (Llama's rotate_half), cos/sin rows taken at the token's
+ * position. x: token t, head h at x + t * row_stride + h * dim. dim a multiple of 16. */
+static void rope_heads(void *x, int64_t tokens, int64_t heads, int64_t row_stride, int64_t dim,
+                       const void *cos, const void *sin, const int64_t *positions, int bf16) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t c = positions[t] * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t o = t * row_stride + h * dim;
+            for (int64_t i = 0; i < half; i += 8) {
+                const v8 x1 = load8(x, o + i, bf16), x2 = load8(x, o + half + i, bf16);
+                const v8 c1 = load8(cos, c + i, bf16), c2 = load8(cos, c + half + i, bf16);
+                const v8 s1 = load8(sin, c + i, bf16), s2 = load8(sin, c + half + i, bf16);
+                const v8 a1 = as_dtype(_mm256_mul_ps(x1, c1), bf16);
+                const v8 b1 = as_dtype(_mm256_mul_ps(x2, s1), bf16);
+                const v8 a2 = as_dtype(_mm256_mul_ps(x2, c2), bf16);
+                const v8 b2 = as_dtype(_mm256_mul_ps(x1, s2), bf16);
+                store8(x, o + i, _mm256_sub_ps(a1, b1), bf16);
+                store8(x, o + half + i, _mm256_add_ps(a2, b2), bf16);
+            }
+        }
+    }
+}
+
+void rtpkv_rope(void *q, void *k, int64_t tokens, int64_t q_heads, int64_t k_heads,
+                int64_t q_stride, int64_t k_stride, int64_t dim, const void *cos, const void *sin,
+                const int64_t *positions, int bf16) {
+    rope_heads(q, tokens, q_heads, q_stride, dim, cos, sin, positions, bf16);
+    rope_heads(k, tokens, k_heads, k_stride, dim, cos, sin, positions, bf16);
+}

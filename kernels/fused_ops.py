@@ -1,0 +1,39 @@
+"""Bindings of csrc/fused_ops.c: RMSNorm (with the residual add), SiLU-and-mul and RoPE as one
+pass each over memory on the CPU. `library()` is None where the C kernels cannot be built; the
+callers in norm.py, activation.py and rope.py then run their torch reference."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from rtpkv.kernels.cpu_build import load_library
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+def library() -> Optional[ctypes.CDLL]:
+    lib = load_library("fused_ops")
+    if lib is not None and lib.rtpkv_rms_norm.argtypes is None:
+        lib.rtpkv_rms_norm.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int]
+        lib.rtpkv_silu_and_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int]
+        lib.rtpkv_rope.argtypes = [_P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int]
+        for fn in (lib.rtpkv_rms_norm, lib.rtpkv_silu_and_mul, lib.rtpkv_rope):
+            fn.restype = None
+    return lib
+
+
+def usable(*tensors: torch.Tensor, multiple: int = 8) -> bool:
+    """Whether the C kernels take these tensors: CPU, float32 or bfloat16 alike, the last
+    dimension a multiple of `multiple`, and the library built."""
+    first = tensors[0]
+    return (first.device.type == "cpu" and first.dtype in (torch.float32, torch.bfloat16)
+            and all(t.dtype == first.dtype and t.device == first.device for t in tensors)
+            and first.shape[-1] % multiple == 0 and library() is not None)
+
+
+def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
