@@ -20,7 +20,7 @@
  * on 8 rows at once; smaller tiles (decodes: the G query heads of one token) put 8 keys in the
  * lanes, K being transposed 8x8 in registers, and the values' 8 columns.
  *
- * Work items are (tile of up to TILE consecutive tokens of one sequence, kv head): the query
+ * Work items are (kv head, tile of up to TILE consecutive tokens of one sequence): the query
  * heads of a GQA group and the tile's tokens share each block read while it is in cache.
  */
 #include <immintrin.h>
@@ -417,12 +417,14 @@ static void attend_key_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t
     }
 }
 
-/* tile_start: (num_tiles + 1,) first token of each tile (tiles never cross sequences). */
+/* tile_start: (num_tiles + 1,) first token of each tile (tiles never cross sequences). Items
+ * run kv-head-major: the threads work on neighbouring tiles of one head at a time, so a long
+ * context's blocks come from DRAM once and the other tiles find them in cache. */
 void rtpkv_paged_attention(const attn_args *a, const int64_t *tile_start, int64_t num_tiles) {
     const int64_t items = num_tiles * a->KVH, G = a->H / a->KVH;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t w = 0; w < items; w++) {
-        const int64_t tile = w / a->KVH, kvh = w % a->KVH;
+        const int64_t kvh = w / num_tiles, tile = w % num_tiles;
         const int64_t t0 = tile_start[tile], nt = tile_start[tile + 1] - t0;
         if (nt * G <= KEY_LANES_MAX_ROWS)
             attend_key_lanes(a, t0, nt, kvh);

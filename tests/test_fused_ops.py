@@ -1,0 +1,95 @@
+"""The C kernels of the CPU fast path agree with their torch references: the fused RMSNorm,
+SiLU-and-mul and RoPE, and the attention kernel's two vectorisations (query rows in the lanes
+for prefill tiles, keys in the lanes for decodes), which must give the same bits for a token."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rtpkv.kernels import AttentionBatch, attention_backend, fused_ops
+from rtpkv.kernels.activation import silu_and_mul
+from rtpkv.kernels.norm import rms_norm, rms_norm_reference
+from rtpkv.kernels.rope import apply_rope_, rope_table
+
+CPU = torch.device("cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _randn(*shape, dtype, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def test_the_fused_library_builds_here():
+    assert fused_ops.library() is not None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_residual_matches_the_reference(dtype):
+    x, w = _randn(37, 64, dtype=dtype), _randn(64, dtype=dtype, seed=1)
+    res = _randn(37, 64, dtype=dtype, seed=2)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6), **tol)
+    ours_res, ref_res = res.clone(), res.clone()
+    ours = rms_norm(x, w, 1e-6, ours_res)
+    ref = rms_norm_reference(x, w, 1e-6, ref_res)
+    assert torch.equal(ours_res, ref_res)          # the residual stream: x + residual, in place
+    torch.testing.assert_close(ours, ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(dtype):
+    gate_up = _randn(19, 2 * 48, dtype=dtype) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate) * up, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_in_place_on_views_of_the_fused_qkv_is_the_torch_rotation_bit_for_bit(dtype):
+    T, H, KVH, D = 9, 4, 2, 32
+    cos, sin = rope_table(1.0 / (10000 ** (torch.arange(0, D, 2) / D)), 64, dtype, CPU)
+    qkv = _randn(T, (H + 2 * KVH) * D, dtype=dtype)
+    positions = torch.tensor([0, 1, 2, 40, 41, 5, 63, 7, 8])
+    q, k, _ = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    q, k = q.view(T, H, D), k.view(T, KVH, D)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def rotate_half(x):
+        return torch.cat((-x[..., D // 2:], x[..., :D // 2]), dim=-1)
+
+    want_q, want_k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+    apply_rope_(q, k, cos, sin, positions)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+H, KVH, B, NUM_BLOCKS = 4, 2, 8, 24
+
+
+def _one_sequence(positions: list[int], window=None) -> AttentionBatch:
+    table = [[7, 3, 11, 0, 19, 5, 2, 16]]
+    return AttentionBatch(
+        positions=torch.tensor(positions), row_seq=torch.zeros(len(positions), dtype=torch.long),
+        block_tables=torch.tensor(table), query_start=[0], query_len=[len(positions)],
+        context_len=[positions[-1] + 1], block_size=B, num_blocks=NUM_BLOCKS, kv_heads=KVH,
+        window=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 13])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_a_token_computed_in_a_prefill_tile_or_as_a_decode_gives_the_same_bits(dtype, window,
+                                                                               head_dim):
+    """A 20-token chunk after a 25-token prefix (tiles of 16 and 4 tokens, 32 and 8 query rows:
+    query rows in the lanes) and each of its tokens alone as a decode (2 query rows: keys in the
+    lanes) read the same cache and give identical outputs."""
+    kernel = attention_backend(CPU, dtype, head_dim, "cpu-paged")
+    caches = [_randn(KVH * NUM_BLOCKS * B, head_dim, dtype=dtype, seed=s) for s in (3, 4)]
+    T, start = 20, 25
+    q, k, v = (_randn(T, h, head_dim, dtype=dtype, seed=s) for h, s in ((H, 5), (KVH, 6), (KVH, 7)))
+    chunk = _one_sequence(list(range(start, start + T)), window)
+    together = kernel.forward(q, k, v, *caches, kernel.build(chunk), head_dim ** -0.5)
+    for i in range(T):
+        alone = _one_sequence([start + i], window)
+        out = kernel.forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], *caches, kernel.build(alone),
+                             head_dim ** -0.5)
+        assert torch.equal(out, together[i:i + 1]), f"token {i}"
