@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if !defined(__AVX2__) || !defined(__FMA__)
@@ -346,7 +347,7 @@ static void pv_row(float *acc, float alpha, const float *w, const float *vb, int
 static void attend_key_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t kvh) {
     const int64_t D = a->D, B = a->B, G = a->H / a->KVH, NQ = nt * G;
     const int64_t BP = (B + 15) / 16 * 16;
-    float q[NQ][D], acc[NQ][D], s[NQ][BP], m[NQ], l[NQ];
+    float q[NQ][D], acc[NQ][D], m[NQ], l[NQ];
     float kconv[B][D], vconv[a->bf16 ? B : 1][D];
     float zeros[D];
     memset(zeros, 0, sizeof(zeros));
@@ -365,25 +366,35 @@ static void attend_key_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t
     }
     const int32_t *table = a->tables + (int64_t)a->q_seq[t0] * a->max_blocks;
     const v8 scale = bcast(a->scale), ninf = bcast(-INFINITY);
-    for (int64_t p = min_lo / B; p * B <= max_pos; p++) {
+    const int64_t p0 = min_lo / B, blocks = max_pos / B + 1 - p0;
+    /* Two sweeps, each one long stream through memory: every block's scores first (K), then
+     * block by block the online-softmax update and the values (V), in the same order and with
+     * the same arithmetic as the query-lanes path. s[i] holds row i's scores of all blocks. */
+    float *scores = (float *)malloc((size_t)(NQ * blocks * BP) * sizeof(float));
+    const int64_t ss = blocks * BP;   /* row stride of scores */
+    for (int64_t p = p0; p * B <= max_pos; p++) {
         const int64_t base = (kvh * a->S + (int64_t)table[p] * B) * D;
         const int64_t n = max_pos - p * B + 1 < B ? max_pos - p * B + 1 : B;
-        const float *kb = (const float *)a->k_cache + base, *vb = (const float *)a->v_cache + base;
         load_rows(&kconv[0][0], a->k_cache, base, n * D, a->bf16);   /* read in order */
-        kb = &kconv[0][0];
-        if (a->bf16) {
-            load_rows(&vconv[0][0], a->v_cache, base, n * D, 1);
-            vb = &vconv[0][0];
-        }
         for (int64_t j0 = 0; j0 < n; j0 += 16) {   /* scores, 16 keys at a time */
             const float *rows[16];
-            for (int r = 0; r < 16; r++) rows[r] = j0 + r < n ? kb + (j0 + r) * D : zeros;
-            qk_keys(&q[0][0], D, rows, &s[0][0], BP, j0, (int)NQ, n - j0 > 8 ? 2 : 1);
+            for (int r = 0; r < 16; r++) rows[r] = j0 + r < n ? kconv[j0 + r] : zeros;
+            qk_keys(&q[0][0], D, rows, scores + (p - p0) * BP, ss, j0, (int)NQ, n - j0 > 8 ? 2 : 1);
+        }
+    }
+    for (int64_t p = p0; p * B <= max_pos; p++) {
+        const int64_t base = (kvh * a->S + (int64_t)table[p] * B) * D;
+        const float *vb = (const float *)a->v_cache + base;
+        if (a->bf16) {
+            const int64_t n = max_pos - p * B + 1 < B ? max_pos - p * B + 1 : B;
+            load_rows(&vconv[0][0], a->v_cache, base, n * D, 1);
+            vb = &vconv[0][0];
         }
         for (int64_t i = 0; i < NQ; i++) {
             int64_t first, valid;
             block_range(pos[i], lo[i], p, B, &first, &valid);
             if (!valid) continue;
+            float *s = scores + i * ss + (p - p0) * BP;
             v8 mx = bcast(m[i]);
             for (int64_t j0 = 0; j0 < valid; j0 += 8) {
                 const __m256i jj = _mm256_add_epi32(_mm256_set1_epi32((int)j0),
@@ -391,24 +402,25 @@ static void attend_key_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t
                 const __m256i in = _mm256_andnot_si256(
                     _mm256_cmpgt_epi32(_mm256_set1_epi32((int)first), jj),
                     _mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), jj));
-                const v8 x = _mm256_blendv_ps(ninf, _mm256_mul_ps(ld(s[i] + j0), scale),
+                const v8 x = _mm256_blendv_ps(ninf, _mm256_mul_ps(ld(s + j0), scale),
                                               _mm256_castsi256_ps(in));
-                st(s[i] + j0, x);
+                st(s + j0, x);
                 mx = _mm256_max_ps(mx, x);
             }
             const float m_new = hmax(mx), z = m_new == -INFINITY ? 0.0f : m_new;
             const v8 vz = bcast(z);
             float sum = 0.0f;
             for (int64_t j0 = 0; j0 < valid; j0 += 8) {
-                st(s[i] + j0, exp_nonpos(_mm256_sub_ps(ld(s[i] + j0), vz)));
-                for (int64_t j = j0; j < valid && j < j0 + 8; j++) sum += s[i][j];
+                st(s + j0, exp_nonpos(_mm256_sub_ps(ld(s + j0), vz)));
+                for (int64_t j = j0; j < valid && j < j0 + 8; j++) sum += s[j];
             }
             const float al = exp1(m[i] - z);
             l[i] = fmaf(l[i], al, sum);
             m[i] = m_new;
-            pv_row(acc[i], al, s[i], vb, D, valid);
+            pv_row(acc[i], al, s, vb, D, valid);
         }
     }
+    free(scores);
     for (int64_t i = 0; i < NQ; i++) {
         const int64_t t = t0 + i / G, h = kvh * G + i % G;
         const v8 inv = bcast(1.0f / l[i]);
