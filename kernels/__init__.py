@@ -1,4 +1,5 @@
-"""Kernels: attention backends, linear layers, RoPE, RMSNorm, the KV write.
+"""Kernels: attention backends, linear layers, RoPE, RMSNorm, SiLU-and-mul, the KV write; the C
+kernels of the CPU path live in csrc/ (see docs/DESIGN.md, "CPU fast path").
 `attention_backend` is the one dispatch point that chooses the attention implementation."""
 
 from __future__ import annotations

@@ -27,13 +27,13 @@ SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     root = os.environ.get("RTPKV_CACHE_DIR") or Path(
         os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rtpkv"
     return Path(root) / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -54,8 +54,8 @@ def load_library(name: str) -> Optional[ctypes.CDLL]:
         return None
     source = SOURCE_DIR / f"{name}.c"
     key = hashlib.sha256(source.read_bytes() + " ".join([compiler] + FLAGS).encode()
-                         + _cpu_flags().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{name}-{key}.so"
+                         + cpu_flags().encode()).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")

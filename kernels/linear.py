@@ -19,11 +19,15 @@ bf16 reuse guarantee needs a row's output not to depend on how many rows share i
 `min_rows` is measured for each GEMM shape when a model loads (`invariant_min_rows`): the fewest
 rows a call must compute for every probed row count, at any offset, to give the same bits as
 one large reference call. Calls with fewer rows are padded with zeros to `min_rows`. oneDNN
-prepacked for 256 rows needs no padding on that EPYC (min_rows 1); MKL needs 16.
+prepacked for 256 rows needs no padding on that EPYC (min_rows 1); MKL needs 16. The probe
+costs about as much as a prefill of 700 tokens through the shape, so its result is kept on disk
+per machine (`gemm-invariance-<cpu>.json` beside the built kernels) and paid once.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from typing import Callable
@@ -32,15 +36,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rtpkv.kernels.cpu_build import cache_dir, cpu_flags
+
 log = logging.getLogger("rtpkv")
 
 LINEAR_PATHS = ("auto", "native", "onednn", "fp32-compute")
 PACKED_ROWS = 256                     # the row count oneDNN weights are prepacked for
 PADDING_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
-PROBE_ROWS = (*range(1, 18), 24, 31, 32, 33, 48, 63, 64, 65, 100, 255, 256, 300)
-REFERENCE_ROWS = 320
+PROBE_ROWS = (*range(1, 18), 24, 31, 32, 33, 48, 64, 65, 96)
+REFERENCE_ROWS = 128
 
-_min_rows_by_shape: dict[tuple, int] = {}
+_min_rows_by_shape: dict[str, int] = {}
 
 
 def bf16_gemm_supported() -> bool:
@@ -91,6 +97,35 @@ def invariant_min_rows(gemm: Callable[[torch.Tensor], torch.Tensor], in_features
     return PADDING_CANDIDATES[-1]
 
 
+def _probe_file():
+    machine = hashlib.sha256(cpu_flags().encode()).hexdigest()[:16]
+    return cache_dir() / f"gemm-invariance-{machine}.json"
+
+
+def _known_min_rows(key: str) -> int | None:
+    if key not in _min_rows_by_shape:
+        try:
+            _min_rows_by_shape.update(json.loads(_probe_file().read_text()))
+        except (OSError, ValueError):
+            pass
+    value = _min_rows_by_shape.get(key)
+    return value if value in PADDING_CANDIDATES else None
+
+
+def _remember_min_rows(key: str, rows: int) -> None:
+    """Keeps a probe's result for later processes (best effort: a read-only cache only costs
+    the probe again)."""
+    _min_rows_by_shape[key] = rows
+    path = _probe_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(_min_rows_by_shape, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 class InferenceLinear(nn.Module):
     """y = x W^T + b through `path`, at least `min_rows` rows per GEMM (measured once per shape)."""
 
@@ -108,13 +143,14 @@ class InferenceLinear(nn.Module):
         self.bias = bias
         if path in ("onednn", "fp32-compute"):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_ROWS)
-        key = (path, self.out_dtype, weight.device, self.in_features, self.out_features,
-               bias is not None, torch.get_num_threads())
-        if key not in _min_rows_by_shape:
+        key = (f"{path} {self.out_dtype} {weight.device} {self.in_features}x{self.out_features}"
+               f" bias={bias is not None} threads={torch.get_num_threads()} torch={torch.__version__}")
+        self.min_rows = _known_min_rows(key)
+        if self.min_rows is None:
             with torch.inference_mode():
-                _min_rows_by_shape[key] = invariant_min_rows(self._gemm, self.in_features,
-                                                             self.out_dtype, weight.device)
-        self.min_rows = _min_rows_by_shape[key]
+                self.min_rows = invariant_min_rows(self._gemm, self.in_features, self.out_dtype,
+                                                   weight.device)
+            _remember_min_rows(key, self.min_rows)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, path={self.path}, min_rows={self.min_rows}"

@@ -1,6 +1,7 @@
 """The speed paths agree with the reference ones: the CPU paged-attention kernel with the torch
 backend, the oneDNN and fp32-compute GEMM paths with F.linear; bad choices are refused."""
 
+import json
 import logging
 
 import pytest
@@ -139,6 +140,23 @@ def test_min_rows_is_measured_from_the_gemm():
         return row_by_row(x) + x.shape[0] * 1e-3
 
     assert invariant_min_rows(batch_dependent, 32, torch.float32, CPU) == PADDING_CANDIDATES[-1]
+
+
+def test_the_measured_padding_is_kept_on_disk_and_read_back(monkeypatch, tmp_path):
+    from rtpkv.kernels import linear
+
+    monkeypatch.setenv("RTPKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(linear, "_min_rows_by_shape", {})
+    layer = torch.nn.Linear(40, 24)
+    probed = InferenceLinear(layer, "native").min_rows
+    (saved,) = tmp_path.glob("kernels/gemm-invariance-*.json")
+    entries = json.loads(saved.read_text())
+    assert list(entries.values()) == [probed]
+    saved.write_text(json.dumps({k: 32 for k in entries}))   # another process's finding
+    monkeypatch.setattr(linear, "_min_rows_by_shape", {})
+    assert InferenceLinear(layer, "native").min_rows == 32
+    assert torch.equal(InferenceLinear(layer, "native")(torch.ones(3, 40)),
+                       F.linear(F.pad(torch.ones(3, 40), (0, 0, 0, 29)), layer.weight, layer.bias)[:3])
 
 
 def test_bf16_defaults_to_a_fast_gemm_path():
