@@ -2,10 +2,11 @@
 
 The library is plain C with OpenMP (no torch headers, so a build takes about a second), compiled
 for the host CPU (-march=native; no FMA contraction, so the same expression gives the same bits
-wherever it is inlined: the kernels place their FMAs explicitly) into the user's cache directory, keyed by the source, the
-compiler and the CPU's flags. It links the same `libgomp.so.1` torch loads, so it runs on torch's
-own OpenMP thread pool: one pool, sized by `torch.set_num_threads`. When no compiler is found
-or the build fails, `load_library` returns None and callers use their pure-torch fallback.
+wherever it is inlined: the kernels write their FMAs out) into the user's cache directory, keyed
+by the source and the headers of csrc/, the compiler and the CPU's flags. It links the same
+`libgomp.so.1` torch loads, so it runs on torch's own OpenMP thread pool: one pool, sized by
+`torch.set_num_threads`. When no compiler is found or the build fails, `load_library` returns
+None and callers use their pure-torch fallback.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def load_library(name: str) -> Optional[ctypes.CDLL]:
                     requested or "unset", name)
         return None
     source = SOURCE_DIR / f"{name}.c"
-    key = hashlib.sha256(source.read_bytes() + " ".join([compiler] + FLAGS).encode()
+    headers = b"".join(h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h")))
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join([compiler] + FLAGS).encode()
                          + cpu_flags().encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if not target.exists():

@@ -93,3 +93,13 @@ def test_a_token_computed_in_a_prefill_tile_or_as_a_decode_gives_the_same_bits(d
         out = kernel.forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], *caches, kernel.build(alone),
                              head_dim ** -0.5)
         assert torch.equal(out, together[i:i + 1]), f"token {i}"
+
+
+def test_without_the_library_the_torch_references_run(monkeypatch):
+    monkeypatch.setattr(fused_ops, "library", lambda: None)
+    x, w, res = (_randn(5, 32, dtype=torch.float32, seed=s) for s in (0, 1, 2))
+    ref_res = res.clone()
+    assert torch.equal(rms_norm(x, w[0], 1e-6, res), rms_norm_reference(x, w[0], 1e-6, ref_res))
+    assert torch.equal(res, ref_res)
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.equal(silu_and_mul(x), F.silu(gate) * up)

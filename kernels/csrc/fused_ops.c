@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vec_math.h"
+
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "the fused CPU ops need AVX2 and FMA"
 #endif
@@ -43,26 +45,12 @@ static inline void store8(void *p, int64_t i, v8 x, int bf16) {
 /* Rounds x as an op of the tensor's dtype would. */
 static inline v8 as_dtype(v8 x, int bf16) { return bf16 ? round_bf16(x) : x; }
 
-/* exp(x) on 8 lanes (Cephes polynomial, ~1 ulp), saturating to 0 and +inf. */
+/* exp(x) on 8 lanes, saturating to 0 below -87 and to +inf above 88. */
 static inline v8 exp8(v8 x) {
-    const v8 c = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const v8 n = _mm256_floor_ps(_mm256_fmadd_ps(c, _mm256_set1_ps(1.44269504088896341f),
-                                                 _mm256_set1_ps(0.5f)));
-    const v8 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f),
-                                 _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c));
-    v8 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    v8 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-    y = _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), y);
-    return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY),
-                            _mm256_cmp_ps(x, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
+    const v8 low = _mm256_set1_ps(-87.0f), high = _mm256_set1_ps(88.0f);
+    const v8 y = _mm256_andnot_ps(_mm256_cmp_ps(x, low, _CMP_LT_OQ),
+                                  exp_clamped(_mm256_min_ps(_mm256_max_ps(x, low), high)));
+    return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, high, _CMP_GT_OQ));
 }
 
 /* out = weight * (h / sqrt(mean(h^2) + eps)) per row, where h = x, or h = residual + x written

@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec_math.h"
+
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "the CPU paged-attention kernel needs AVX2 and FMA"
 #endif
@@ -83,23 +85,10 @@ static inline void load_rows(float *dst, const void *src, int64_t offset, int64_
     }
 }
 
-/* exp(x) for x <= 0 (Cephes polynomial, ~1 ulp) on 8 lanes; exactly 0 below -87 and for -inf. */
+/* exp(x) for x <= 0 on 8 lanes; exactly 0 below -87 and for -inf. */
 static inline v8 exp_nonpos(v8 x) {
     const v8 low = bcast(-87.0f);
-    const v8 c = _mm256_max_ps(x, low);
-    const v8 n = _mm256_floor_ps(fmadd(c, bcast(1.44269504088896341f), bcast(0.5f)));
-    const v8 r = fmadd(n, bcast(2.12194440e-4f), _mm256_fnmadd_ps(n, bcast(0.693359375f), c));
-    v8 p = bcast(1.9875691500e-4f);
-    p = fmadd(p, r, bcast(1.3981999507e-3f));
-    p = fmadd(p, r, bcast(8.3334519073e-3f));
-    p = fmadd(p, r, bcast(4.1665795894e-2f));
-    p = fmadd(p, r, bcast(1.6666665459e-1f));
-    p = fmadd(p, r, bcast(5.0000001201e-1f));
-    p = _mm256_add_ps(fmadd(_mm256_mul_ps(p, r), r, r), bcast(1.0f));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const v8 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-    return _mm256_andnot_ps(_mm256_cmp_ps(x, low, _CMP_LT_OQ), y);
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, low, _CMP_LT_OQ), exp_clamped(_mm256_max_ps(x, low)));
 }
 
 static inline float exp1(float x) { return _mm256_cvtss_f32(exp_nonpos(bcast(x))); }

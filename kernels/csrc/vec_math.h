@@ -1,0 +1,26 @@
+/* Vector maths shared by the C kernels (AVX2 + FMA, 8 float lanes). */
+#ifndef RTPKV_VEC_MATH_H
+#define RTPKV_VEC_MATH_H
+
+#include <immintrin.h>
+
+/* exp(c) for c already clamped to [-87, 88] (Cephes polynomial, ~1 ulp). Every FMA is written
+ * out, so the bits do not depend on the compiler's contraction choices. */
+static inline __m256 exp_clamped(__m256 c) {
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(c, _mm256_set1_ps(1.44269504088896341f),
+                                                     _mm256_set1_ps(0.5f)));
+    const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f),
+                                     _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+#endif
