@@ -34,14 +34,24 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def cpu_flags() -> str:
+def _cpuinfo(field: str) -> str:
+    """The first `field` line of /proc/cpuinfo ("" where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(field):
                 return line
     except OSError:
         pass
     return ""
+
+
+def cpu_flags() -> str:
+    return _cpuinfo("flags")
+
+
+def cpu_identity() -> str:
+    """Model, core count and flags: what a measurement made on this CPU is valid for."""
+    return f"{_cpuinfo('model name')} {os.cpu_count()} {cpu_flags()}"
 
 
 @lru_cache(maxsize=None)

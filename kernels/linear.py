@@ -20,8 +20,9 @@ bf16 reuse guarantee needs a row's output not to depend on how many rows share i
 rows a call must compute for every probed row count, at any offset, to give the same bits as
 one large reference call. Calls with fewer rows are padded with zeros to `min_rows`. oneDNN
 prepacked for 256 rows needs no padding on that EPYC (min_rows 1); MKL needs 16. The probe
-costs about as much as a prefill of 700 tokens through the shape, so its result is kept on disk
-per machine (`gemm-invariance-<cpu>.json` beside the built kernels) and paid once.
+runs on a shape's first call, with the thread count the model runs with, and costs about as
+much as a prefill of 1,100 tokens through the shape, so its result is kept on disk per machine
+(`gemm-invariance-<cpu>.json` beside the built kernels) and paid once.
 """
 
 from __future__ import annotations
@@ -36,15 +37,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rtpkv.kernels.cpu_build import cache_dir, cpu_flags
+from rtpkv.kernels.cpu_build import cache_dir, cpu_identity
 
 log = logging.getLogger("rtpkv")
 
 LINEAR_PATHS = ("auto", "native", "onednn", "fp32-compute")
 PACKED_ROWS = 256                     # the row count oneDNN weights are prepacked for
 PADDING_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
-PROBE_ROWS = (*range(1, 18), 24, 31, 32, 33, 48, 64, 65, 96)
-REFERENCE_ROWS = 128
+PROBE_ROWS = (*range(1, 18), 24, 31, 32, 33, 48, 64, 65, 96, 127, 129, 200)
+REFERENCE_ROWS = 256
 
 _min_rows_by_shape: dict[str, int] = {}
 
@@ -98,16 +99,18 @@ def invariant_min_rows(gemm: Callable[[torch.Tensor], torch.Tensor], in_features
 
 
 def _probe_file():
-    machine = hashlib.sha256(cpu_flags().encode()).hexdigest()[:16]
+    machine = hashlib.sha256(cpu_identity().encode()).hexdigest()[:16]
     return cache_dir() / f"gemm-invariance-{machine}.json"
 
 
 def _known_min_rows(key: str) -> int | None:
     if key not in _min_rows_by_shape:
         try:
-            _min_rows_by_shape.update(json.loads(_probe_file().read_text()))
+            saved = json.loads(_probe_file().read_text())
         except (OSError, ValueError):
-            pass
+            saved = None
+        if isinstance(saved, dict):
+            _min_rows_by_shape.update(saved)
     value = _min_rows_by_shape.get(key)
     return value if value in PADDING_CANDIDATES else None
 
@@ -127,7 +130,9 @@ def _remember_min_rows(key: str, rows: int) -> None:
 
 
 class InferenceLinear(nn.Module):
-    """y = x W^T + b through `path`, at least `min_rows` rows per GEMM (measured once per shape)."""
+    """y = x W^T + b through `path`, at least `min_rows` rows per GEMM. `min_rows` is measured on
+    the first call, in the thread that runs the model and with its thread count (a GEMM library
+    may split the work differently for another count), or read from the probe cache."""
 
     def __init__(self, linear: nn.Linear, path: str):
         super().__init__()
@@ -139,18 +144,14 @@ class InferenceLinear(nn.Module):
         if path == "fp32-compute":
             weight = weight.float()
             bias = None if bias is None else bias.float()
-        self.weight = weight
         self.bias = bias
+        self.device = weight.device
+        self.weight: torch.Tensor | None = None
         if path in ("onednn", "fp32-compute"):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_ROWS)
-        key = (f"{path} {self.out_dtype} {weight.device} {self.in_features}x{self.out_features}"
-               f" bias={bias is not None} threads={torch.get_num_threads()} torch={torch.__version__}")
-        self.min_rows = _known_min_rows(key)
-        if self.min_rows is None:
-            with torch.inference_mode():
-                self.min_rows = invariant_min_rows(self._gemm, self.in_features, self.out_dtype,
-                                                   weight.device)
-            _remember_min_rows(key, self.min_rows)
+        else:
+            self.weight = weight   # only the native path reads it: no second copy of the weights
+        self.min_rows: int | None = None
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, path={self.path}, min_rows={self.min_rows}"
@@ -163,8 +164,21 @@ class InferenceLinear(nn.Module):
                                                       [], "").to(self.out_dtype)
         return F.linear(x, self.weight, self.bias)
 
+    def measure_min_rows(self) -> int:
+        key = (f"{self.path} {self.out_dtype} {self.device} {self.in_features}x{self.out_features}"
+               f" bias={self.bias is not None} threads={torch.get_num_threads()}"
+               f" torch={torch.__version__}")
+        rows = _known_min_rows(key)
+        if rows is None:
+            with torch.inference_mode():
+                rows = invariant_min_rows(self._gemm, self.in_features, self.out_dtype, self.device)
+            _remember_min_rows(key, rows)
+        self.min_rows = rows
+        return rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        min_rows = self.min_rows or self.measure_min_rows()
         rows = x.shape[0]
-        if rows >= self.min_rows:
+        if rows >= min_rows:
             return self._gemm(x)
-        return self._gemm(F.pad(x, (0, 0, 0, self.min_rows - rows)))[:rows]
+        return self._gemm(F.pad(x, (0, 0, 0, min_rows - rows)))[:rows]

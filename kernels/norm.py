@@ -13,12 +13,16 @@ from rtpkv.kernels import fused_ops
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """weight * normalize(h) with h = x, or h = residual + x stored into `residual` (in place).
-    The C kernel when it takes the tensors, else rms_norm_reference."""
-    if not (x.is_contiguous() and (residual is None or residual.is_contiguous())
-            and fused_ops.usable(x, weight, *(() if residual is None else (residual,)))):
-        return rms_norm_reference(x, weight, eps, residual)
-    out = torch.empty_like(x)
+    The C kernel when it takes the tensors (x made contiguous first: q/k heads of a qk-norm model
+    are strided views, and one row at a time must be computed as in a batch), else
+    rms_norm_reference."""
     dim = x.shape[-1]
+    if not (fused_ops.usable(x, weight, *(() if residual is None else (residual,)))
+            and weight.is_contiguous() and weight.numel() == dim
+            and (residual is None or residual.is_contiguous())):
+        return rms_norm_reference(x, weight, eps, residual)
+    x = x.contiguous()
+    out = torch.empty_like(x)
     fused_ops.library().rtpkv_rms_norm(x.data_ptr(), fused_ops.ptr(residual), weight.data_ptr(),
                                        out.data_ptr(), x.numel() // dim, dim, eps,
                                        int(x.dtype == torch.bfloat16))

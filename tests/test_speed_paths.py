@@ -148,13 +148,19 @@ def test_the_measured_padding_is_kept_on_disk_and_read_back(monkeypatch, tmp_pat
     monkeypatch.setenv("RTPKV_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(linear, "_min_rows_by_shape", {})
     layer = torch.nn.Linear(40, 24)
-    probed = InferenceLinear(layer, "native").min_rows
+    fast = InferenceLinear(layer, "native")
+    assert fast.min_rows is None          # measured on the first call, in the model's thread
+    fast(torch.ones(2, 40))
+    probed = fast.min_rows
     (saved,) = tmp_path.glob("kernels/gemm-invariance-*.json")
     entries = json.loads(saved.read_text())
     assert list(entries.values()) == [probed]
     saved.write_text(json.dumps({k: 32 for k in entries}))   # another process's finding
     monkeypatch.setattr(linear, "_min_rows_by_shape", {})
-    assert InferenceLinear(layer, "native").min_rows == 32
+    assert InferenceLinear(layer, "native").measure_min_rows() == 32
+    saved.write_text("null")                                  # a damaged cache: probe again
+    monkeypatch.setattr(linear, "_min_rows_by_shape", {})
+    assert InferenceLinear(layer, "native").measure_min_rows() == probed
     assert torch.equal(InferenceLinear(layer, "native")(torch.ones(3, 40)),
                        F.linear(F.pad(torch.ones(3, 40), (0, 0, 0, 29)), layer.weight, layer.bias)[:3])
 

@@ -360,6 +360,7 @@ static void attend_key_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t
      * block by block the online-softmax update and the values (V), in the same order and with
      * the same arithmetic as the query-lanes path. s[i] holds row i's scores of all blocks. */
     float *scores = (float *)malloc((size_t)(NQ * blocks * BP) * sizeof(float));
+    if (!scores) abort();   /* a few KiB per decode: out of memory is fatal anyway */
     const int64_t ss = blocks * BP;   /* row stride of scores */
     for (int64_t p = p0; p * B <= max_pos; p++) {
         const int64_t base = (kvh * a->S + (int64_t)table[p] * B) * D;
