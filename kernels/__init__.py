@@ -5,7 +5,6 @@ kernels of the CPU path live in csrc/ (see docs/DESIGN.md, "CPU fast path").
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -20,11 +19,10 @@ ATTENTION_BACKENDS = ("auto", "cpu-paged", "torch")
 
 
 def attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
-                      name: str | None = None) -> AttentionBackend:
-    """The attention implementation for `device` and `dtype`. `name` (default: the
-    RTPKV_ATTENTION environment variable, else "auto") picks one: "auto" takes the CPU
-    paged kernel on a CPU when it builds and supports the dtype, else the torch reference."""
-    name = name or os.environ.get("RTPKV_ATTENTION", "auto")
+                      name: str = "auto") -> AttentionBackend:
+    """The attention implementation for `device` and `dtype`. `name` (RTPKV_ATTENTION in the
+    configuration) picks one: "auto" takes the CPU paged kernel on a CPU when it builds and
+    supports the dtype and head size, else the torch reference."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"RTPKV_ATTENTION={name!r} is invalid: accepted values are "
                          f"{', '.join(ATTENTION_BACKENDS)}")

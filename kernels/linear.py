@@ -1,6 +1,6 @@
 """Linear layers for inference: the GEMM path chosen once at load time, batch invariance measured.
 
-Paths (`RTPKV_LINEAR`, default "auto"):
+Paths (`RTPKV_LINEAR` in the configuration, default "auto"):
   onednn        weights prepacked once for oneDNN (`torch.ops.mkldnn._linear_pointwise`), in the
                 model's dtype: float32 everywhere, bfloat16 where the CPU has bf16 GEMM
                 instructions (AVX512-BF16, AVX-NE-CONVERT, AMX).
@@ -55,9 +55,9 @@ def bf16_gemm_supported() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def linear_path(dtype: torch.dtype, device: torch.device, name: str | None = None) -> str:
-    """The GEMM path for `dtype` on `device` (see the module docstring)."""
-    name = name or os.environ.get("RTPKV_LINEAR", "auto")
+def linear_path(dtype: torch.dtype, device: torch.device, name: str = "auto") -> str:
+    """The GEMM path for `dtype` on `device` (see the module docstring); `name` is RTPKV_LINEAR
+    in the configuration."""
     if name not in LINEAR_PATHS:
         raise ValueError(f"RTPKV_LINEAR={name!r} is invalid: accepted values are "
                          f"{', '.join(LINEAR_PATHS)}")

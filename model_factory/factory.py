@@ -107,7 +107,8 @@ def _max_seq_len(config: RuntimeConfig, spec: ModelSpec) -> int:
 
 
 def _load_module(spec: ModelSpec, files: list[Path], device: torch.device, dtype: torch.dtype,
-                 max_seq_len: int, show_progress: bool, model_dir: Path) -> CausalLM:
+                 config: RuntimeConfig, max_seq_len: int, show_progress: bool,
+                 model_dir: Path) -> CausalLM:
     with torch.device("meta"):
         module = CausalLM(spec)
     state = {}
@@ -121,7 +122,7 @@ def _load_module(spec: ModelSpec, files: list[Path], device: torch.device, dtype
         raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     module.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False,
                            assign=True)
-    module.prepare(max_seq_len)
+    module.prepare(max_seq_len, attention=config.rtpkv_attention, linear=config.rtpkv_linear)
     return module.eval()
 
 
@@ -150,7 +151,8 @@ class ModelFactory:
 
         files = weight_files(model_dir)
         with serial_torch():
-            module = _load_module(spec, files, device, dtype, max_seq_len, show_progress, model_dir)
+            module = _load_module(spec, files, device, dtype, config, max_seq_len, show_progress,
+                                  model_dir)
 
         from transformers import AutoTokenizer
 

@@ -125,13 +125,14 @@ class CausalLM(nn.Module):
         self.cos: Optional[torch.Tensor] = None
         self.sin: Optional[torch.Tensor] = None
 
-    def prepare(self, max_positions: int) -> None:
-        """After weights are loaded: tie, fuse, choose the GEMM path (kernels/linear.py), build the
-        RoPE table, pick the attention backend."""
+    def prepare(self, max_positions: int, attention: str = "auto", linear: str = "auto") -> None:
+        """After weights are loaded: tie, fuse, choose the GEMM path (kernels/linear.py; `linear`
+        is RTPKV_LINEAR), build the RoPE table, pick the attention backend (`attention` is
+        RTPKV_ATTENTION)."""
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         weight = self.model.embed_tokens.weight
-        self.linear_path = linear_path(weight.dtype, weight.device)
+        self.linear_path = linear_path(weight.dtype, weight.device, linear)
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.fuse()
@@ -142,7 +143,8 @@ class CausalLM(nn.Module):
             mlp.down_proj = InferenceLinear(mlp.down_proj, self.linear_path)
         self.lm_head = InferenceLinear(self.lm_head, self.linear_path)
         self.cos, self.sin = rope_table(self.spec.inv_freq(), max_positions, weight.dtype, weight.device)
-        self.attention = attention_backend(weight.device, weight.dtype, self.spec.head_dim)
+        self.attention = attention_backend(weight.device, weight.dtype, self.spec.head_dim,
+                                           attention)
 
     @property
     def attention_name(self) -> str:

@@ -147,6 +147,9 @@ class RuntimeConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1)
     concurrency_limit: int = Field(32, ge=1)
     schedule_policy: SchedulePolicy = SchedulePolicy.FCFS
+    # kernel choices (rtpkv.kernels): auto = the fastest that builds and supports the dtype
+    rtpkv_attention: str = Field("auto", pattern="^(auto|cpu-paged|torch)$")
+    rtpkv_linear: str = Field("auto", pattern="^(auto|native|onednn|fp32-compute)$")
     # tiers below the device pool (rtpkv.cache.tiers.factory)
     enable_memory_cache: bool = False
     memory_cache_size_mb: float = Field(0.0, ge=0)

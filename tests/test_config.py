@@ -46,6 +46,8 @@ NON_DEFAULT = {
     "remote_cache_password": ("pw", "pw"),
     "remote_cache_ttl_s": ("3600", 3600),
     "remote_cache_timeout_ms": ("50", 50),
+    "rtpkv_attention": ("torch", "torch"),
+    "rtpkv_linear": ("native", "native"),
 }
 
 
@@ -96,6 +98,13 @@ def test_environment_errors_quote_the_variable_as_written(monkeypatch):
         Settings.from_env()
     assert "MAX_NUM_BATCHED_TOKENS='0' is invalid: Input should be greater than or equal to 1" in str(info.value)
     assert "DEVICE='tpu' is invalid" in str(info.value)
+
+
+def test_kernel_choices_are_options_too(monkeypatch):
+    monkeypatch.setenv("RTPKV_ATTENTION", "flash")
+    with pytest.raises(ConfigError, match=r"RTPKV_ATTENTION='flash' is invalid: .*cpu-paged\|torch"):
+        Settings.from_env()
+    assert ModelConfig(rtpkv_linear="native").rtpkv_linear == "native"
 
 
 def test_model_config_accepts_rtp_llm_fields_with_a_warning(caplog):
