@@ -154,6 +154,9 @@ class CausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: Any) -> torch.Tensor:
         """`meta` comes from `self.attention.build` for this batch."""
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            raise IndexError(f"position {int(positions.max())} is past the RoPE table "
+                             f"({self.cos.shape[0]} positions)")
         residual = self.model.embed_tokens(input_ids)   # the residual stream, added to in place
         rope = (self.cos, self.sin)
         h = None

@@ -19,9 +19,7 @@
 typedef __m256 v8;
 
 static inline v8 load8(const void *p, int64_t i, int bf16) {
-    if (!bf16) return _mm256_loadu_ps((const float *)p + i);
-    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    return bf16 ? load_bf16x8((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
 }
 
 /* bfloat16 rounding to nearest even, kept in float32 lanes (the low 16 bits cleared). */

@@ -75,10 +75,7 @@ static inline void load_rows(float *dst, const void *src, int64_t offset, int64_
     }
     const uint16_t *s = (const uint16_t *)src + offset;
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i)));
-        st(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-    }
+    for (; i + 8 <= n; i += 8) st(dst + i, load_bf16x8(s + i));
     for (; i < n; i++) {
         uint32_t u = (uint32_t)s[i] << 16;
         memcpy(dst + i, &u, 4);

@@ -3,6 +3,13 @@
 #define RTPKV_VEC_MATH_H
 
 #include <immintrin.h>
+#include <stdint.h>
+
+/* 8 bfloat16 values widened to float32 (exact: the bits shifted into the high half). */
+static inline __m256 load_bf16x8(const uint16_t *p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
 
 /* exp(c) for c already clamped to [-87, 88] (Cephes polynomial, ~1 ulp). Every FMA is written
  * out, so the bits do not depend on the compiler's contraction choices. */

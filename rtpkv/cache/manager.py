@@ -271,14 +271,19 @@ class KVCacheManager:
         """The key the blocks after `match`'s device hits chain from."""
         return self.blocks[match.device[-1]].key if match.device else self.index.root
 
+    def _metas_past_device_hits(self, seq: CacheSequence, match: PrefixMatch) -> list["BlockMeta"]:
+        """The prompt's full blocks after its device hits, keyed: what the tiers are asked for
+        (the last prompt token is always computed)."""
+        return self._tier_metas(seq, len(match.device), self._chain_end(match),
+                                (seq.num_tokens - 1) // self.block_size)
+
     def lookup_tiers(self, seq: CacheSequence, match: PrefixMatch) -> None:
         """Extend `match` with the tier hits that continue its device hits (each tier asked
         once, in order). Asked once, at admission: a waiting request's fit depends on its
         device hits alone, since tier hits need fresh blocks like computed ones."""
         if not self.tiers or not self.reuse_applies(seq):
             return
-        metas = self._tier_metas(seq, len(match.device), self._chain_end(match),
-                                 (seq.num_tokens - 1) // self.block_size)
+        metas = self._metas_past_device_hits(seq, match)
         pos = 0
         for tier in self.tiers:
             if pos == len(metas):
@@ -297,9 +302,7 @@ class KVCacheManager:
         fetching = [t for t in self.tiers if hasattr(t, "prefetch") and seq.allows_tier(t.name)]
         if not fetching or not self.reuse_applies(seq):
             return []
-        match = self.lookup(seq)
-        metas = self._tier_metas(seq, len(match.device), self._chain_end(match),
-                                 (seq.num_tokens - 1) // self.block_size)
+        metas = self._metas_past_device_hits(seq, self.lookup(seq))
         pos = 0
         for tier in self.tiers:
             if pos == len(metas):
