@@ -80,8 +80,8 @@ def _one_sequence(positions: list[int], window=None) -> AttentionBatch:
 def test_a_token_computed_in_a_prefill_tile_or_as_a_decode_gives_the_same_bits(dtype, window,
                                                                                head_dim):
     """A 20-token chunk after a 25-token prefix (tiles of 16 and 4 tokens, 32 and 8 query rows:
-    query rows in the lanes) and each of its tokens alone as a decode (2 query rows: keys in the
-    lanes) read the same cache and give identical outputs."""
+    query rows in the lanes, blocks read whole or masked) and each of its tokens alone as a decode
+    (2 query rows: keys in the lanes) read the same cache and give identical outputs."""
     kernel = attention_backend(CPU, dtype, head_dim, "cpu-paged")
     caches = [_randn(KVH * NUM_BLOCKS * B, head_dim, dtype=dtype, seed=s) for s in (3, 4)]
     T, start = 20, 25

@@ -17,7 +17,8 @@
  *
  * Two vectorisations compute exactly that. Tiles of at least 8 query rows (prefill) put 8 query
  * rows in the lanes of a vector, so K and V are read in place as broadcasts and the softmax runs
- * on 8 rows at once; smaller tiles (decodes: the G query heads of one token) put 8 keys in the
+ * on 8 rows at once (a block that every row of the tile reads whole skips the mask: its scores
+ * come out of the score tile scaled, with their row maxima); smaller tiles (decodes: the G query heads of one token) put 8 keys in the
  * lanes, K being transposed 8x8 in registers, and the values' 8 columns.
  *
  * Work items are (kv head, tile of up to TILE consecutive tokens of one sequence): the query
@@ -102,10 +103,11 @@ static inline void block_range(int64_t pos, int64_t lo, int64_t p, int64_t B, in
 
 /* ---- query rows in the lanes (tiles of 8 or more rows) ---------------------------------- */
 
-/* sT[j][i0..] for keys j < NK of k (rows of D floats): QV vectors of 8 query rows. */
+/* sT[j][i0..] = scale * (q . k_j) for keys j < NK of k (rows of D floats), QV vectors of 8 query
+ * rows; with `mx`, also its running maximum over the keys (for blocks no row masks). */
 static inline __attribute__((always_inline)) void qk_tile(
-        const float *qT, int64_t NQP, int64_t i0, const float *k, int64_t D, float *sT,
-        const int QV, const int NK) {
+        const float *qT, int64_t NQP, int64_t i0, const float *k, int64_t D, float *sT, v8 scale,
+        float *mx, const int QV, const int NK) {
     v8 acc[2][NK_MAX];
     for (int g = 0; g < QV; g++)
         for (int j = 0; j < NK; j++) acc[g][j] = _mm256_setzero_ps();
@@ -117,13 +119,22 @@ static inline __attribute__((always_inline)) void qk_tile(
             for (int g = 0; g < QV; g++) acc[g][j] = fmadd(qv[g], kv, acc[g][j]);
         }
     }
-    for (int j = 0; j < NK; j++)
-        for (int g = 0; g < QV; g++) st(sT + j * NQP + i0 + 8 * g, acc[g][j]);
+    for (int g = 0; g < QV; g++) {
+        v8 m = mx ? ld(mx + i0 + 8 * g) : scale;
+        for (int j = 0; j < NK; j++) {
+            const v8 x = _mm256_mul_ps(acc[g][j], scale);
+            st(sT + j * NQP + i0 + 8 * g, x);
+            m = _mm256_max_ps(m, x);
+        }
+        if (mx) st(mx + i0 + 8 * g, m);
+    }
 }
 
-#define QK_CASE(qv, nk) case (qv) * 8 + (nk): qk_tile(qT, NQP, i0, k, D, sT + j0 * NQP, qv, nk); break;
+#define QK_CASE(qv, nk) case (qv) * 8 + (nk): qk_tile(qT, NQP, i0, k, D, sT + j0 * NQP, scale, mx, qv, nk); break;
 
-static void qk_lanes(const float *qT, int64_t NQP, const float *kb, int64_t D, int64_t n, float *sT) {
+/* The scaled scores of the n keys of block kb; with `mx`, their running row maxima too. */
+static void qk_lanes(const float *qT, int64_t NQP, const float *kb, int64_t D, int64_t n, float *sT,
+                     v8 scale, float *mx) {
     for (int64_t i0 = 0; i0 < NQP; i0 += 16) {
         const int qv = NQP - i0 >= 16 ? 2 : 1;
         for (int64_t j0 = 0; j0 < n; j0 += NK_MAX) {
@@ -179,10 +190,10 @@ static void pv_lanes(float *accT, const float *alpha, const float *wT, int64_t N
 static void attend_query_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t kvh) {
     const int64_t D = a->D, B = a->B, G = a->H / a->KVH, NQ = nt * G, NQP = (NQ + 7) / 8 * 8;
     float qT[D][NQP], accT[D][NQP], sT[B][NQP], row[D];
-    float m[NQP], l[NQP], alpha[NQP];
+    float m[NQP], mnew[NQP], l[NQP], alpha[NQP];
     int32_t pos[NQP], lo[NQP];   /* a row attends to keys [lo, pos]; padding rows: none */
     float kconv[a->bf16 ? B : 1][D], vconv[a->bf16 ? B : 1][D];
-    int64_t max_pos = 0, min_lo = INT64_MAX;
+    int64_t max_pos = 0, min_lo = INT64_MAX, min_pos = NQ < NQP ? -1 : INT64_MAX, max_lo = 0;
     memset(qT, 0, sizeof(qT));
     memset(accT, 0, sizeof(accT));
     for (int64_t i = 0; i < NQP; i++) {
@@ -197,7 +208,9 @@ static void attend_query_lanes(const attn_args *a, int64_t t0, int64_t nt, int64
         pos[i] = a->q_pos[t];
         lo[i] = a->window > 0 && pos[i] - a->window + 1 > 0 ? pos[i] - a->window + 1 : 0;
         if (pos[i] > max_pos) max_pos = pos[i];
+        if (pos[i] < min_pos) min_pos = pos[i];
         if (lo[i] < min_lo) min_lo = lo[i];
+        if (lo[i] > max_lo) max_lo = lo[i];
     }
     const int32_t *table = a->tables + (int64_t)a->q_seq[t0] * a->max_blocks;
     const v8 scale = bcast(a->scale), ninf = bcast(-INFINITY), zero = _mm256_setzero_ps();
@@ -211,22 +224,28 @@ static void attend_query_lanes(const attn_args *a, int64_t t0, int64_t nt, int64
             kb = &kconv[0][0];
             vb = &vconv[0][0];
         }
-        qk_lanes(&qT[0][0], NQP, kb, D, n, &sT[0][0]);
+        /* A block every row reads whole needs no mask: the scores come scaled, with maxima. */
+        const int whole = n == B && min_pos >= p * B + B - 1 && max_lo <= p * B;
+        if (whole) memcpy(mnew, m, sizeof(m));
+        qk_lanes(&qT[0][0], NQP, kb, D, n, &sT[0][0], scale, whole ? mnew : NULL);
         for (int64_t i0 = 0; i0 < NQP; i0 += 8) {
-            const __m256i hi = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(pos + i0)),
-                                                _mm256_set1_epi32((int)(p * B - 1)));
-            const __m256i from = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(lo + i0)),
-                                                  _mm256_set1_epi32((int)(p * B)));
             const v8 m_old = ld(m + i0);
             v8 mx = m_old;
-            for (int64_t j = 0; j < n; j++) {   /* key j is in the row's range: from <= j < hi */
-                const __m256i jj = _mm256_set1_epi32((int)j);
-                const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(from, jj),
-                                                       _mm256_cmpgt_epi32(hi, jj));
-                const v8 x = _mm256_blendv_ps(ninf, _mm256_mul_ps(ld(sT[j] + i0), scale),
-                                              _mm256_castsi256_ps(in));
-                st(sT[j] + i0, x);
-                mx = _mm256_max_ps(mx, x);
+            if (whole) {
+                mx = ld(mnew + i0);
+            } else {
+                const __m256i hi = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(pos + i0)),
+                                                    _mm256_set1_epi32((int)(p * B - 1)));
+                const __m256i from = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(lo + i0)),
+                                                      _mm256_set1_epi32((int)(p * B)));
+                for (int64_t j = 0; j < n; j++) {   /* key j is in the row's range: from <= j < hi */
+                    const __m256i jj = _mm256_set1_epi32((int)j);
+                    const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(from, jj),
+                                                           _mm256_cmpgt_epi32(hi, jj));
+                    const v8 x = _mm256_blendv_ps(ninf, ld(sT[j] + i0), _mm256_castsi256_ps(in));
+                    st(sT[j] + i0, x);
+                    mx = _mm256_max_ps(mx, x);
+                }
             }
             const v8 z = _mm256_andnot_ps(_mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ), mx);
             v8 sum = zero;
