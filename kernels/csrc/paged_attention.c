@@ -18,8 +18,9 @@
  * Two vectorisations compute exactly that. Tiles of at least 8 query rows (prefill) put 8 query
  * rows in the lanes of a vector, so K and V are read in place as broadcasts and the softmax runs
  * on 8 rows at once (a block that every row of the tile reads whole skips the mask: its scores
- * come out of the score tile scaled, with their row maxima); smaller tiles (decodes: the G query heads of one token) put 8 keys in the
- * lanes, K being transposed 8x8 in registers, and the values' 8 columns.
+ * come out of the score tile scaled, with their row maxima); smaller tiles (decodes: the G query
+ * heads of one token) put 8 keys in the lanes, K being transposed 8x8 in registers, and the
+ * values' 8 columns.
  *
  * Work items are (kv head, tile of up to TILE consecutive tokens of one sequence): the query
  * heads of a GQA group and the tile's tokens share each block read while it is in cache.
@@ -120,17 +121,18 @@ static inline __attribute__((always_inline)) void qk_tile(
         }
     }
     for (int g = 0; g < QV; g++) {
-        v8 m = mx ? ld(mx + i0 + 8 * g) : scale;
+        v8 m = mx ? ld(mx + i0 + 8 * g) : _mm256_setzero_ps();
         for (int j = 0; j < NK; j++) {
             const v8 x = _mm256_mul_ps(acc[g][j], scale);
             st(sT + j * NQP + i0 + 8 * g, x);
-            m = _mm256_max_ps(m, x);
+            if (mx) m = _mm256_max_ps(m, x);
         }
         if (mx) st(mx + i0 + 8 * g, m);
     }
 }
 
-#define QK_CASE(qv, nk) case (qv) * 8 + (nk): qk_tile(qT, NQP, i0, k, D, sT + j0 * NQP, scale, mx, qv, nk); break;
+#define QK_CASE(qv, nk) \
+    case (qv) * 8 + (nk): qk_tile(qT, NQP, i0, k, D, sT + j0 * NQP, scale, mx, qv, nk); break;
 
 /* The scaled scores of the n keys of block kb; with `mx`, their running row maxima too. */
 static void qk_lanes(const float *qT, int64_t NQP, const float *kb, int64_t D, int64_t n, float *sT,
@@ -234,11 +236,11 @@ static void attend_query_lanes(const attn_args *a, int64_t t0, int64_t nt, int64
             if (whole) {
                 mx = ld(mnew + i0);
             } else {
-                const __m256i hi = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(pos + i0)),
-                                                    _mm256_set1_epi32((int)(p * B - 1)));
-                const __m256i from = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(lo + i0)),
-                                                      _mm256_set1_epi32((int)(p * B)));
-                for (int64_t j = 0; j < n; j++) {   /* key j is in the row's range: from <= j < hi */
+                const __m256i pos8 = _mm256_loadu_si256((const __m256i *)(pos + i0));
+                const __m256i lo8 = _mm256_loadu_si256((const __m256i *)(lo + i0));
+                const __m256i hi = _mm256_sub_epi32(pos8, _mm256_set1_epi32((int)(p * B - 1)));
+                const __m256i from = _mm256_sub_epi32(lo8, _mm256_set1_epi32((int)(p * B)));
+                for (int64_t j = 0; j < n; j++) {   /* key j is in range: from <= j < hi */
                     const __m256i jj = _mm256_set1_epi32((int)j);
                     const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(from, jj),
                                                            _mm256_cmpgt_epi32(hi, jj));
