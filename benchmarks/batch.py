@@ -6,13 +6,12 @@ tokens each (workload c of docs/BENCHMARKS.md), against one batched `transformer
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
-from common import bench_checkpoint, pipeline, random_ids, setup_threads, table
+from common import bench_parser, bench_checkpoint, pipeline, random_ids, setup_threads, table
 
 N, PROMPT, NEW = 32, 512, 64
 
@@ -51,8 +50,7 @@ def transformers_run() -> tuple[float, float, list[list[int]]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=3)
+    parser = bench_parser(__doc__, block=None)
     parser.add_argument("--policy", default="GUARANTEED_NO_EVICT")
     parser.add_argument("--budget", type=int, default=2048, help="MAX_NUM_BATCHED_TOKENS")
     parser.add_argument("--skip-transformers", action="store_true")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -17,6 +18,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 BENCH_CHECKPOINT = dict(architecture="LlamaForCausalLM", vocab_size=8000, hidden_size=512,
                         intermediate_size=1408, num_layers=8, num_heads=8, num_kv_heads=4,
                         max_position_embeddings=4096, tokenizer_vocab_size=2000)
+
+
+def bench_parser(doc: str, *, block: int | None = 64) -> argparse.ArgumentParser:
+    """The options every benchmark takes: `--runs` (medians over that many) and, for the cache
+    benchmarks, `--block` (SEQ_SIZE_PER_BLOCK)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    if block is not None:
+        parser.add_argument("--block", type=int, default=block, help="SEQ_SIZE_PER_BLOCK")
+    return parser
 
 
 def setup_threads(threads: int = 2) -> None:

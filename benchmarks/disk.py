@@ -18,12 +18,11 @@ a fresh directory. Greedy outputs with the tier are checked equal to those witho
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
 
-from common import pipeline, random_ids, setup_threads, table, timed_request
+from common import bench_parser, pipeline, random_ids, setup_threads, table, timed_request
 
 
 def disk(directory: str | None) -> dict:
@@ -63,9 +62,7 @@ def none(tier: bool, block: int, root: str | None):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--block", type=int, default=64)
+    parser = bench_parser(__doc__)
     parser.add_argument("--dir", default=None, help="where the cache directories are made")
     args = parser.parse_args()
     setup_threads()

@@ -18,11 +18,11 @@ Greedy outputs with the tier are checked equal to those without.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
-from common import interleaved, pipeline, random_ids, setup_threads, table, time_calls, timed_request
+from common import (bench_parser, interleaved, pipeline, random_ids, setup_threads, table, time_calls,
+                    timed_request)
 
 HOST = 1 << 30
 
@@ -60,9 +60,7 @@ def none(tier: bool, block: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--block", type=int, default=64)
+    parser = bench_parser(__doc__)
     args = parser.parse_args()
     setup_threads()
 

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import pipeline, random_ids, setup_threads, table, time_calls, timed_request
+from common import bench_parser, pipeline, random_ids, setup_threads, table, time_calls, timed_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from redis_server import RedisServer  # noqa: E402
@@ -102,9 +102,7 @@ def server_flush(server: RedisServer) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--block", type=int, default=64)
+    ap = bench_parser(__doc__)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--question", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--url", default="", help=argparse.SUPPRESS)

@@ -16,10 +16,10 @@ are checked equal to those without.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
-from common import interleaved, pipeline, random_ids, setup_threads, table, time_calls, timed_request
+from common import (bench_parser, interleaved, pipeline, random_ids, setup_threads, table, time_calls,
+                    timed_request)
 
 
 def workload_a(reuse: bool, block: int) -> tuple[float, float, list[list[int]]]:
@@ -71,9 +71,7 @@ def workload_none(reuse: bool, block: int) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--block", type=int, default=64)
+    parser = bench_parser(__doc__)
     args = parser.parse_args()
     setup_threads()
     a_on, a_off = interleaved(lambda reuse: workload_a(reuse, args.block), args.runs)

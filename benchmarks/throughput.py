@@ -6,13 +6,12 @@ prompt) and decode tokens/s (one stream, and 8 concurrent streams).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
-from common import bench_checkpoint, pipeline, random_ids, setup_threads, table, timed_request
+from common import bench_parser, bench_checkpoint, pipeline, random_ids, setup_threads, table, timed_request
 
 PREFILL, DECODE_PROMPT, DECODE_NEW, STREAMS = 1024, 64, 128, 8
 
@@ -57,8 +56,7 @@ def theirs() -> tuple[float, float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=3)
+    parser = bench_parser(__doc__, block=None)
     args = parser.parse_args()
     setup_threads()
     rows = []
