@@ -28,8 +28,8 @@ HOST = 1 << 30
 
 
 def tier_calls(pipe) -> list[float]:
-    calls = [(pipe.engine.pool, "read_block"), (pipe.engine.pool, "write_block")]
-    for tier in pipe.engine.cache.tiers:
+    calls = [(pipe.engine.cache.memory, "read_block"), (pipe.engine.cache.memory, "write_block")]
+    for tier in pipe.engine.cache.ladder.tiers:
         calls += [(tier, "lookup"), (tier, "load"), (tier, "store")]
     return time_calls(calls)
 

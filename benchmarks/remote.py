@@ -82,7 +82,7 @@ def none(server: RedisServer, remote: bool, block: int) -> tuple[float, float, i
     if remote:
         options.update(enable_remote_cache=True, remote_cache_url=server.url)
     with pipeline(**options) as pipe:
-        handing = time_calls([(pipe.engine.cache, "_write_through")])
+        handing = time_calls([(pipe.engine.cache.ladder, "write_through")])
         timed_request(pipe, random_ids(80, seed=9999), 2)
         handing[0] = 0.0
         outs, t0 = [], time.perf_counter()

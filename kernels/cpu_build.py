@@ -22,6 +22,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
+from rtpkv.user_cache import user_cache_dir
+
 log = logging.getLogger("rtpkv")
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
@@ -29,9 +31,7 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-f
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("RTPKV_CACHE_DIR") or Path(
-        os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rtpkv"
-    return Path(root) / "kernels"
+    return user_cache_dir() / "kernels"
 
 
 def _cpuinfo(field: str) -> str:

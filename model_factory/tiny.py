@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 from tqdm.auto import tqdm
 
+from rtpkv.user_cache import user_cache_dir
+
 _WORDS = (
     "hello what's your name how old are you the a an of to in is it that for on with as was "
     "at by from this be or not but have system assistant user helpful careful answer question "
@@ -139,8 +141,7 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
 def cached_tiny_checkpoint(name: str = "demo", cache_dir: Optional[os.PathLike] = None,
                            show_progress: bool = True, **kwargs: Any) -> Path:
     """Build once into the user's cache dir (keyed by the arguments) and reuse afterwards."""
-    root = Path(cache_dir or os.environ.get("RTPKV_CACHE_DIR")
-                or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rtpkv")
+    root = Path(cache_dir) if cache_dir else user_cache_dir()
     key = hashlib.sha256(json.dumps(kwargs, sort_keys=True, default=str).encode()).hexdigest()[:12]
     target = root / f"{name}-{key}"
     if (target / "config.json").exists():  # the directory appears whole (os.replace)

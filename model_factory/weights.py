@@ -1,10 +1,14 @@
 """Checkpoint files: safetensors (single or sharded), `.bin` only through weights_only loading,
-and a cheap identity digest of the weights for the cache's model fingerprint."""
+and the digest of the weights that the cache's model fingerprint is made of."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -12,8 +16,11 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-_SAMPLES = 16          # content samples per file in the identity digest
-_SAMPLE_BYTES = 65536  # bytes per sample
+from rtpkv.user_cache import user_cache_dir
+
+log = logging.getLogger("rtpkv")
+
+_READ_BYTES = 8 << 20
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -50,15 +57,48 @@ def iter_tensors(files: list[Path], show_progress: bool = True) -> Iterator[tupl
 
 
 def weights_digest(files: list[Path]) -> str:
-    """Identity of the weights: each file's size, its first 64 KiB (the safetensors header)
-    and 16 evenly spaced 64 KiB samples of its content. Cheap on a 14 GB checkpoint, and two
-    random initialisations of the same shape never share it."""
+    """Identity of the weights: SHA-256 over each file's name and the SHA-256 of its whole
+    content, so two checkpoints that differ in one weight never share a fingerprint (and so
+    never share a cached block, on disk or in Redis). A file's hash is computed once and kept
+    under the user cache directory, keyed by the file's identity (real path, size, mtime,
+    inode): a later load of the unchanged file reads none of its bytes for it. The first load
+    reads every byte once more (about 0.7 GB/s on one core of the benchmark EPYC)."""
     digest = hashlib.sha256()
     for path in files:
-        size = path.stat().st_size
-        digest.update(path.name.encode() + size.to_bytes(8, "little"))
-        with open(path, "rb") as f:
-            for i in range(_SAMPLES + 1):
-                f.seek(0 if i == 0 else (size * i) // (_SAMPLES + 1))
-                digest.update(f.read(_SAMPLE_BYTES))
+        digest.update(path.name.encode() + bytes.fromhex(file_sha256(path)))
     return digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's content, from the digest cache when the file is unchanged."""
+    st = path.stat()
+    identity = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_dev}"
+    entry = user_cache_dir() / "weights" / (hashlib.sha256(identity.encode()).hexdigest()[:32]
+                                           + ".json")
+    try:
+        cached = json.loads(entry.read_text())
+        if cached.get("identity") == identity:
+            return cached["sha256"]
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass
+    start = time.perf_counter()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_BYTES):
+            digest.update(chunk)
+    log.info("hashed %s (%.0f MiB) in %.2f s for the model fingerprint; cached", path.name,
+             st.st_size / 2**20, time.perf_counter() - start)
+    _write_entry(entry, {"identity": identity, "sha256": digest.hexdigest()})
+    return digest.hexdigest()
+
+
+def _write_entry(entry: Path, value: dict[str, str]) -> None:
+    """Best effort: a read-only cache directory only costs the hash again next time."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(value, f)
+        os.replace(tmp, entry)
+    except OSError:
+        pass

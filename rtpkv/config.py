@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rtpkv.cache.block import DEFAULT_PRIORITY
 from rtpkv.errors import ConfigError
 
 _TRUE = {"1", "true", "on"}
@@ -154,7 +155,7 @@ class RuntimeConfig(BaseModel):
     enable_memory_cache: bool = False
     memory_cache_size_mb: float = Field(0.0, ge=0)
     host_cache_size: Optional[int] = Field(None, ge=0)   # bytes (TensorRT-LLM's name); wins
-    secondary_offload_min_priority: int = Field(35, ge=0, le=100)
+    secondary_offload_min_priority: int = Field(DEFAULT_PRIORITY, ge=0, le=100)
     enable_memory_cache_disk: bool = False
     memory_cache_disk_paths: Optional[str] = None
     memory_cache_disk_size_mb: float = Field(10240.0, gt=0)

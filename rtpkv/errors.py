@@ -13,6 +13,10 @@ class RequestError(RtpkvError, ValueError):
     """A request is invalid (bad prompt, too long, unknown task, ...); other requests go on."""
 
 
+class EmptyPromptError(RequestError):
+    """The prompt has no token."""
+
+
 class PromptTooLongError(RequestError):
     """The prompt (with max_new_tokens) does not fit in max_seq_len."""
 

@@ -21,7 +21,7 @@ from rtpkv.cache.prefix_index import HashFn, sha256
 from rtpkv.chat import Messages, render_chat
 from rtpkv.config import RuntimeConfig
 from rtpkv.engine import Engine, Request, StepOutput
-from rtpkv.errors import ConfigError, PromptTooLongError, RequestError
+from rtpkv.errors import ConfigError, EmptyPromptError, PromptTooLongError, RequestError
 from rtpkv.generate_config import GenerateConfig
 from rtpkv.locked_tokenizer import LockedTokenizer
 from rtpkv.model_factory.factory import Model
@@ -326,14 +326,14 @@ class Pipeline:
     def _tokenize(self, prompt: Prompt, with_special: bool) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise RequestError("prompt is empty; pass a non-empty string or token id list")
+                raise EmptyPromptError("prompt is empty; pass a non-empty string or token id list")
             if with_special:
                 return list(self.tokenizer(prompt).input_ids)
             return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
         if isinstance(prompt, (list, tuple)) and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if not prompt:
-                raise RequestError("prompt is an empty token id list")
+                raise EmptyPromptError("prompt is an empty token id list")
             vocab = self.model.spec.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:

@@ -12,6 +12,8 @@ import pytest
 from rtpkv.cache import KVCacheManager, KVEventBuffer, KvCacheRetentionConfig, PrefixIndex
 from rtpkv.cache import TokenRangeRetentionConfig as Range
 from rtpkv.cache.manager import PinnedPrefix
+from rtpkv.cache.prefix_index import KeyChain
+from rtpkv.cache.tiers.ladder import TierPlan
 
 B = 4
 
@@ -29,6 +31,8 @@ class Seq:
     salt: bytes = b""
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)
+    key_chain: Optional[KeyChain] = None
+    tier_plan: Optional[TierPlan] = None
     num_computed: int = 0
 
     @property
@@ -151,10 +155,30 @@ def test_duration_lapses_to_the_default_priority_on_a_mocked_clock():
     clock.now += 0.999
     assert cache.stats()["blocks_cached_by_priority"] == {90: 2}
     clock.now += 0.002
-    assert cache.stats()["blocks_cached_by_priority"] == {35: 2}
+    assert cache.stats()["blocks_cached_by_priority"] == {35: 2}   # shown lapsed, not lapsed
+    assert not [e for e in cache.events.drain() if e["type"] == "updated"]
+    assert cache.grow(Seq([1] * 28), 7 * B)   # 6 free blocks, then an eviction lapses them
     updates = [e for e in cache.events.drain() if e["type"] == "updated"]
     assert [(e["old_priority"], e["priority"]) for e in updates] == [(90, 35), (90, 35)]
-    cache.check_integrity([])
+    assert cache.stats()["evictions_by_priority"] == {35: 1}
+
+
+def test_stats_change_nothing():
+    """A /metrics scrape must not change the event stream a router replays, nor priorities."""
+    clock = Clock()
+    cache = manager(num_blocks=8, events=64, clock=clock)
+    brief = KvCacheRetentionConfig(token_range_retention_configs=[Range(0, None, 90, 1000)])
+    serve(cache, Seq(list(range(9)), retention=brief))
+    serve(cache, Seq(list(range(50, 59))))
+    clock.now += 5   # every duration ran out
+    events = cache.events.drain()
+    priorities = [(b.priority, b.duration_s) for b in cache.pool.blocks]
+    first = cache.stats()
+    for _ in range(100):
+        assert cache.stats() == first
+    assert cache.events.drain() == []
+    assert [(b.priority, b.duration_s) for b in cache.pool.blocks] == priorities
+    assert events and first["blocks_cached_by_priority"] == {35: 4}
 
 
 def test_a_duration_starts_when_the_block_is_released():
@@ -218,7 +242,6 @@ def test_events_replayed_equal_the_index_after_evictions():
         serve(cache, Seq(rng.choice(heads) + [rng.randrange(1000) for _ in range(rng.randrange(1, 9))],
                          retention=retention))
         clock.now += 0.1
-    cache.stats()  # lapse what ran out
     held: dict[str, int] = {}
     ids = []
     for event in cache.events.drain():
@@ -233,7 +256,7 @@ def test_events_replayed_equal_the_index_after_evictions():
             held[event["block_hash"]] = event["priority"]
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
     assert cache.stats()["evictions"] > 50
-    indexed = {key.hex(): cache.blocks[b].priority for key, b in cache.index.items()}
+    indexed = {key.hex(): cache.pool.blocks[b].priority for key, b in cache.index.items()}
     assert held == indexed
 
 
@@ -253,7 +276,7 @@ def test_integrity_check_catches_a_leak():
     with pytest.raises(AssertionError, match="reference counts"):
         cache.check_integrity([])
     cache.free(seq)
-    cache.blocks[cache.free_ids[0]].ref_count = 1
+    cache.pool.blocks[cache.pool.free_ids[0]].ref_count = 1
     with pytest.raises(AssertionError):
         cache.check_integrity([])
 
@@ -272,7 +295,7 @@ def test_window_releases_blocks_behind_the_window_in_place():
     table = list(seq.block_table)
     assert cache.release_out_of_window(seq) == 1
     assert seq.block_table == [RELEASED] + table[1:]
-    assert cache.num_held(seq) == 3 and cache.num_cached == 1   # block 0 is full: cached
+    assert cache.num_held(seq) == 3 and cache.pool.num_cached == 1   # block 0 is full: cached
     cache.check_integrity([seq])
     assert cache.release_out_of_window(seq) == 0
     assert cache.blocks_held_at_most(1000, chunk=1) == 8 // B + 1
@@ -280,7 +303,7 @@ def test_window_releases_blocks_behind_the_window_in_place():
     assert cache.blocks_held_at_most(6) == 2
     cache.free(seq)
     cache.check_integrity([])
-    assert cache.num_cached == 3 and cache.num_free == 13
+    assert cache.pool.num_cached == 3 and cache.pool.num_free == 13
 
 
 def test_a_pinned_prompt_keeps_every_block_under_a_window():

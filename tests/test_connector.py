@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rtpkv.cache.connector import (ConnectorContext, ConnectorRequest, ConnectorStep,
-                                   ConnectorTier, KvCacheConnector, load_connector_class,
-                                   make_connector_tier)
+                                   KvCacheConnector)
+from rtpkv.cache.tiers.connector import ConnectorTier, load_connector_class, make_connector_tier
 from rtpkv.cache.tiers import BlockMeta, TierLayout
 
 LAYOUT = TierLayout(fingerprint="ab" * 32, block_size=4, dtype=torch.float32, shape=(2, 3, 2, 4, 8))

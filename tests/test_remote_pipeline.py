@@ -44,7 +44,7 @@ def flushed(pipe) -> None:
 
 
 def _tier(pipe):
-    return next(t for t in pipe.engine.cache.tiers if t.name == "remote")
+    return next(t for t in pipe.engine.cache.ladder.tiers if t.name == "remote")
 
 
 # ---------------------------------------------------------------------------- sharing
@@ -158,7 +158,7 @@ def test_enable_remote_cache_false_neither_reads_nor_writes(make_pipeline, redis
 
 def test_remote_cache_off_by_default(make_pipeline, redis_url):
     pipe = make_pipeline(reuse_cache=True, seq_size_per_block=B)
-    assert not any(t.name == "remote" for t in pipe.engine.cache.tiers)
+    assert not any(t.name == "remote" for t in pipe.engine.cache.ladder.tiers)
     assert "remote_up" not in pipe.cache_stats()
 
 

@@ -105,7 +105,7 @@ def test_kv_cache_events_replay_into_what_the_replica_holds(make_pipeline):
             held[event["block_hash"]] = event["priority"]
     with pipe.engine.lock:
         cache = pipe.engine.cache
-        indexed = {key.hex(): cache.blocks[b].priority for key, b in cache.index.items()}
+        indexed = {key.hex(): cache.pool.blocks[b].priority for key, b in cache.index.items()}
     assert pipe.cache_stats()["evictions"] > 0 and held == indexed
     assert set(indexed.values()) >= {35}
     assert pipe.kv_cache_events() == []

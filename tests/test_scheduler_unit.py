@@ -113,7 +113,7 @@ def test_postprocess_commits_filled_blocks_for_the_next_request():
     step(sched)
     # 9 prompt + 4 generated tokens, 12 of them computed: two prompt blocks and the block
     # that the answer filled
-    assert second.reuse_len == 12
+    assert second.local_reuse_len == 12
 
 
 def test_a_stop_word_must_lie_in_the_output_not_straddle_the_prompt():

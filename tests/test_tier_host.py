@@ -10,6 +10,7 @@ import torch
 
 from rtpkv.cache.tiers import BlockMeta, KVTier, TierLayout
 from rtpkv.cache.tiers.host import HostTier
+from rtpkv.cache.tiers.ladder import TierLadder
 
 LAYOUT = TierLayout(fingerprint="ab" * 32, block_size=4, dtype=torch.float32, shape=(2, 2, 2, 4, 8))
 BLOCK = LAYOUT.nbytes
@@ -143,7 +144,9 @@ def test_storing_a_held_block_again_refreshes_it_without_a_copy():
 
 def test_evictions_are_handed_to_the_next_tier():
     nxt = RecordingTier()
-    tier = HostTier(LAYOUT, 2 * BLOCK, next_tier=nxt)
+    nxt.takes_evictions = True
+    tier = HostTier(LAYOUT, 2 * BLOCK)
+    TierLadder([tier, nxt], offload_min_priority=35)   # the ladder wires host -> next
     for i in range(1, 5):
         tier.store(meta(i), payload(i))
     assert sorted(nxt.blocks) == sorted([meta(1).key, meta(2).key])

@@ -1,7 +1,7 @@
 """Block: the bookkeeping of one KV block, kept apart from the KV memory (BlockPool) so the
 cache manager, the eviction policy and the scheduler can be tested without a model.
 
-A block is in exactly one state: free (in the manager's free list), cached (unreferenced but
+A block is in exactly one state: free (in the BlockPool's free list), cached (unreferenced but
 indexed, so still hittable; the eviction policy orders these) or in use (ref_count > 0; a pinned
 task block holds a reference too).
 """
@@ -28,16 +28,8 @@ class Block:
     extra: bytes = b""              # extra key material (cache salt on a first block)
     priority: int = DEFAULT_PRIORITY
     duration_s: Optional[float] = None    # priority lapses this long after the last release
-    expires_at: Optional[float] = None    # when it lapses (set while cached)
     tiers: frozenset[str] = field(default_factory=frozenset)  # tiers it may be offloaded to
 
     @property
     def full(self) -> bool:
         return self.serial != 0
-
-    def clear(self) -> None:
-        self.key, self.indexed, self.parent_key = None, False, b""
-        self.serial = self.parent_serial = 0
-        self.tokens, self.extra = (), b""
-        self.priority, self.duration_s, self.expires_at = DEFAULT_PRIORITY, None, None
-        self.tiers = frozenset()

@@ -1,76 +1,231 @@
-"""BlockPool: the paged KV memory the model reads.
+"""BlockPool: the state of every block, and the only code that changes it.
 
-The K and V of every layer live in one tensor of shape
-(2, num_layers, kv_heads, num_blocks * block_size, head_dim); block b holds token slots
-[b * B, (b + 1) * B) of every head (the head-major layout of rtpkv.kernels.kv_store). The
-bookkeeping of each block (references, keys, priorities) is the KVCacheManager's.
+vLLM v1 splits its cache the same way: the pool owns block state (free list, prefix index,
+eviction order, reference counts, pins, serials, events), and `KVCacheManager` on top of it
+speaks in requests. Every write to a `Block` is a method here, so each rule has one home:
+
+- one insert into the `PrefixIndex` (`_index`), used by commit, release and onboard alike: it
+  drops a stale holder of the same key from the index first, so the index and the blocks never
+  disagree;
+- one way out of the index (`_unindex`), one way back to the free list (`_put_free`);
+- events are emitted where the state changes: `stored` on insertion, `removed` on removal,
+  `updated` when an indexed block's priority changes.
+
+A block is in exactly one state: free (in `free_ids`), cached (unreferenced, indexed, ordered
+by the eviction policy) or in use (ref_count > 0; a pinned block holds a reference too).
 """
 
 from __future__ import annotations
 
-import ctypes
-import sys
+import time
+from collections import Counter, deque
+from typing import Callable, Optional
 
-import torch
-
-_MADV_HUGEPAGE = 14
-_HUGE_PAGE = 2 << 20
-
-
-def _advise_huge_pages(t: torch.Tensor) -> None:
-    """Asks Linux to back a large CPU tensor with 2 MiB pages before it is first touched: blocks
-    are read scattered across the pool, and with 4 KiB pages every block costs TLB misses (about
-    7% of a batched decode's attention on the benchmark EPYC). Best effort: a no-op elsewhere."""
-    size = t.numel() * t.element_size()
-    if t.device.type != "cpu" or not sys.platform.startswith("linux") or size < 2 * _HUGE_PAGE:
-        return
-    start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-    length = (t.data_ptr() + size - start) // _HUGE_PAGE * _HUGE_PAGE
-    try:
-        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_HUGEPAGE)
-    except (OSError, AttributeError):
-        pass
+from rtpkv.cache.block import DEFAULT_PRIORITY, Block
+from rtpkv.cache.eviction import EvictionPolicy, PriorityEvictionPolicy
+from rtpkv.cache.events import KVEventBuffer
+from rtpkv.cache.prefix_index import PrefixIndex
 
 
 class BlockPool:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, num_blocks: int, index: PrefixIndex, *,
+                 policy: Optional[EvictionPolicy] = None,
+                 events: Optional[KVEventBuffer] = None,
+                 on_evict: Optional[Callable[[Block], None]] = None,
+                 clock: Callable[[], float] = time.monotonic):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_slots = num_blocks * block_size
-        # zeroed, not left empty: padded slots read by batched decode are masked, and a NaN in
-        # uninitialised memory would still poison the masked product.
-        self.kv = torch.empty((2, num_layers, kv_heads, self.num_slots, head_dim),
-                              dtype=dtype, device=device)
-        _advise_huge_pages(self.kv)
-        self.kv.zero_()
+        self.index = index
+        self.policy = policy or PriorityEvictionPolicy()
+        self.events = events or KVEventBuffer(0)
+        self.on_evict = on_evict          # sees a victim (read-only) before it is cleared
+        self.clock = clock
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self._next_serial = 1
+        self.num_pinned = 0               # blocks with pin_count > 0
+        self.evictions = 0
+        self.evictions_by_priority: Counter[int] = Counter()
 
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    # ------------------------------------------------------------------ reading
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
 
     @property
-    def block_shape(self) -> tuple[int, ...]:
-        """Shape of one block's payload: (2, num_layers, kv_heads, block_size, head_dim)."""
-        two, layers, heads, _, dim = self.kv.shape
-        return (two, layers, heads, self.block_size, dim)
+    def num_cached(self) -> int:
+        return len(self.policy)
 
-    def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, K and V as (kv_heads * num_slots, head_dim) views."""
-        d = self.kv.shape[-1]
-        return [(self.kv[0, i].view(-1, d), self.kv[1, i].view(-1, d))
-                for i in range(self.kv.shape[1])]
+    def num_allocatable(self) -> int:
+        """Blocks an allocation can take now: free ones, then evictable cached ones."""
+        return len(self.free_ids) + len(self.policy)
 
-    def _slots(self, block_id: int) -> slice:
-        return slice(block_id * self.block_size, (block_id + 1) * self.block_size)
+    def cached(self, key: bytes) -> Optional[Block]:
+        """The indexed block under `key`, if any (a candidate: the caller verifies it)."""
+        block_id = self.index.get(key)
+        return None if block_id is None else self.blocks[block_id]
 
-    def read_block(self, block_id: int) -> torch.Tensor:
-        """A copy of one block's K/V, shape `block_shape`, on the CPU (what tiers store)."""
-        return self.kv[:, :, :, self._slots(block_id)].to("cpu", copy=True)
+    # ------------------------------------------------------------------ references
+    def allocate(self) -> int:
+        """A block with one reference: a free one, else the eviction policy's victim (shown
+        to `on_evict` first, so it can be offloaded)."""
+        if self.free_ids:
+            block_id = self.free_ids.popleft()
+        else:
+            self.lapse_priorities()
+            block_id = self.policy.pop()
+            block = self.blocks[block_id]
+            self.evictions += 1
+            self.evictions_by_priority[block.priority] += 1
+            if self.on_evict is not None:
+                self.on_evict(block)
+            self._unindex(block)
+            self.blocks[block_id] = Block(block_id)
+        self.blocks[block_id].ref_count = 1
+        return block_id
 
-    def write_block(self, block_id: int, payload: torch.Tensor) -> None:
-        """Fill one block from a payload of shape `block_shape` (a tier hit)."""
-        self.kv[:, :, :, self._slots(block_id)].copy_(payload, non_blocking=True)
+    def acquire(self, block_id: int) -> None:
+        """One more reference (a hit): a cached block stops being evictable."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self.policy.remove(block)
+        block.ref_count += 1
+
+    def release(self, block_id: int) -> None:
+        """One reference less. An unreferenced indexed block stays cached (evictable); a full
+        copy whose indexed twin has gone takes its place in the index; the rest go free."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count:
+            return
+        if block.full and not block.indexed and self.index.get(block.key) is None:
+            self._index(block)
+        if block.indexed:
+            self.policy.add(block, self.clock())
+        else:
+            self._put_free(block)
+
+    # ------------------------------------------------------------------ content
+    def commit(self, block_id: int, key: bytes, parent_key: bytes, parent_serial: int,
+               tokens: tuple[int, ...], extra: bytes, priority: int,
+               duration_s: Optional[float]) -> bool:
+        """A block of a running request filled with computed tokens: give it its content and
+        lineage and make it hittable. When the index already holds the same content with the
+        same lineage, the block stays an unindexed copy sharing that serial (so the chain
+        computed behind it still matches). Returns whether the block was indexed."""
+        block = self.blocks[block_id]
+        held = self.cached(key)
+        if (held is not None and held.tokens == tokens and held.extra == extra
+                and held.parent_serial == parent_serial):
+            self._fill(block, key, parent_key, parent_serial, tokens, extra, held.serial)
+            return False
+        self._fill(block, key, parent_key, parent_serial, tokens, extra)
+        block.priority, block.duration_s = priority, duration_s
+        self._index(block)
+        return True
+
+    def onboard(self, block_id: int, key: bytes, parent_key: bytes, parent_serial: int,
+                tokens: tuple[int, ...], extra: bytes) -> None:
+        """A fresh block just loaded from a tier: it takes the content and the lineage of the
+        request's chain and is indexed (over any stale holder of the key)."""
+        block = self.blocks[block_id]
+        self._fill(block, key, parent_key, parent_serial, tokens, extra)
+        self._index(block)
+
+    def stamp(self, block_id: int, priority: int, duration_s: Optional[float],
+              tiers: frozenset[str]) -> None:
+        """The retention a releasing request gives a full block (the last release decides)."""
+        block = self.blocks[block_id]
+        if block.indexed and priority != block.priority:
+            self.events.updated(block.key, block.priority, priority)
+        block.priority, block.duration_s, block.tiers = priority, duration_s, tiers
+
+    def lapse_priorities(self) -> None:
+        """Blocks whose retention duration ran out drop to the default priority (done before
+        every eviction); emits `updated` events."""
+        for block in self.policy.lapse(self.clock()):
+            self.events.updated(block.key, block.priority, DEFAULT_PRIORITY)
+            block.priority, block.duration_s = DEFAULT_PRIORITY, None
+
+    # ------------------------------------------------------------------ pins
+    def pin(self, block_id: int) -> None:
+        self.acquire(block_id)
+        block = self.blocks[block_id]
+        block.pin_count += 1
+        self.num_pinned += block.pin_count == 1
+
+    def unpin(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.pin_count -= 1
+        self.num_pinned -= block.pin_count == 0
+        self.release(block_id)
+
+    # ------------------------------------------------------------------ internals
+    def _fill(self, block: Block, key: bytes, parent_key: bytes, parent_serial: int,
+              tokens: tuple[int, ...], extra: bytes, serial: int = 0) -> None:
+        if not serial:
+            serial, self._next_serial = self._next_serial, self._next_serial + 1
+        block.key, block.parent_key = key, parent_key
+        block.serial, block.parent_serial = serial, parent_serial
+        block.tokens, block.extra = tokens, extra
+
+    def _index(self, block: Block) -> None:
+        """The one insertion into the index. A stale holder of the key (another lineage of the
+        same content, or a collision) leaves the index first: freed if unreferenced, kept
+        unindexed by the requests that still read it."""
+        held = self.cached(block.key)
+        if held is not None and held is not block:
+            self._unindex(held)
+            if held.ref_count == 0:
+                self.policy.remove(held)
+                self._put_free(held)
+        self.index.insert(block.key, block.block_id)
+        block.indexed = True
+        self.events.stored([block.key], block.parent_key, [block.tokens], block.priority)
+
+    def _unindex(self, block: Block) -> None:
+        if block.indexed:
+            self.index.remove(block.key)
+            block.indexed = False
+            self.events.removed([block.key])
+
+    def _put_free(self, block: Block) -> None:
+        self.blocks[block.block_id] = Block(block.block_id)
+        self.free_ids.append(block.block_id)
+
+    # ------------------------------------------------------------------ checks
+    def cached_by_priority(self) -> dict[int, int]:
+        """Cached blocks per effective priority now (a lapsed duration counts as lapsed);
+        read-only: nothing is lapsed and no event is emitted."""
+        return self.policy.counts(self.clock())
+
+    def check_integrity(self) -> None:
+        """free + cached + in use == total, each block in exactly one state, every indexed key
+        mapping to a block that holds exactly the tokens the key was computed from, each cached
+        block in its priority's queue, and the pin count."""
+        blocks = self.blocks
+        free = set(self.free_ids)
+        assert len(free) == len(self.free_ids), "a block is twice in the free list"
+        in_use = {b.block_id for b in blocks if b.ref_count > 0}
+        cached = {b.block_id for b in blocks if b.block_id in self.policy}
+        assert len(cached) == len(self.policy), "the eviction policy holds unknown blocks"
+        assert not (free & cached) and not (free & in_use) and not (cached & in_use), \
+            "a block is in two states"
+        assert len(free) + len(cached) + len(in_use) == self.num_blocks, \
+            f"free {len(free)} + cached {len(cached)} + in use {len(in_use)} != total {self.num_blocks}"
+        for block_id in free:
+            assert not blocks[block_id].indexed and not blocks[block_id].full
+        for block_id in cached:
+            assert blocks[block_id].indexed and blocks[block_id].ref_count == 0
+        for block in blocks:
+            assert block.ref_count >= block.pin_count >= 0, f"block {block.block_id} refs"
+        assert self.num_pinned == sum(1 for b in blocks if b.pin_count), "pinned count drifted"
+        assert sum(b.indexed for b in blocks) == len(self.index), "index and blocks disagree"
+        for key, block_id in self.index.items():
+            block = blocks[block_id]
+            assert block.indexed and block.key == key, f"index key of block {block_id} is stale"
+            assert len(block.tokens) == self.index.block_size, f"block {block_id} is not full"
+            assert self.index.key(block.parent_key, block.tokens, block.extra) == key, \
+                f"block {block_id} does not hold the tokens of its key"
+        self.policy.check()

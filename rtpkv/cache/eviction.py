@@ -4,7 +4,7 @@ TensorRT-LLM's retention rule: the lowest retention priority goes first, and wit
 the least recently released. The manager releases a finished sequence's blocks tail first, so
 among blocks of one priority a sequence's tail goes before its head and a shared prefix
 survives longest. A block released with a duration keeps its priority only that long: when it
-lapses the block drops to the default priority (35), keeping its place in the LRU order.
+lapses the block drops to the default priority (DEFAULT_PRIORITY), keeping its place in the LRU order.
 
 Each priority is a heap of (release order, block id) with lazy deletion, so add, remove, pop
 and lapse are O(log n).
@@ -34,13 +34,18 @@ class EvictionPolicy(ABC):
         """Choose, forget and return the id of the next block to evict (call `lapse` first)."""
 
     @abstractmethod
-    def lapse(self, now: float) -> list[tuple[Block, int]]:
-        """Drop blocks whose priority duration ran out to the default priority; returns each
-        with its old priority."""
+    def lapse(self, now: float) -> list[Block]:
+        """Requeue the blocks whose priority duration ran out at the default priority, keeping
+        their place in the LRU order, and return them (the caller updates the blocks)."""
 
     @abstractmethod
-    def counts(self) -> dict[int, int]:
-        """Cached blocks per priority."""
+    def counts(self, now: float) -> dict[int, int]:
+        """Cached blocks per priority as of `now` (a priority whose duration ran out counts at
+        the default priority); changes nothing."""
+
+    @abstractmethod
+    def check(self) -> None:
+        """Assert the policy's own invariant (integrity check)."""
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -59,9 +64,8 @@ class PriorityEvictionPolicy(EvictionPolicy):
     def add(self, block: Block, now: float) -> None:
         order = next(self._order)
         self._push(block, block.priority, order)
-        block.expires_at = None if block.duration_s is None else now + block.duration_s
-        if block.expires_at is not None and block.priority != DEFAULT_PRIORITY:
-            heapq.heappush(self._expiry, (block.expires_at, order, block.block_id))
+        if block.duration_s is not None and block.priority != DEFAULT_PRIORITY:
+            heapq.heappush(self._expiry, (now + block.duration_s, order, block.block_id))
 
     def _push(self, block: Block, priority: int, order: int) -> None:
         self._entry[block.block_id] = (priority, order, block)
@@ -96,21 +100,22 @@ class PriorityEvictionPolicy(EvictionPolicy):
                     return block_id
         raise IndexError("no cached block to evict")
 
-    def lapse(self, now: float) -> list[tuple[Block, int]]:
+    def lapse(self, now: float) -> list[Block]:
         lapsed = []
         while self._expiry and self._expiry[0][0] <= now:
             _, order, block_id = heapq.heappop(self._expiry)
             entry = self._entry.get(block_id)
             if entry is None or entry[1] != order:
                 continue
-            old, _, block = entry
-            block.priority, block.duration_s, block.expires_at = DEFAULT_PRIORITY, None, None
-            self._push(block, DEFAULT_PRIORITY, order)
-            lapsed.append((block, old))
+            self._push(entry[2], DEFAULT_PRIORITY, order)
+            lapsed.append(entry[2])
         return lapsed
 
-    def counts(self) -> dict[int, int]:
-        return dict(sorted(Counter(p for p, _, _ in self._entry.values()).items()))
+    def counts(self, now: float) -> dict[int, int]:
+        lapsed = {block_id for expires, order, block_id in self._expiry
+                  if expires <= now and self._entry.get(block_id, (0, -1))[1] == order}
+        return dict(sorted(Counter(DEFAULT_PRIORITY if block_id in lapsed else p
+                                   for block_id, (p, _, _) in self._entry.items()).items()))
 
     def check(self) -> None:
         """Assert each cached block sits in its own priority's queue (integrity check)."""

@@ -4,11 +4,18 @@ Hashing scheme
 --------------
 A block's key is ``H(parent_key || len(extra) || extra || tokens)`` where ``H`` is SHA-256,
 ``tokens`` are the block's ``B`` token ids as little-endian int32, and ``extra`` holds extra key
-material (the request's ``cache_salt`` on the first block only; empty otherwise). The first
-block's parent is the root key ``H("rtpkv-kv-v1" || model fingerprint || B)``, where the model
-fingerprint covers the architecture, the weights' identity digest and the dtype. Keys are
-therefore equal in every process, restart and replica serving the same model, and differ
-between models, block sizes and salts. Python's ``hash`` is never used: it is salted per process.
+material. The first block's parent is the root key ``H("rtpkv-kv-v1" || model fingerprint || B)``,
+where the model fingerprint covers the architecture, a full SHA-256 of the weight files and the
+dtype. Keys are therefore equal in every process, restart and replica serving the same model,
+and differ between models and block sizes. Python's ``hash`` is never used: it is salted per
+process.
+
+The extra bytes are the request's ``cache_salt`` on the first block the request owns, empty on
+every other block (`KeyChain.extra`, the one place the rule is written). The first block a
+request owns is block 0, or, for a request that starts from a pinned task prompt, the block right
+after the task's pinned blocks: task prompts are shared by every tenant (they are configured by
+the operator, not sent by a tenant), and every key after them chains through the salted one, so
+two salts never share a block the request computed, on the device or in any tier.
 
 A key only finds a candidate. A hit also requires the candidate block to hold exactly the same
 tokens and extra bytes and to have been computed after the block matched just before it (its
@@ -54,3 +61,37 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+
+class KeyChain:
+    """The chained keys of one sequence's full blocks, each hashed once: the sequence's token
+    list only grows, so a key computed once stays valid (lookups of a waiting request, its
+    admission, its commits and a re-admission after preemption all read the same chain)."""
+
+    def __init__(self, index: PrefixIndex, token_ids: list[int], salt: bytes, salt_block: int):
+        self.index = index
+        self.token_ids = token_ids          # the sequence's own list: it grows as tokens arrive
+        self.salt = salt
+        self.salt_block = salt_block        # the first block the sequence owns
+        self._keys: list[bytes] = []
+
+    def extra(self, i: int) -> bytes:
+        """Extra key material of block i: the salt on the first block the sequence owns."""
+        return self.salt if i == self.salt_block else b""
+
+    def tokens(self, i: int) -> tuple[int, ...]:
+        B = self.index.block_size
+        return tuple(self.token_ids[i * B:(i + 1) * B])
+
+    def key(self, i: int) -> bytes:
+        """The key of full block i (blocks 0..i are hashed on first use)."""
+        keys = self._keys
+        while len(keys) <= i:
+            j = len(keys)
+            keys.append(self.index.key(keys[-1] if keys else self.index.root, self.tokens(j),
+                                       self.extra(j)))
+        return keys[i]
+
+    def parent(self, i: int) -> bytes:
+        """The key block i chains from: the previous block's, or the root for block 0."""
+        return self.key(i - 1) if i else self.index.root

@@ -10,7 +10,6 @@ under `self.lock`, which a step holds from start to end.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -19,53 +18,22 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from rtpkv.cache import BlockPool, KVCacheManager, KVEventBuffer, PinnedPrefix, PrefixIndex
-from rtpkv.cache.prefix_index import HashFn, sha256
-from rtpkv.cache.tiers.factory import build_tiers
+from rtpkv.cache.manager import HashFn, KVCacheManager, PinnedPrefix, sha256
 from rtpkv.config import RuntimeConfig
 from rtpkv.engine.model_runner import ModelRunner
 from rtpkv.engine.request import FinishReason, Request, StepOutput
 from rtpkv.engine.sampler import sample
 from rtpkv.engine.scheduler import ScheduledChunk, Scheduler
 from rtpkv.engine.window import attention_window
-from rtpkv.errors import CapacityError, EngineStoppedError, RequestTimeoutError
+from rtpkv.errors import EngineStoppedError, RequestTimeoutError
 from rtpkv.model_factory.factory import Model
-from rtpkv.torch_threads import serial_torch
 
 if TYPE_CHECKING:
-    from rtpkv.cache.tiers.base import KVTier
+    from rtpkv.cache.manager import KVTier
 
 log = logging.getLogger("rtpkv")
 
-DEFAULT_CPU_MEMORY_FRACTION = 0.10   # of available host memory, when KV_CACHE_MEM_MB is unset
-DEFAULT_GPU_MEMORY_FRACTION = 0.90   # of free device memory after the weights
 STEP_LOG_SIZE = 4096
-
-
-def _available_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * DEFAULT_GPU_MEMORY_FRACTION)
-    pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(pages * DEFAULT_CPU_MEMORY_FRACTION)
-
-
-def pool_blocks(model: Model, config: RuntimeConfig) -> int:
-    """Blocks in the pool: from kv_cache_mem_mb and kv_cache_max_tokens (the smaller wins when
-    both are set), else a fixed fraction of available memory, never above what
-    concurrency_limit sequences of max_seq_len could use."""
-    spec, B = model.spec, config.seq_size_per_block
-    per_block = BlockPool.bytes_per_block(spec.num_layers, B, spec.num_kv_heads, spec.head_dim,
-                                          model.dtype)
-    limits = []
-    if config.kv_cache_mem_mb:
-        limits.append(int(config.kv_cache_mem_mb * 2**20) // per_block)
-    if config.kv_cache_max_tokens:
-        limits.append(config.kv_cache_max_tokens // B)
-    if not limits:
-        useful = config.concurrency_limit * -(-config.max_seq_len // B)
-        limits = [min(_available_bytes(model.device) // per_block, useful)]
-    return max(1, min(limits))
 
 
 class Engine:
@@ -74,31 +42,18 @@ class Engine:
         self.model = model
         self.config = config
         self.block_size = config.seq_size_per_block
-        spec = model.spec
-        self.window = attention_window(config, spec)
-        num_blocks = pool_blocks(model, config)
-        with serial_torch():
-            self.pool = BlockPool(spec.num_layers, num_blocks, self.block_size, spec.num_kv_heads,
-                                  spec.head_dim, model.dtype, model.device)
-        self.events = KVEventBuffer(config.kv_cache_event_buffer_max_size)
-        self.cache = KVCacheManager(num_blocks, self.block_size,
-                                    PrefixIndex(model.fingerprint, self.block_size, hash_fn),
-                                    pool=self.pool, reuse_enabled=config.reuse_cache,
-                                    events=self.events, window=self.window.tokens,
-                                    tiers=build_tiers(config, model, self.block_size) if tiers is None else tiers,
-                                    offload_min_priority=config.secondary_offload_min_priority)
+        self.window = attention_window(config, model.spec)
+        self.cache = KVCacheManager.build(model, config, self.window.tokens, hash_fn, tiers)
+        self.events = self.cache.events
         self.scheduler = Scheduler(config, self.cache)
-        self.runner = ModelRunner(model.module, self.pool, self.window.tokens)
+        self.runner = ModelRunner(model.module, self.cache.memory, self.window.tokens)
         self.lock = threading.RLock()
         self.step_log: deque[list[tuple[int, int, str]]] = deque(maxlen=STEP_LOG_SIZE)
         self.steps = 0
         self._inbox: "queue.Queue[Optional[Request]]" = queue.Queue()
         self._stopped = threading.Event()
         self._threads = torch.get_num_threads()
-        log.info("reuse_cache: %s", config.reuse_cache)
-        log.info("attention window: %s", self.window.describe())
-        log.info("KV pool: %d blocks of %d tokens (%.1f MiB), attention backend: %s",
-                 num_blocks, self.block_size, self.pool.kv.numel() * self.pool.kv.element_size() / 2**20,
+        log.info("attention window: %s, attention backend: %s", self.window.describe(),
                  model.module.attention_name)
         self._thread = threading.Thread(target=self._loop, name="rtpkv-engine", daemon=True)
         self._thread.start()
@@ -107,17 +62,7 @@ class Engine:
     def submit(self, req: Request) -> Request:
         if self._stopped.is_set():
             raise EngineStoppedError("the pipeline has been stopped")
-        usable = self.cache.usable_blocks
-        need = self.cache.blocks_held_at_most(self.scheduler.tokens_for(req),
-                                              self.config.max_num_batched_tokens)
-        if need > usable:
-            window = "" if self.window.tokens is None else f", attention window {self.window.tokens}"
-            raise CapacityError(
-                f"request needs {need} KV blocks ({req.num_prompt} prompt tokens + "
-                f"max_new_tokens {req.max_new_tokens}, {self.block_size} tokens per block"
-                f"{window}) but "
-                f"the pool has {usable} usable blocks ({self.cache.num_blocks} total, "
-                f"{self.cache.num_blocks - usable} pinned)")
+        self.scheduler.check_fits(req)  # reads two counters: no lock, so a step never delays it
         self._inbox.put(req)
         return req
 
@@ -129,11 +74,11 @@ class Engine:
     def unpin(self, handle: PinnedPrefix) -> None:
         """Let a task prompt's blocks go: they become ordinary cached blocks."""
         with self.lock:
-            self.cache.unpin(handle)
+            self.scheduler.unpin(handle)
 
     def pin_shortfall(self, num_tokens: int) -> Optional[str]:
         with self.lock:
-            return self.cache.pin_shortfall(num_tokens)
+            return self.scheduler.pin_shortfall(num_tokens)
 
     def stop(self) -> None:
         """End the loop, fail what is in flight with EngineStoppedError, join the thread."""
@@ -147,8 +92,7 @@ class Engine:
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self._finish(req, FinishReason.ERROR,
                              EngineStoppedError("the pipeline was stopped before this request finished"))
-            for tier in self.cache.tiers:
-                tier.close()  # flushes queued disk writes
+            self.cache.close()  # flushes queued disk and Redis writes
 
     @property
     def stopped(self) -> bool:
@@ -156,16 +100,14 @@ class Engine:
 
     def cache_stats(self) -> dict[str, Any]:
         with self.lock:
-            stats = self.cache.stats()
+            stats = self.scheduler.cache_stats()
             stats["attention_window"] = self.window.tokens
             stats["attention_window_source"] = self.window.source
-            stats["requests_running"] = len(self.scheduler.running)
-            stats["requests_waiting"] = len(self.scheduler.waiting)
             return stats
 
     def check_integrity(self) -> None:
         with self.lock:
-            self.cache.check_integrity(self.scheduler.running)
+            self.scheduler.check_integrity()
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
@@ -191,8 +133,11 @@ class Engine:
             self._take_inbox()
             self._reap()
             batch = self.scheduler.schedule()
+            failed = self.scheduler.take_failed()
+            for req in failed:
+                self._finish(req, FinishReason.ERROR, req.error)
             if not batch:
-                return False
+                return bool(failed)
             self.steps += 1
             self.step_log.append([(c.request.request_id, c.num_tokens,
                                    "decode" if c.is_decode else "prefill") for c in batch])

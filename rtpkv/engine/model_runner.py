@@ -12,21 +12,21 @@ from typing import Optional
 
 import torch
 
-from rtpkv.cache import BlockPool
+from rtpkv.cache import KVMemory
 from rtpkv.engine.scheduler import ScheduledChunk
 from rtpkv.kernels import AttentionBatch
 from rtpkv.model_factory.llama import CausalLM
 
 
 class ModelRunner:
-    def __init__(self, module: CausalLM, pool: BlockPool, window: Optional[int] = None):
+    def __init__(self, module: CausalLM, memory: KVMemory, window: Optional[int] = None):
         self.module = module
         self.window = window          # tokens each query attends to (AttentionBatch.window)
-        self.pool = pool
-        self.kv_caches = pool.layer_caches()
-        self.block_size = pool.block_size
-        self.device = pool.kv.device
-        self.kv_heads = pool.kv.shape[2]
+        self.memory = memory
+        self.kv_caches = memory.layer_caches()
+        self.block_size = memory.block_size
+        self.device = memory.kv.device
+        self.kv_heads = memory.kv.shape[2]
 
     def batch(self, chunks: list[ScheduledChunk]) -> tuple[list[int], AttentionBatch]:
         """Token ids and the attention backend's view of `chunks`, in this order."""
@@ -56,7 +56,7 @@ class ModelRunner:
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
                                       device=self.device),
             query_start=starts, query_len=lengths, context_len=contexts, block_size=B,
-            num_blocks=self.pool.num_blocks, kv_heads=self.kv_heads, window=self.window)
+            num_blocks=self.memory.num_blocks, kv_heads=self.kv_heads, window=self.window)
         return ids, batch
 
     @torch.inference_mode()

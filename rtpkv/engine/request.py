@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 import torch
 
 from rtpkv.cache.retention import KvCacheRetentionConfig
+from rtpkv.cache.tiers.base import TIER_NAMES
 from rtpkv.generate_config import GenerateConfig
 
 if TYPE_CHECKING:
-    from rtpkv.cache import PinnedPrefix
-
-TIER_NAMES = ("memory", "disk", "remote", "connector")  # below the device pool, in lookup order
+    from rtpkv.cache import KeyChain, PinnedPrefix
+    from rtpkv.cache.tiers.ladder import TierPlan
 
 _ids = itertools.count(1)
 
@@ -59,15 +59,17 @@ class Request:
     prefix_handle: Optional["PinnedPrefix"] = None   # the task prompt this request starts from
     stop_text: Optional[Callable[[list[int]], bool]] = None  # stop_words_str check on output
     request_id: int = field(default_factory=lambda: next(_ids))
-    # cache state (see KVCacheManager.CacheSequence); the manager writes the table and keys
+    # cache state (see manager.CacheSequence); the manager writes the table, keys and plan
     token_ids: list[int] = field(init=False)
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)
+    key_chain: Optional["KeyChain"] = None
+    tier_plan: Optional["TierPlan"] = None
     salt: bytes = b""
     num_computed: int = 0
     pinned: Optional["PinnedPrefix"] = None   # what a prefill_only request pinned
     # reporting: tokens reused from the device pool and from each tier, at first admission
-    reuse_len: Optional[int] = None
+    local_reuse_len: Optional[int] = None
     reuse_by_tier: dict[str, int] = field(default_factory=dict)
     iter_count: int = 0
     num_preemptions: int = 0
@@ -140,7 +142,7 @@ class Request:
         first = self.first_token_at
         admitted = self.admitted_at
         tiers = {f"{name}_reuse_len": self.reuse_by_tier.get(name, 0) for name in TIER_NAMES}
-        local = self.reuse_len or 0
+        local = self.local_reuse_len or 0
         return {
             "reuse_len": local + sum(tiers.values()),
             "local_reuse_len": local,

@@ -13,20 +13,24 @@ With an attention window, blocks that fell out of it are released after each ste
 reservations count the blocks a request holds at once (the window's), not its whole length.
 
 Blocks are the KVCacheManager's: the scheduler asks it to look up, admit, grow, commit, pin and
-free, and never touches a block itself.
+free, and never touches a block itself. Whatever fails while a request is admitted fails that
+request alone, with its blocks released (`take_failed` hands such requests to the engine).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
-from rtpkv.cache import KVCacheManager
+from rtpkv.cache.manager import KVCacheManager, PinnedPrefix
 from rtpkv.config import CapacitySchedulerPolicy, ContextChunkingPolicy, RuntimeConfig, SchedulePolicy
 from rtpkv.engine.request import FinishReason, Request
+from rtpkv.errors import CapacityError
+
+log = logging.getLogger("rtpkv")
 
 _LPM_MAX_QUEUE = 128  # longer queues fall back to arrival order: matching them all costs too much
 
@@ -50,18 +54,55 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []       # in admission order
         self._admitting = True
-        self._fetching: dict[Request, list[Future[int]]] = {}  # tier blocks being fetched
+        self._failed: list[Request] = []       # failed while being admitted, to be answered
 
     def add(self, req: Request) -> None:
         """Queue a new request, and start fetching its cached blocks from background tiers:
         it is admitted once they are in memory; others are admitted meanwhile."""
         self.waiting.append(req)
-        futures = self.cache.prefetch(req)
-        if futures:
-            self._fetching[req] = futures
+        try:
+            self.cache.prefetch(req)
+        except Exception as exc:
+            self._fail(req, exc)
+
+    def check_fits(self, req: Request) -> None:
+        """CapacityError when `req` could never fit the pool, even alone."""
+        usable = self.cache.usable_blocks
+        need = self.cache.blocks_held_at_most(self.tokens_for(req),
+                                              self.config.max_num_batched_tokens)
+        if need > usable:
+            window = self.cache.window
+            shown = "" if window is None else f", attention window {window}"
+            total = self.cache.num_blocks
+            raise CapacityError(
+                f"request needs {need} KV blocks ({req.num_prompt} prompt tokens + "
+                f"max_new_tokens {req.max_new_tokens}, {self.block_size} tokens per block"
+                f"{shown}) but the pool has {usable} usable blocks ({total} total, "
+                f"{total - usable} pinned)")
+
+    def unpin(self, handle: PinnedPrefix) -> None:
+        self.cache.unpin(handle)
+
+    def pin_shortfall(self, num_tokens: int) -> Optional[str]:
+        return self.cache.pin_shortfall(num_tokens)
+
+    def cache_stats(self) -> dict[str, Any]:
+        stats = self.cache.stats()
+        stats["requests_running"] = len(self.running)
+        stats["requests_waiting"] = len(self.waiting)
+        return stats
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity(self.running)
+
+    def take_failed(self) -> list[Request]:
+        """Requests that failed while being admitted (their `error` says why); each is out of
+        the queues and holds no block."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._failed)
 
     @staticmethod
     def tokens_for(req: Request) -> int:
@@ -156,7 +197,6 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         """Drop the request from the queues and give back its blocks."""
-        self._fetching.pop(req, None)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -219,27 +259,41 @@ class Scheduler:
     def _order_waiting(self) -> None:
         if (self.config.schedule_policy == SchedulePolicy.LPM
                 and 1 < len(self.waiting) <= _LPM_MAX_QUEUE):
-            cached = {r: self.cache.lookup(r).num_blocks for r in self.waiting}
+            cached = {r: len(self.cache.lookup(r).device) for r in self.waiting}
             self.waiting = deque(sorted(self.waiting, key=lambda r: -cached[r]))
 
     def _next_fetched(self) -> Optional[Request]:
         """The first waiting request whose blocks are not still being fetched from a tier."""
         for req in self.waiting:
-            futures = self._fetching.get(req)
-            if futures is None or all(f.done() for f in futures):
-                self._fetching.pop(req, None)
+            if self.cache.prefetched(req):
                 return req
         return None
 
+    def _fail(self, req: Request, exc: Exception) -> None:
+        """`req` failed while being admitted: out of the queues, its blocks released."""
+        log.error("request %d failed during admission: %s: %s", req.request_id,
+                  type(exc).__name__, exc, exc_info=exc)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.cache.free(req)
+        req.error, req.finish_reason = exc, FinishReason.ERROR
+        self._failed.append(req)
+
     def _admit_next(self) -> bool:
-        """Admit the next waiting request if the policies allow; it joins `running`."""
-        if not self.waiting or len(self.running) >= self.config.concurrency_limit:
-            return False
-        if not self._admitting:
-            return False
-        req = self._next_fetched()
-        if req is None:
-            return False
+        """Admit the next waiting request if the policies allow; it joins `running`. A request
+        that fails on the way is failed alone and the next one is tried."""
+        while self.waiting and len(self.running) < self.config.concurrency_limit \
+                and self._admitting:
+            req = self._next_fetched()
+            if req is None:
+                return False
+            try:
+                return self._admit(req)
+            except Exception as exc:
+                self._fail(req, exc)
+        return False
+
+    def _admit(self, req: Request) -> bool:
         match = self.cache.lookup(req)  # the fit depends on device hits; tiers come at admission
         chunk = self.config.max_num_batched_tokens
         if self.config.capacity_scheduler_policy == CapacitySchedulerPolicy.MAX_UTILIZATION:
@@ -248,11 +302,10 @@ class Scheduler:
             fits = self.cache.can_admit(req, match, self.tokens_for(req), self._reserved(), chunk)
         if not fits:
             return False
-        self.waiting.remove(req)
-        self.cache.lookup_tiers(req, match)
         reused = self.cache.admit(req, match)
-        if req.reuse_len is None:
-            req.reuse_len = reused.pop("local")
+        self.waiting.remove(req)
+        if req.local_reuse_len is None:
+            req.local_reuse_len = reused.pop("local")
             req.reuse_by_tier = reused
             self.cache.record_lookup(req)
         if req.admitted_at is None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import enum
 from typing import Any, Optional
 
-from rtpkv.errors import (CapacityError, ConfigError, EngineStoppedError, PromptTooLongError,
-                          RequestError, RequestTimeoutError, UnknownTaskError)
+from rtpkv.errors import (CapacityError, ConfigError, EmptyPromptError, EngineStoppedError,
+                          PromptTooLongError, RequestError, RequestTimeoutError, UnknownTaskError)
 
 
 class ErrorCode(enum.IntEnum):
@@ -67,10 +67,10 @@ def api_error(exc: BaseException) -> ApiError:
         return ApiError(400, ErrorCode.EXCEEDS_KV_CACHE_MAX_LEN, message)
     if isinstance(exc, ConfigError):
         return ApiError(400, ErrorCode.ERROR_GENERATE_CONFIG_FORMAT, message)
+    if isinstance(exc, EmptyPromptError):
+        return ApiError(400, ErrorCode.EMPTY_PROMPT_ERROR, message)
     if isinstance(exc, RequestError):
-        code = ErrorCode.EMPTY_PROMPT_ERROR if "empty" in message else \
-            ErrorCode.ERROR_INPUT_FORMAT_ERROR
-        return ApiError(400, code, message)
+        return ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR, message)
     if isinstance(exc, EngineStoppedError):
         return ApiError(503, ErrorCode.ENGINE_STOPPED, message)
     if isinstance(exc, RequestTimeoutError):

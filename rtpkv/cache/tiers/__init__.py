@@ -1,12 +1,14 @@
-"""Tiers below the device KV pool (host memory, disk, remote), all behind one interface.
+"""Tiers below the device KV pool (host memory, disk, remote, a user connector), all behind one
+interface, with one caller.
 
 `base` defines the interface (`KVTier`) and what a block is (`BlockMeta`, `TierLayout`);
-`record` is the byte format that the persistent tiers share.
+`ladder` is `TierLadder`, the only code that calls a tier; `record` is the byte format that the
+persistent tiers share; `factory` builds the configured tiers.
 """
 
-from rtpkv.cache.tiers.base import DEFAULT_PRIORITY, BlockMeta, KVTier, TierLayout
+from rtpkv.cache.tiers.base import TIER_NAMES, BlockMeta, KVTier, TierLayout
 from rtpkv.cache.tiers.record import (CorruptRecord, ForeignRecord, RecordError, RecordMismatch,
                                       decode_record, encode_record)
 
-__all__ = ["DEFAULT_PRIORITY", "BlockMeta", "CorruptRecord", "ForeignRecord", "KVTier",
+__all__ = ["TIER_NAMES", "BlockMeta", "CorruptRecord", "ForeignRecord", "KVTier",
            "RecordError", "RecordMismatch", "TierLayout", "decode_record", "encode_record"]

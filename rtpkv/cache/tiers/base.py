@@ -1,7 +1,7 @@
-"""The tier interface: what the cache manager asks of every store below the device pool.
+"""The tier interface: what the tier ladder asks of every store below the device pool.
 
-The manager holds an ordered list of tiers (host memory, disk, remote) and calls them only
-through `KVTier`. A tier stores a block's K/V payload (a CPU tensor of `TierLayout.shape`)
+`TierLadder` (tiers/ladder.py) holds the ordered tiers (host memory, disk, remote, a user
+connector) and is the only caller of `KVTier`. A tier stores a block's K/V payload (a CPU tensor of `TierLayout.shape`)
 together with its `BlockMeta`; on a load it checks that the stored block is exactly the one
 asked for (key, tokens, parent key and extra bytes), so a hash collision or a stale entry costs a
 miss, never a wrong answer — the same rule as a hit in the device index.
@@ -11,11 +11,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-DEFAULT_PRIORITY = 35
+from rtpkv.cache.block import DEFAULT_PRIORITY
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+TIER_NAMES = ("memory", "disk", "remote", "connector")  # below the device pool, in lookup order
 
 
 @dataclass(frozen=True)
@@ -65,16 +70,30 @@ class KVTier(ABC):
     background (a writer thread, a connection pool) synchronises internally.
     """
 
-    name: str  # "memory" | "disk" | "remote": aux_info reports <name>_reuse_len
-    # True: the manager also stores each block here as soon as it is committed (filled), not only
+    name: str  # one of TIER_NAMES: aux_info reports <name>_reuse_len
+    # True: the ladder also stores each block here as soon as it is committed (filled), not only
     # when it is evicted, so the block survives a restart (rtp-llm's write-through disk cache).
     write_through: bool = False
+    # True: `prefetch` fetches a chain off the engine thread when a request arrives (a network
+    # tier); `lookup` and `load` then answer from what was fetched.
+    fetches_in_background: bool = False
+    # True: a tier above hands this tier the blocks it evicts (the disk, below host memory).
+    takes_evictions: bool = False
+    # Set by the ladder: a tier that evicts a block to make room calls it with the block, so the
+    # ladder can hand it down (the payload is valid only during the call).
+    on_evict: Optional[Callable[[BlockMeta, torch.Tensor], None]] = None
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many of `keys` (a chain, from its start) this tier holds, contiguous.
 
         Cheap: no payload is read (one round trip for the whole chain on a remote tier)."""
+
+    def prefetch(self, metas: Sequence[BlockMeta]) -> "Future[int]":
+        """Start fetching a chain's blocks in the background (tiers with
+        `fetches_in_background` only). The future gives how many blocks, from the start of the
+        chain, are then held; it never raises (a failure is a miss)."""
+        raise NotImplementedError(f"the {self.name} tier does not fetch in the background")
 
     @abstractmethod
     def load(self, meta: BlockMeta) -> Optional[torch.Tensor]:

@@ -34,7 +34,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from rtpkv.cache.tiers.base import DEFAULT_PRIORITY, BlockMeta, KVTier, TierLayout
+from rtpkv.cache.block import DEFAULT_PRIORITY
+from rtpkv.cache.tiers.base import BlockMeta, KVTier, TierLayout
 from rtpkv.cache.tiers.order import EvictionOrder
 from rtpkv.cache.tiers.record import (LENGTH_PREFIX, CorruptRecord, ForeignRecord, RecordMismatch,
                                       decode_header, decode_record, encode_record, header_length)
@@ -55,6 +56,7 @@ class _Pending:
 
 class DiskTier(KVTier):
     name = "disk"
+    takes_evictions = True   # host memory's evictions land here
     write_through = True
 
     def __init__(self, layout: TierLayout, directory: str | os.PathLike, capacity_bytes: int,

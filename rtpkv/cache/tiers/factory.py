@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rtpkv.cache.connector import (ConnectorContext, load_connector_class, make_connector_tier)
+from rtpkv.cache.connector import ConnectorContext
+from rtpkv.cache.tiers.connector import load_connector_class, make_connector_tier
 from rtpkv.cache.tiers.base import KVTier, TierLayout
 from rtpkv.cache.tiers.disk import DiskTier
 from rtpkv.cache.tiers.host import HostTier
@@ -54,7 +55,7 @@ def build_tiers(config: Any, model: Any, block_size: int) -> list[KVTier]:
                      else f"MEMORY_CACHE_SIZE_MB={config.memory_cache_size_mb!r}")
             raise ConfigError(f"{given} is invalid: it holds no KV block (one block takes "
                               f"{layout.nbytes} bytes = {layout.nbytes / MIB:.3f} MiB)")
-        host = HostTier(layout, host_bytes, model.device, next_tier=disk)
+        host = HostTier(layout, host_bytes, model.device)
         tiers.append(host)
         log.info("host memory KV tier: %d blocks of %d tokens (%.1f MiB)%s", host.num_blocks,
                  block_size, host.num_blocks * layout.nbytes / MIB,

@@ -7,8 +7,8 @@ allocates. With a CUDA pool the buffer is pinned and device-to-host copies run o
 overwrites the source block. On CPU the tier is simply a second bounded region of memory.
 
 Eviction inside the tier is the device pool's rule: lowest retention priority first, least
-recently used within a priority. A block the tier evicts is handed to `next_tier` (disk) when
-there is one. The tier is inclusive: onboarding a block copies it back to the device and keeps the
+recently used within a priority. A block the tier evicts is shown to `on_evict` (the ladder hands
+it to the disk tier when there is one). The tier is inclusive: onboarding a block copies it back to the device and keeps the
 host copy, so evicting that block from the device again costs no copy.
 """
 
@@ -36,7 +36,7 @@ class HostTier(KVTier):
     name = "memory"
 
     def __init__(self, layout: TierLayout, capacity_bytes: int,
-                 device: torch.device | str = "cpu", next_tier: Optional[KVTier] = None):
+                 device: torch.device | str = "cpu"):
         self.layout = layout
         self.block_bytes = layout.nbytes
         self.num_blocks = capacity_bytes // self.block_bytes
@@ -48,7 +48,6 @@ class HostTier(KVTier):
         self.buffer = torch.empty((self.num_blocks, *layout.shape), dtype=layout.dtype,
                                   pin_memory=self.cuda)
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.next_tier = next_tier
         self._lock = threading.Lock()
         self._free: deque[int] = deque(range(self.num_blocks))
         self._slots: dict[bytes, _Slot] = {}
@@ -182,9 +181,9 @@ class HostTier(KVTier):
     def _evict_one(self) -> None:
         key = self._order.victim()
         slot = self._slots[key]
-        if self.next_tier is not None:
+        if self.on_evict is not None:
             self._wait(slot)
-            self.next_tier.store(slot.meta, self.buffer[slot.index])
+            self.on_evict(slot.meta, self.buffer[slot.index])
             self.counters["handed_off"] += 1
         self._remove(key)
         self.counters["evictions"] += 1

@@ -69,6 +69,7 @@ class RedisTier(KVTier):
 
     name = "remote"
     write_through = True   # replicas share what is computed, not only what is evicted
+    fetches_in_background = True
 
     def __init__(self, layout: TierLayout, url: str, *, password: Optional[str] = None,
                  ttl_s: int = 0, timeout_ms: int = 200, key_prefix: bytes = KEY_PREFIX,
