@@ -34,14 +34,16 @@ def tier_options(request, tmp_path):
 
     def options(name: str, **extra):
         if name == "device":
-            return dict(reuse_cache=True, seq_size_per_block=B, kv_cache_max_tokens=512, **extra)
-        if name == "memory":
-            return dict(SMALL, host_cache_size=HOST, **extra)
-        if name == "disk":
-            return dict(SMALL, enable_memory_cache_disk=True, write_cache_sync=True,
-                        memory_cache_disk_paths=str(tmp_path / "disk"), **extra)
-        url = request.getfixturevalue("redis_url")
-        return dict(SMALL, enable_remote_cache=True, remote_cache_url=url, **extra)
+            base = dict(reuse_cache=True, seq_size_per_block=B, kv_cache_max_tokens=512)
+        elif name == "memory":
+            base = dict(SMALL, host_cache_size=HOST)
+        elif name == "disk":
+            base = dict(SMALL, enable_memory_cache_disk=True, write_cache_sync=True,
+                        memory_cache_disk_paths=str(tmp_path / "disk"))
+        else:
+            base = dict(SMALL, enable_remote_cache=True,
+                        remote_cache_url=request.getfixturevalue("redis_url"))
+        return {**base, **extra}
 
     return options
 
@@ -81,7 +83,7 @@ def test_an_unsalted_prompt_is_not_reused_by_a_salted_one(make_pipeline, tier_op
 @pytest.mark.parametrize("where", TIERS)
 def test_two_salts_after_one_task_prompt_share_only_the_task(make_pipeline, tier_options, where):
     task = list(range(40, 48))                        # 2 blocks, pinned
-    options = tier_options(where, kv_cache_max_tokens=48 if where != "device" else 512)
+    options = tier_options(where) if where == "device" else tier_options(where, kv_cache_max_tokens=48)
     pipe = make_pipeline(**options)
     pipe.add_task("sys", task)
     text = list(range(500, 513))                      # the task, then 3 full blocks of text
@@ -223,3 +225,17 @@ def test_checkpoints_differing_in_one_weight_share_no_block(checkpoints, tmp_pat
             pipe.check_integrity()
     assert results[1].aux_info["reuse_len"] == 0
     assert results[1].aux_info[f"{where}_reuse_len"] == 0
+
+
+@pytest.mark.parametrize("where", ["memory", "disk", "remote"])
+def test_a_third_request_after_an_onboard_is_served_from_the_device(make_pipeline, tier_options,
+                                                                   where):
+    pipe = make_pipeline(**tier_options(where))
+    first = served(pipe, A_IDS)
+    onboarded = run(pipe, A_IDS, max_new_tokens=2, return_logits=True)
+    third = run(pipe, A_IDS, max_new_tokens=2, return_logits=True)
+    assert onboarded.aux_info[f"{where}_reuse_len"] == 20
+    assert third.aux_info["local_reuse_len"] == 20, "the onboarded chain lost its lineage"
+    for res in (onboarded, third):
+        assert res.output_ids == first.output_ids
+        torch.testing.assert_close(res.logits, first.logits, atol=1e-4, rtol=0)
