@@ -148,7 +148,7 @@ class RuntimeConfig(BaseModel):
     concurrency_limit: int = Field(32, ge=1)
     schedule_policy: SchedulePolicy = SchedulePolicy.FCFS
     # kernel choices (rtpkv.kernels): auto = the fastest that builds and supports the dtype
-    rtpkv_attention: str = Field("auto", pattern="^(auto|cpu-paged|torch)$")
+    rtpkv_attention: str = Field("auto", pattern="^(auto|cpu-paged|flash-attn|torch)$")
     rtpkv_linear: str = Field("auto", pattern="^(auto|native|onednn|fp32-compute)$")
     # tiers below the device pool (rtpkv.cache.tiers.factory)
     enable_memory_cache: bool = False

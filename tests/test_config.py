@@ -102,7 +102,7 @@ def test_environment_errors_quote_the_variable_as_written(monkeypatch):
 
 def test_kernel_choices_are_options_too(monkeypatch):
     monkeypatch.setenv("RTPKV_ATTENTION", "flash")
-    with pytest.raises(ConfigError, match=r"RTPKV_ATTENTION='flash' is invalid: .*cpu-paged\|torch"):
+    with pytest.raises(ConfigError, match=r"RTPKV_ATTENTION='flash' is invalid: .*cpu-paged\|flash-attn\|torch"):
         Settings.from_env()
     assert ModelConfig(rtpkv_linear="native").rtpkv_linear == "native"
 
