@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 
 from rtpkv.cache import BlockPool, KVCacheManager, KVEventBuffer, PinnedPrefix, PrefixIndex
+from rtpkv.cache.gpu_pool import gpu_pool_blocks
 from rtpkv.cache.prefix_index import HashFn, sha256
 from rtpkv.cache.tiers.factory import build_tiers
 from rtpkv.config import RuntimeConfig
@@ -38,25 +39,23 @@ if TYPE_CHECKING:
 log = logging.getLogger("rtpkv")
 
 DEFAULT_CPU_MEMORY_FRACTION = 0.10   # of available host memory, when KV_CACHE_MEM_MB is unset
-DEFAULT_GPU_MEMORY_FRACTION = 0.90   # of free device memory after the weights
 STEP_LOG_SIZE = 4096
 
 
-def _available_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * DEFAULT_GPU_MEMORY_FRACTION)
+def _available_bytes() -> int:
     pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return int(pages * DEFAULT_CPU_MEMORY_FRACTION)
 
 
 def pool_blocks(model: Model, config: RuntimeConfig) -> int:
-    """Blocks in the pool: from kv_cache_mem_mb and kv_cache_max_tokens (the smaller wins when
-    both are set), else a fixed fraction of available memory, never above what
-    concurrency_limit sequences of max_seq_len could use."""
+    """Blocks in the pool. CUDA: see gpu_pool_blocks. CPU: from kv_cache_mem_mb and
+    kv_cache_max_tokens (the smaller wins when both are set), else a fixed fraction of available
+    memory, never above what concurrency_limit sequences of max_seq_len could use."""
     spec, B = model.spec, config.seq_size_per_block
     per_block = BlockPool.bytes_per_block(spec.num_layers, B, spec.num_kv_heads, spec.head_dim,
                                           model.dtype)
+    if model.device.type == "cuda":
+        return gpu_pool_blocks(torch.cuda.mem_get_info(model.device)[0], per_block, config)
     limits = []
     if config.kv_cache_mem_mb:
         limits.append(int(config.kv_cache_mem_mb * 2**20) // per_block)
@@ -64,7 +63,7 @@ def pool_blocks(model: Model, config: RuntimeConfig) -> int:
         limits.append(config.kv_cache_max_tokens // B)
     if not limits:
         useful = config.concurrency_limit * -(-config.max_seq_len // B)
-        limits = [min(_available_bytes(model.device) // per_block, useful)]
+        limits = [min(_available_bytes() // per_block, useful)]
     return max(1, min(limits))
 
 
