@@ -149,19 +149,17 @@ class FlashAttention:
     def _build_gathered(batch: AttentionBatch, meta: FlashMetadata) -> None:
         """The slots of each sequence's keys, from its window's first block (whole blocks before
         it may be released) to its last position, concatenated in batch order."""
-        B = batch.block_size
-        tables = batch.block_tables.tolist()
-        offsets = torch.arange(B)
+        B, device = batch.block_size, batch.positions.device
+        offsets = torch.arange(B, device=device)
         slots, q_lens, k_lens = [], [], []
         for i, (n, ctx) in enumerate(zip(batch.query_len, batch.context_len)):
             first = batch.first_key(ctx - n) // B
-            blocks = torch.tensor(tables[i][first: -(-ctx // B)])
+            blocks = batch.block_tables[i, first: -(-ctx // B)]   # on the device: no sync
             k_len = ctx - first * B
             slots.append((blocks[:, None] * B + offsets).flatten()[:k_len])
             q_lens.append(n)
             k_lens.append(k_len)
-        device = batch.positions.device
-        meta.key_slots = torch.cat(slots).to(device)
+        meta.key_slots = torch.cat(slots)
         meta.cu_q = _cumulative(q_lens, device)
         meta.cu_k = _cumulative(k_lens, device)
         meta.max_q, meta.max_k = max(q_lens), max(k_lens)
