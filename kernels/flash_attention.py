@@ -19,6 +19,7 @@ contiguous), so the paged route views a layer as (blocks, B, kv_heads, d) withou
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Optional
@@ -27,6 +28,8 @@ import torch
 
 from rtpkv.kernels.attention import AttentionBatch
 from rtpkv.kernels.kv_store import write_kv
+
+log = logging.getLogger("rtpkv")
 
 CUDA_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -75,9 +78,8 @@ class FlashAttention:
 
     name = "flash-attn"
 
-    def __init__(self, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 module: Optional[ModuleType] = None):
-        module = module or load_flash_attn()
+    def __init__(self, head_dim: int, dtype: torch.dtype, device: torch.device):
+        module = load_flash_attn()
         if module is None:
             raise RuntimeError("RTPKV_ATTENTION=flash-attn: the flash_attn package does not "
                                "import; install it on a CUDA machine (pip install -e '.[gpu]', "
@@ -92,19 +94,26 @@ class FlashAttention:
         self.fa = module
         self.version = str(getattr(module, "__version__", "unknown"))
         self.page_multiple = page_multiple(self.version)
+        self._logged_block: Optional[int] = None   # the block size whose route was logged
         self._probe(head_dim, dtype, device)
 
     def paged(self, block_size: int) -> bool:
         """Whether blocks of `block_size` tokens go through the paged route."""
         return self.page_multiple is not None and block_size % self.page_multiple == 0
 
-    def route(self, block_size: int) -> str:
-        """The route for blocks of `block_size` tokens, in words (the start-up log)."""
+    def _log_route(self, block_size: int) -> None:
+        """Say once which route a block size takes (the first step's log)."""
+        if self._logged_block == block_size:
+            return
+        self._logged_block = block_size
         if self.paged(block_size):
-            return "paged, flash_attn_with_kvcache"
-        why = (f"not a multiple of {self.page_multiple}" if self.page_multiple
-               else "no paged KV in this version")
-        return f"gathered, flash_attn_varlen_func: block size {block_size} is {why}"
+            log.info("flash-attn %s: paged route (flash_attn_with_kvcache), SEQ_SIZE_PER_BLOCK=%d",
+                     self.version, block_size)
+        else:
+            why = (f"not a multiple of {self.page_multiple}" if self.page_multiple
+                   else "no paged KV in this version")
+            log.info("flash-attn %s: gathered route (flash_attn_varlen_func), "
+                     "SEQ_SIZE_PER_BLOCK=%d is %s", self.version, block_size, why)
 
     def _probe(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         """One tiny call at start-up, so a package that cannot run this dtype on this device (a
@@ -118,6 +127,7 @@ class FlashAttention:
                                f"{str(dtype).removeprefix('torch.')} on {device}: {exc}") from exc
 
     def build(self, batch: AttentionBatch) -> FlashMetadata:
+        self._log_route(batch.block_size)
         meta = FlashMetadata(write_rows=batch.write_rows(), block_size=batch.block_size,
                              paged=self.paged(batch.block_size))
         if batch.window is not None:

@@ -66,17 +66,20 @@ def _ids(n, seed):
 
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_reuse_and_chunked_prefill_match_torch(pair, dtype, block):
+def test_reuse_and_chunked_prefill_match_torch(pair, dtype, block, caplog):
     """A 600-token prompt prefilled in chunks of 160 (each chunk after the first is shorter than
     its keys), then one sharing 520 tokens with it: the second starts after a reused prefix."""
     flash, reference = pair(dtype=dtype, seq_size_per_block=block, reuse_cache=True,
                             max_num_batched_tokens=160)
+    caplog.set_level(logging.INFO, logger="rtpkv")
     first = _ids(600, 1)
     second = first[:520] + _ids(70, 2)
     for pipe in (flash, reference):
         pipe.outputs = [run(pipe, p, max_new_tokens=12, return_logits=True)
                         for p in (first, second)]
     assert flash.outputs[1].aux_info["reuse_len"] == 512
+    route = "paged route" if block == 256 else "gathered route"
+    assert f"flash-attn 2.8.3: {route}" in caplog.text
     for ours, theirs in zip(flash.outputs, reference.outputs):
         _same(ours, theirs, dtype)
 
