@@ -42,17 +42,25 @@ def auto_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> t
 def attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
                       name: str = "auto") -> AttentionBackend:
     """The attention implementation for `device` and `dtype`. `name` (RTPKV_ATTENTION in the
-    configuration) picks one; "auto" is `auto_attention`'s choice, logged with its reason."""
+    configuration) picks one; "auto" is `auto_attention`'s choice, logged with its reason, and
+    falls back to the torch reference where flash-attn imports but cannot run."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"RTPKV_ATTENTION={name!r} is invalid: accepted values are "
                          f"{', '.join(ATTENTION_BACKENDS)}")
+    asked = name
     if name == "auto":
         name, why = auto_attention(device, dtype, head_dim)
         (log.warning if name == "torch" else log.info)("RTPKV_ATTENTION=auto: %s (%s)", name, why)
     if name == "flash-attn":
         from rtpkv.kernels.flash_attention import FlashAttention
 
-        return FlashAttention(head_dim, dtype, device)
+        try:
+            return FlashAttention(head_dim, dtype, device)
+        except RuntimeError as exc:   # its start-up probe failed (e.g. a pre-Ampere GPU)
+            if asked != "auto":
+                raise
+            log.warning("RTPKV_ATTENTION=auto: %s; using the torch reference backend", exc)
+            name = "torch"
     if name == "cpu-paged":
         from rtpkv.kernels import cpu_attention
 

@@ -192,6 +192,19 @@ def test_a_package_that_cannot_run_fails_at_start(flash_attn_standin_module, mon
         FlashAttention(12, torch.bfloat16, CPU)
 
 
+def test_auto_falls_back_when_flash_attn_cannot_run(flash_attn_standin_module, monkeypatch,
+                                                    caplog):
+    """auto's choice made, the probe fails (a GPU flash-attn does not support): the torch
+    reference, with a warning; RTPKV_ATTENTION=flash-attn named explicitly raises instead."""
+    import rtpkv.kernels as kernels
+
+    monkeypatch.setattr(flash_attn_standin, "ALLOW_FP32", False)
+    monkeypatch.setattr(kernels, "auto_attention", lambda *args: ("flash-attn", "test"))
+    with caplog.at_level(logging.WARNING, logger="rtpkv"):
+        assert isinstance(attention_backend(CPU, torch.float32, 16), TorchAttention)
+    assert "cannot run float32 on cpu" in caplog.text and "torch reference backend" in caplog.text
+
+
 def test_missing_package_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", None)   # import raises ImportError
     with pytest.raises(RuntimeError, match=r"the flash_attn package does not import.*"
