@@ -1,6 +1,6 @@
 """The CUDA path on a real GPU: the model, KV pool, sampler and attention on the device, against
-transformers on the same GPU; reuse on/off; the host tier's pinned, side-stream copies and the
-disk tier with device blocks. Skipped, with the reason, where CUDA (or flash_attn) is absent.
+transformers on the same GPU; reuse on/off; the host tier's pinned, side-stream copies, and the
+disk and Redis tiers with device blocks. Skipped, with the reason, where CUDA (or flash_attn) is absent.
 
 Tolerances (logits are about 2-4 in magnitude on the tiny checkpoints): float16 within 1e-2,
 bfloat16 within 6e-2 (four bf16 rounding steps at that magnitude): flash-attn and transformers'
@@ -111,6 +111,21 @@ def test_disk_tier_round_trips_device_blocks(llama_path, tmp_path):
         finally:
             pipe.stop()
     assert outs[1].aux_info["disk_reuse_len"] == 256
+    assert outs[1].output_ids == outs[0].output_ids
+
+
+def test_redis_tier_round_trips_device_blocks(llama_path, redis_url):
+    """A replica writes device blocks through to Redis; a second one loads them to its device."""
+    ids = _ids(300, 7)
+    outs = []
+    for _ in range(2):
+        pipe = _pipeline(llama_path, dtype="bfloat16", reuse_cache=True,
+                         enable_remote_cache=True, remote_cache_url=redis_url)
+        try:
+            outs.append(run(pipe, ids, max_new_tokens=8))
+        finally:
+            pipe.stop()   # flushes the write-through queue
+    assert outs[1].aux_info["remote_reuse_len"] == 256
     assert outs[1].output_ids == outs[0].output_ids
 
 
