@@ -5,7 +5,7 @@ with RTPKV_ATTENTION=flash-attn, and every token equal to the torch backend's.
 Both routes run: SEQ_SIZE_PER_BLOCK=256 takes the paged one (flash_attn_with_kvcache with a
 block table: 256 is flash-attn 2's page multiple), 64 the gathered one (flash_attn_varlen_func).
 The stand-in refuses float32 as the real package does unless ALLOW_FP32 is set: the
-`flash_attn_standin` fixture sets it, so that float32 runs too (there the tokens must match the
+`flash_attn_standin` fixture (conftest.py) sets it, so that float32 runs too (there the tokens must match the
 torch backend's exactly; the real backend refuses float32 on CUDA, tested below).
 """
 
@@ -17,7 +17,6 @@ import sys
 import pytest
 import torch
 
-import flash_attn_standin
 from conftest import run
 from rtpkv.kernels import AttentionBatch, TorchAttention, attention_backend, auto_attention
 from rtpkv.kernels.flash_attention import FlashAttention, page_multiple
@@ -28,15 +27,7 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture
-def flash_attn_standin_module(monkeypatch):
-    """The stand-in as `flash_attn`, float32 allowed (see the module docstring)."""
-    monkeypatch.setitem(sys.modules, "flash_attn", flash_attn_standin)
-    monkeypatch.setattr(flash_attn_standin, "ALLOW_FP32", True)
-    return flash_attn_standin
-
-
-@pytest.fixture
-def pair(make_pipeline, flash_attn_standin_module):
+def pair(make_pipeline, flash_attn_standin):
     """pair(**options) -> (flash-attn pipeline, torch pipeline) on the same checkpoint."""
 
     def make(**options):
@@ -154,7 +145,7 @@ def _mixed_batch(B: int, window):
 @pytest.mark.parametrize("window", [None, 256])
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backend_output_matches_torch_backend(flash_attn_standin_module, dtype, block, window):
+def test_backend_output_matches_torch_backend(flash_attn_standin, dtype, block, window):
     """Attention outputs themselves (more sensitive than a tiny model's logits): both routes,
     GQA 4:2, a non-default scale, released table entries under a window."""
     batch = _mixed_batch(block, window)
@@ -176,13 +167,13 @@ def test_page_multiple_follows_the_version():
     assert page_multiple("unknown") is None
 
 
-def test_flash_attn_refuses_float32_on_cuda(flash_attn_standin_module):
+def test_flash_attn_refuses_float32_on_cuda(flash_attn_standin):
     with pytest.raises(ValueError, match=r"RTPKV_ATTENTION=flash-attn runs float16 and bfloat16 "
                                          r"models, not float32: set DTYPE=bfloat16"):
         FlashAttention(64, torch.float32, torch.device("cuda"))
 
 
-def test_a_package_that_cannot_run_fails_at_start(flash_attn_standin_module, monkeypatch):
+def test_a_package_that_cannot_run_fails_at_start(flash_attn_standin, monkeypatch):
     """The start-up probe: the real package refuses float32 (the stand-in without ALLOW_FP32)."""
     monkeypatch.setattr(flash_attn_standin, "ALLOW_FP32", False)
     with pytest.raises(RuntimeError, match="flash_attn 2.8.3 cannot run float32 on cpu: "
@@ -192,7 +183,7 @@ def test_a_package_that_cannot_run_fails_at_start(flash_attn_standin_module, mon
         FlashAttention(12, torch.bfloat16, CPU)
 
 
-def test_auto_falls_back_when_flash_attn_cannot_run(flash_attn_standin_module, monkeypatch,
+def test_auto_falls_back_when_flash_attn_cannot_run(flash_attn_standin, monkeypatch,
                                                     caplog):
     """auto's choice made, the probe fails (a GPU flash-attn does not support): the torch
     reference, with a warning; RTPKV_ATTENTION=flash-attn named explicitly raises instead."""
@@ -214,7 +205,7 @@ def test_missing_package_is_a_clear_error(monkeypatch):
         "torch", "the flash_attn package does not import")
 
 
-def test_auto_picks_flash_attn_on_cuda_and_says_so(flash_attn_standin_module, caplog):
+def test_auto_picks_flash_attn_on_cuda_and_says_so(flash_attn_standin, caplog):
     """The choice itself (building it needs CUDA tensors): flash-attn for 16-bit models on CUDA
     when the package imports, the torch reference for float32."""
     assert auto_attention(torch.device("cuda"), torch.bfloat16, 64) == (
