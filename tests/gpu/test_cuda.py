@@ -19,10 +19,12 @@ from conftest import load, run
 from rtpkv.kernels.flash_attention import load_flash_attn
 from rtpkv.pipeline import Pipeline
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA device (run on a GPU machine)")
-needs_flash = pytest.mark.skipif(load_flash_attn() is None,
-                                 reason="flash_attn is not installed (pip install -e '.[gpu]')")
+NO_GPU = "needs a CUDA device (run on a GPU machine)"
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
+needs_flash = pytest.mark.skipif(
+    not torch.cuda.is_available() or load_flash_attn() is None,
+    reason=NO_GPU if not torch.cuda.is_available()
+    else "flash_attn is not installed (pip install -e '.[gpu]', see the README)")
 DTYPES = {"float16": (torch.float16, 1e-2), "bfloat16": (torch.bfloat16, 6e-2)}
 
 
