@@ -1,6 +1,7 @@
 """Kernels: attention backends, linear layers, RoPE, RMSNorm, SiLU-and-mul, the KV write; the C
-kernels of the CPU path live in csrc/ (see docs/DESIGN.md, "CPU fast path").
-`attention_backend` is the one dispatch point that chooses the attention implementation."""
+kernels of the CPU path live in csrc/ (see docs/DESIGN.md, "CPU fast path"), flash-attn serves
+CUDA (flash_attention.py, "GPU path"). `attention_backend` is the one dispatch point that
+chooses the attention implementation."""
 
 from __future__ import annotations
 
