@@ -147,8 +147,8 @@ def _mixed_batch(B: int, window):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_backend_output_matches_torch_backend(flash_attn_standin, dtype, block, window):
     """Attention outputs themselves (more sensitive than a tiny model's logits): both routes,
-    GQA 4:2, a non-default scale, released table entries under a window; fp16 too (the CUDA
-    dtypes, whose model path the CPU cannot run fast but whose attention metadata it can)."""
+    GQA 4:2, a non-default scale, released table entries under a window; float16 too (a CUDA
+    dtype that the CPU pipeline does not run)."""
     batch = _mixed_batch(block, window)
     T, D = batch.positions.numel(), 16
     g = torch.Generator().manual_seed(1)
