@@ -1,6 +1,7 @@
 """Kernels: attention backends, linear layers, RoPE, RMSNorm, SiLU-and-mul, the KV write; the C
-kernels of the CPU path live in csrc/ (see docs/DESIGN.md, "CPU fast path").
-`attention_backend` is the one dispatch point that chooses the attention implementation."""
+kernels of the CPU path live in csrc/ (see docs/DESIGN.md, "CPU fast path"), flash-attn serves
+CUDA (flash_attention.py, "GPU path"). `attention_backend` is the one dispatch point that
+chooses the attention implementation."""
 
 from __future__ import annotations
 
@@ -11,35 +12,64 @@ import torch
 from rtpkv.kernels.attention import AttentionBackend, AttentionBatch, TorchAttention
 from rtpkv.kernels.norm import rms_norm
 from rtpkv.kernels.activation import silu_and_mul
+from rtpkv.kernels.names import ATTENTION_BACKENDS
 from rtpkv.kernels.rope import apply_rope_, rope_table
 
 log = logging.getLogger("rtpkv")
 
-ATTENTION_BACKENDS = ("auto", "cpu-paged", "torch")
+
+def auto_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
+    """What RTPKV_ATTENTION=auto picks for `device` and `dtype`, and why (the start-up log):
+    flash-attn on CUDA for float16/bfloat16 when the package imports, the CPU paged kernel on a
+    CPU when it builds and supports the dtype and head size, else the torch reference."""
+    from rtpkv.kernels import cpu_attention, flash_attention
+
+    dtype_name = str(dtype).removeprefix("torch.")
+    if device.type == "cuda":
+        if dtype not in flash_attention.CUDA_DTYPES:
+            return "torch", f"flash-attn runs float16/bfloat16, the model is {dtype_name}"
+        module = flash_attention.load_flash_attn()
+        if module is None:
+            return "torch", "the flash_attn package does not import"
+        return "flash-attn", f"CUDA, {dtype_name}, flash_attn {getattr(module, '__version__', '?')}"
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        if cpu_attention.available(head_dim):
+            return "cpu-paged", f"CPU, {dtype_name}"
+        return "torch", f"the CPU paged-attention kernel is unavailable for head_dim {head_dim}"
+    return "torch", f"no faster backend for {dtype_name} on {device.type}"
 
 
 def attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
                       name: str = "auto") -> AttentionBackend:
     """The attention implementation for `device` and `dtype`. `name` (RTPKV_ATTENTION in the
-    configuration) picks one: "auto" takes the CPU paged kernel on a CPU when it builds and
-    supports the dtype and head size, else the torch reference."""
+    configuration) picks one; "auto" is `auto_attention`'s choice, logged with its reason, and
+    falls back to the torch reference where flash-attn imports but cannot run."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"RTPKV_ATTENTION={name!r} is invalid: accepted values are "
                          f"{', '.join(ATTENTION_BACKENDS)}")
-    from rtpkv.kernels import cpu_attention
+    asked = name
+    if name == "auto":
+        name, why = auto_attention(device, dtype, head_dim)
+        (log.warning if name == "torch" else log.info)("RTPKV_ATTENTION=auto: %s (%s)", name, why)
+    if name == "flash-attn":
+        from rtpkv.kernels.flash_attention import FlashAttention
 
-    wants_cpu = name == "cpu-paged" or (
-        name == "auto" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16))
-    if wants_cpu:
+        try:
+            return FlashAttention(head_dim, dtype, device)
+        except RuntimeError as exc:   # its start-up probe failed (e.g. a pre-Ampere GPU)
+            if asked != "auto":
+                raise
+            log.warning("RTPKV_ATTENTION=auto: %s; using the torch reference backend", exc)
+            name = "torch"
+    if name == "cpu-paged":
+        from rtpkv.kernels import cpu_attention
+
         if device.type != "cpu":
             raise ValueError(f"RTPKV_ATTENTION=cpu-paged needs a CPU model, not {device}")
-        if cpu_attention.available(head_dim):
-            return cpu_attention.CpuPagedAttention(dtype)
-        if name == "cpu-paged":
+        if not cpu_attention.available(head_dim):
             raise RuntimeError("RTPKV_ATTENTION=cpu-paged: the kernel could not be built (see "
                                f"the warning above) or does not support head_dim {head_dim}")
-        log.warning("CPU paged-attention kernel unavailable for head_dim %d: using the torch "
-                    "reference backend", head_dim)
+        return cpu_attention.CpuPagedAttention(dtype)
     return TorchAttention(head_dim, dtype, device)
 
 

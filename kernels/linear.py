@@ -38,10 +38,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from rtpkv.kernels.cpu_build import cache_dir, cpu_identity
+from rtpkv.kernels.names import LINEAR_PATHS
 
 log = logging.getLogger("rtpkv")
 
-LINEAR_PATHS = ("auto", "native", "onednn", "fp32-compute")
 PACKED_ROWS = 256                     # the row count oneDNN weights are prepacked for
 PADDING_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 PROBE_ROWS = (*range(1, 18), 24, 31, 32, 33, 48, 64, 65, 96, 127, 129, 200)

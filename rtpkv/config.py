@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rtpkv.cache.block import DEFAULT_PRIORITY
 from rtpkv.errors import ConfigError
+from rtpkv.kernels.names import ATTENTION_BACKENDS, LINEAR_PATHS
 
 _TRUE = {"1", "true", "on"}
 _FALSE = {"0", "false", "off"}
@@ -139,6 +140,9 @@ class RuntimeConfig(BaseModel):
     seq_size_per_block: int = 64
     kv_cache_mem_mb: Optional[float] = Field(None, gt=0)
     kv_cache_max_tokens: Optional[int] = Field(None, gt=0)
+    # of the device memory free after the weights, for a CUDA pool (TensorRT-LLM's
+    # kv_cache_free_gpu_mem_fraction); KV_CACHE_MAX_TOKENS caps it (rtpkv.cache.gpu_pool)
+    kv_cache_free_gpu_mem_fraction: float = Field(0.9, gt=0, le=1)
     kv_cache_event_buffer_max_size: int = Field(0, ge=0)  # 0: KV cache events off
     reuse_cache: bool = False
     multi_task_prompt: Optional[str] = None
@@ -149,8 +153,8 @@ class RuntimeConfig(BaseModel):
     concurrency_limit: int = Field(32, ge=1)
     schedule_policy: SchedulePolicy = SchedulePolicy.FCFS
     # kernel choices (rtpkv.kernels): auto = the fastest that builds and supports the dtype
-    rtpkv_attention: str = Field("auto", pattern="^(auto|cpu-paged|torch)$")
-    rtpkv_linear: str = Field("auto", pattern="^(auto|native|onednn|fp32-compute)$")
+    rtpkv_attention: str = Field("auto", pattern=f"^({'|'.join(ATTENTION_BACKENDS)})$")
+    rtpkv_linear: str = Field("auto", pattern=f"^({'|'.join(LINEAR_PATHS)})$")
     # tiers below the device pool (rtpkv.cache.tiers.factory)
     enable_memory_cache: bool = False
     memory_cache_size_mb: float = Field(0.0, ge=0)

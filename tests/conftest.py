@@ -40,6 +40,19 @@ def clean_env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.fixture
+def flash_attn_standin(monkeypatch):
+    """tests/flash_attn_standin injected as `flash_attn`, float32 allowed (the real package
+    refuses it; see that module): RTPKV_ATTENTION=flash-attn then runs on CPU."""
+    import sys
+
+    import flash_attn_standin as standin
+
+    monkeypatch.setitem(sys.modules, "flash_attn", standin)
+    monkeypatch.setattr(standin, "ALLOW_FP32", True)
+    return standin
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> Callable[[str], Path]:
     built: dict[str, Path] = {}

@@ -18,7 +18,7 @@ WINDOWED = {
     "mistral": dict(architecture="MistralForCausalLM", sliding_window=W, tie_word_embeddings=True),
     "qwen2": dict(architecture="Qwen2ForCausalLM", sliding_window=W),
 }
-BACKENDS = ["torch", "cpu-paged"]
+BACKENDS = ["torch", "cpu-paged", "flash-attn"]   # flash-attn: the CPU stand-in (conftest)
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,12 @@ def windowed(tmp_path_factory):
         return built[name]
 
     return get
+
+
+def _use(backend, monkeypatch, request):
+    if backend == "flash-attn":
+        request.getfixturevalue("flash_attn_standin")
+    monkeypatch.setenv("RTPKV_ATTENTION", backend)
 
 
 def _prompt(n, seed=0):
@@ -48,10 +54,11 @@ def _hf_generate(path, ids, new):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", list(WINDOWED))
-def test_windowed_models_match_transformers(windowed, make_pipeline, monkeypatch, arch, backend):
+def test_windowed_models_match_transformers(windowed, make_pipeline, monkeypatch, arch, backend,
+                                            request):
     """Prompts of 1x, 2x and 5x the window, prefilled in chunks of 48 (band masks across
     chunk boundaries) and in one chunk, then 24 decodes: tokens and every step's logits."""
-    monkeypatch.setenv("RTPKV_ATTENTION", backend)
+    _use(backend, monkeypatch, request)
     path = windowed(arch)
     chunked = make_pipeline(path, seq_size_per_block=16, max_num_batched_tokens=48)
     whole = make_pipeline(path, seq_size_per_block=16)
@@ -80,8 +87,8 @@ def test_mixed_sliding_layers_keep_the_cap(tmp_path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_max_attention_window_changes_outputs_only_past_the_window(make_pipeline, monkeypatch,
-                                                                   backend):
-    monkeypatch.setenv("RTPKV_ATTENTION", backend)
+                                                                   backend, request):
+    _use(backend, monkeypatch, request)
     full = make_pipeline(seq_size_per_block=8)
     windowed = make_pipeline(seq_size_per_block=8, max_attention_window=32,
                              max_num_batched_tokens=20)
@@ -190,10 +197,11 @@ def test_capacity_counts_the_window_not_the_length(make_pipeline):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_reuse_under_a_window_equals_recomputation(windowed, make_pipeline, monkeypatch, backend):
+def test_reuse_under_a_window_equals_recomputation(windowed, make_pipeline, monkeypatch, backend,
+                                                  request):
     """Prompt repeated and prompt extended (a conversation) on Mistral with its 64-token window:
     every reused prefix is reported exactly and gives recomputation's tokens and logits."""
-    monkeypatch.setenv("RTPKV_ATTENTION", backend)
+    _use(backend, monkeypatch, request)
     path = windowed("mistral")
     reused = make_pipeline(path, seq_size_per_block=16, reuse_cache=True, max_num_batched_tokens=48)
     plain = make_pipeline(path, seq_size_per_block=16, max_num_batched_tokens=48)

@@ -16,8 +16,11 @@ PROMPTS = ["hello, what's your name", "tell me about the river", "the cat and th
 GREEDY = {"top_k": 1, "ignore_eos": True, "max_new_tokens": 10}
 
 
-def test_batch_gives_one_entry_per_prompt(make_pipeline):
-    pipe = make_pipeline()
+@pytest.mark.parametrize("backend", ["auto", "flash-attn"])   # flash-attn: the CPU stand-in
+def test_batch_gives_one_entry_per_prompt(make_pipeline, backend, request):
+    if backend == "flash-attn":
+        request.getfixturevalue("flash_attn_standin")
+    pipe = make_pipeline(rtpkv_attention=backend)
     alone = [run(pipe, p, **GREEDY) for p in PROMPTS]
     updates = list(pipe(PROMPTS, **GREEDY))
     assert all(isinstance(u, BatchResponse) for u in updates)

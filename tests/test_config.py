@@ -21,6 +21,7 @@ NON_DEFAULT = {
     "seq_size_per_block": ("16", 16),
     "kv_cache_mem_mb": ("12.5", 12.5),
     "kv_cache_max_tokens": ("4096", 4096),
+    "kv_cache_free_gpu_mem_fraction": ("0.5", 0.5),
     "kv_cache_event_buffer_max_size": ("1000", 1000),
     "reuse_cache": ("on", True),
     "multi_task_prompt": ("/tmp/tasks.json", "/tmp/tasks.json"),
@@ -102,7 +103,7 @@ def test_environment_errors_quote_the_variable_as_written(monkeypatch):
 
 def test_kernel_choices_are_options_too(monkeypatch):
     monkeypatch.setenv("RTPKV_ATTENTION", "flash")
-    with pytest.raises(ConfigError, match=r"RTPKV_ATTENTION='flash' is invalid: .*cpu-paged\|torch"):
+    with pytest.raises(ConfigError, match=r"RTPKV_ATTENTION='flash' is invalid: .*cpu-paged\|flash-attn\|torch"):
         Settings.from_env()
     assert ModelConfig(rtpkv_linear="native").rtpkv_linear == "native"
 

@@ -64,9 +64,13 @@ def _conversation(pipe, turns=5, new=12, answer=6, **cfg):
     return outs
 
 
-def test_reuse_never_changes_output_multi_turn(make_pipeline):
-    plain = _conversation(make_pipeline(seq_size_per_block=4))
-    reused = _conversation(make_pipeline(reuse_cache=True, seq_size_per_block=4))
+@pytest.mark.parametrize("backend", ["auto", "flash-attn"])   # flash-attn: the CPU stand-in
+def test_reuse_never_changes_output_multi_turn(make_pipeline, backend, request):
+    if backend == "flash-attn":
+        request.getfixturevalue("flash_attn_standin")
+    plain = _conversation(make_pipeline(seq_size_per_block=4, rtpkv_attention=backend))
+    reused = _conversation(make_pipeline(reuse_cache=True, seq_size_per_block=4,
+                                         rtpkv_attention=backend))
     assert all(r.aux_info["reuse_len"] > 0 for r in reused[1:])
     assert all(p.aux_info["reuse_len"] == 0 for p in plain)
     for p, r in zip(plain, reused):

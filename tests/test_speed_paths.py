@@ -172,7 +172,7 @@ def test_bf16_defaults_to_a_fast_gemm_path():
 
 
 def test_bad_kernel_choices_are_refused(monkeypatch):
-    with pytest.raises(ValueError, match="RTPKV_ATTENTION='flash'.*auto, cpu-paged, torch"):
+    with pytest.raises(ValueError, match="RTPKV_ATTENTION='flash'.*auto, cpu-paged, flash-attn, torch"):
         attention_backend(CPU, torch.float32, D, "flash")
     with pytest.raises(ValueError, match="RTPKV_LINEAR='mkl'.*native, onednn, fp32-compute"):
         linear_path(torch.float32, CPU, "mkl")

@@ -15,9 +15,12 @@ SYSTEM = ("You are a helpful assistant. Please answer every question about the c
 TASKS = [{"task_id": 1, "prompt": SYSTEM}, {"task_id": "coder", "prompt": "You're a careful python model."}]
 
 
-def test_task_output_equals_concatenated_prompt_without_reuse(make_pipeline):
-    pipe = make_pipeline(seq_size_per_block=4, tasks=TASKS)
-    plain = make_pipeline(seq_size_per_block=4, reuse_cache=False)
+@pytest.mark.parametrize("backend", ["auto", "flash-attn"])   # flash-attn: the CPU stand-in
+def test_task_output_equals_concatenated_prompt_without_reuse(make_pipeline, backend, request):
+    if backend == "flash-attn":
+        request.getfixturevalue("flash_attn_standin")
+    pipe = make_pipeline(seq_size_per_block=4, tasks=TASKS, rtpkv_attention=backend)
+    plain = make_pipeline(seq_size_per_block=4, reuse_cache=False, rtpkv_attention=backend)
     tok = pipe.tokenizer
     question = "what is the river called?"
     with_task = run(pipe, question, task_id="1", max_new_tokens=16, return_logits=True)

@@ -66,10 +66,14 @@ class KVMemory:
         return slice(block_id * self.block_size, (block_id + 1) * self.block_size)
 
     def read_block(self, block_id: int) -> torch.Tensor:
-        """A copy of one block's K/V on the CPU (what tiers store), shape
-        (2, num_layers, kv_heads, block_size, head_dim)."""
-        return self.kv[:, :, :, self._slots(block_id)].to("cpu", copy=True)
+        """One block's K/V, shape (2, num_layers, kv_heads, block_size, head_dim): a view of the
+        memory on its device, which a tier copies before its `store` returns. With CUDA the host
+        tier queues that copy into pinned memory on its side stream, and the engine's stream
+        waits for it before it can write the block again; the disk, Redis and connector tiers
+        copy it to the CPU at once."""
+        return self.kv[:, :, :, self._slots(block_id)]
 
     def write_block(self, block_id: int, payload: torch.Tensor) -> None:
-        """Fill one block from a payload of that shape (a tier hit)."""
+        """Fill one block from a payload of that shape (a tier hit); from the host tier's
+        pinned slot on CUDA the copy is asynchronous on the engine's stream."""
         self.kv[:, :, :, self._slots(block_id)].copy_(payload, non_blocking=True)

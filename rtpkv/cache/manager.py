@@ -41,6 +41,7 @@ from rtpkv.cache.block import DEFAULT_PRIORITY, Block
 from rtpkv.cache.block_pool import BlockPool
 from rtpkv.cache.eviction import EvictionPolicy
 from rtpkv.cache.events import KVEventBuffer
+from rtpkv.cache.gpu_pool import gpu_pool_blocks
 from rtpkv.cache.kv_memory import KVMemory
 from rtpkv.cache.prefix_index import HashFn, KeyChain, PrefixIndex, sha256
 from rtpkv.cache.retention import KvCacheRetentionConfig
@@ -59,7 +60,6 @@ _DEFAULT_RETENTION = KvCacheRetentionConfig()
 RELEASED = -1  # a block table entry whose block fell out of the attention window
 
 DEFAULT_CPU_MEMORY_FRACTION = 0.10   # of available host memory, when KV_CACHE_MEM_MB is unset
-DEFAULT_GPU_MEMORY_FRACTION = 0.90   # of free device memory after the weights
 
 
 class CacheSequence(Protocol):
@@ -111,23 +111,22 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _available_bytes(device) -> int:
-    import torch
-
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * DEFAULT_GPU_MEMORY_FRACTION)
+def _available_bytes() -> int:
     pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return int(pages * DEFAULT_CPU_MEMORY_FRACTION)
 
 
 def pool_blocks(model: "Model", config: "RuntimeConfig") -> int:
-    """Blocks in the pool: from kv_cache_mem_mb and kv_cache_max_tokens (the smaller wins when
-    both are set), else a fixed fraction of available memory, never above what
-    concurrency_limit sequences of max_seq_len could use."""
+    """Blocks in the pool. CUDA: see gpu_pool_blocks. CPU: from kv_cache_mem_mb and
+    kv_cache_max_tokens (the smaller wins when both are set), else a fixed fraction of available
+    memory, never above what concurrency_limit sequences of max_seq_len could use."""
     spec, B = model.spec, config.seq_size_per_block
     per_block = KVMemory.bytes_per_block(spec.num_layers, B, spec.num_kv_heads, spec.head_dim,
                                          model.dtype)
+    if model.device.type == "cuda":
+        import torch
+
+        return gpu_pool_blocks(torch.cuda.mem_get_info(model.device)[0], per_block, config)
     limits = []
     if config.kv_cache_mem_mb:
         limits.append(int(config.kv_cache_mem_mb * 2**20) // per_block)
@@ -135,7 +134,7 @@ def pool_blocks(model: "Model", config: "RuntimeConfig") -> int:
         limits.append(config.kv_cache_max_tokens // B)
     if not limits:
         useful = config.concurrency_limit * -(-config.max_seq_len // B)
-        limits = [min(_available_bytes(model.device) // per_block, useful)]
+        limits = [min(_available_bytes() // per_block, useful)]
     return max(1, min(limits))
 
 

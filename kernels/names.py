@@ -1,0 +1,5 @@
+"""The kernel choices a user can name (RTPKV_ATTENTION, RTPKV_LINEAR): one list each, read by
+the configuration's validation and by the dispatch."""
+
+ATTENTION_BACKENDS = ("auto", "cpu-paged", "flash-attn", "torch")
+LINEAR_PATHS = ("auto", "native", "onednn", "fp32-compute")
