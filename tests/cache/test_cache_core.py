@@ -4,51 +4,19 @@ that fails holds no block; the tiers asked once per request."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
-
 import pytest
 import torch
+from cache_sequence import Seq
 
 from rtpkv.cache import KVCacheManager, KVMemory, KvCacheRetentionConfig, PrefixIndex
 from rtpkv.cache import TokenRangeRetentionConfig as Range
-from rtpkv.cache.manager import PinnedPrefix
-from rtpkv.cache.prefix_index import KeyChain, sha256
+from rtpkv.cache.prefix_index import sha256
 from rtpkv.cache.tiers import TierLayout
 from rtpkv.cache.tiers.disk import DiskTier
 from rtpkv.cache.tiers.host import HostTier
-from rtpkv.cache.tiers.ladder import TierPlan
 
 B = 4
 LAYERS, HEADS, DIM = 1, 1, 2
-
-
-@dataclass(eq=False)
-class Seq:
-    """The CacheSequence a Request provides, with nothing else."""
-
-    token_ids: list[int]
-    retention: Optional[KvCacheRetentionConfig] = None
-    salt: bytes = b""
-    prefix_handle: Optional[PinnedPrefix] = None
-    prefill_only: bool = False
-    wants_reuse: bool = True
-    block_table: list[int] = field(default_factory=list)
-    block_keys: list[bytes] = field(default_factory=list)
-    key_chain: Optional[KeyChain] = None
-    tier_plan: Optional[TierPlan] = None
-    num_computed: int = 0
-
-    @property
-    def num_prompt(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def allows_tier(self, name: str) -> bool:
-        return True
 
 
 def layout() -> TierLayout:

@@ -4,47 +4,14 @@ priorities with expiry (a mocked clock), eviction order, events and the integrit
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
-from typing import Optional
 
 import pytest
+from cache_sequence import Seq
 
 from rtpkv.cache import KVCacheManager, KVEventBuffer, KvCacheRetentionConfig, PrefixIndex
 from rtpkv.cache import TokenRangeRetentionConfig as Range
-from rtpkv.cache.manager import PinnedPrefix
-from rtpkv.cache.prefix_index import KeyChain
-from rtpkv.cache.tiers.ladder import TierPlan
 
 B = 4
-
-
-@dataclass(eq=False)
-class Seq:
-    """The CacheSequence a Request provides, with nothing else."""
-
-    token_ids: list[int]
-    num_prompt_tokens: int = 0
-    retention: Optional[KvCacheRetentionConfig] = None
-    wants_reuse: bool = True
-    prefill_only: bool = False
-    prefix_handle: Optional[PinnedPrefix] = None
-    salt: bytes = b""
-    block_table: list[int] = field(default_factory=list)
-    block_keys: list[bytes] = field(default_factory=list)
-    key_chain: Optional[KeyChain] = None
-    tier_plan: Optional[TierPlan] = None
-    num_computed: int = 0
-
-    @property
-    def num_prompt(self) -> int:
-        return self.num_prompt_tokens or len(self.token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def allows_tier(self, name: str) -> bool:
-        return True
 
 
 class Clock:

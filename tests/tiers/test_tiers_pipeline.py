@@ -420,7 +420,7 @@ def test_a_connector_that_raises_is_a_miss_and_the_engine_goes_on(make_pipeline,
 
 def test_the_folder_connector_example_persists_blocks_across_pipelines(make_pipeline, tmp_path,
                                                                         monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples"))
     from kv_cache_connector import CONNECTOR_CACHE_FOLDER_KEY, FolderKvCacheConnector
 
     monkeypatch.setenv(CONNECTOR_CACHE_FOLDER_KEY, str(tmp_path))
