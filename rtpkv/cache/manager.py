@@ -456,7 +456,8 @@ class KVCacheManager:
     def _index(self, block: Block) -> None:
         self.index.insert(block.key, block.block_id)
         block.indexed = True
-        self.events.stored([block.key], block.parent_key, [block.tokens], block.priority)
+        self.events.stored([block.key], block.parent_key, [block.tokens], block.priority,
+                           extra=block.extra)
 
     def _unindex(self, block: Block) -> None:
         if block.indexed:

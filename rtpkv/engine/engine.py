@@ -87,6 +87,8 @@ class Engine:
                                     events=self.events, window=self.window.tokens,
                                     tiers=build_tiers(config, model, self.block_size) if tiers is None else tiers,
                                     offload_min_priority=config.secondary_offload_min_priority)
+        for tier in self.cache.tiers:  # tier moves are KV events too (rtpkv.fleet)
+            tier.events = self.events
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model.module, self.pool, self.window.tokens)
         self.lock = threading.RLock()

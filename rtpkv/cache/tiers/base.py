@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from rtpkv.cache.events import KVEventBuffer
 
 DEFAULT_PRIORITY = 35
 
@@ -69,6 +72,9 @@ class KVTier(ABC):
     # True: the manager also stores each block here as soon as it is committed (filled), not only
     # when it is evicted, so the block survives a restart (rtp-llm's write-through disk cache).
     write_through: bool = False
+    # The engine's KV event buffer: a tier that can list what it holds reports the blocks it
+    # takes in and lets go (`stored`/`removed` with tier=name), so a router sees tier moves.
+    events: Optional["KVEventBuffer"] = None
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> int:
