@@ -41,8 +41,9 @@ class _Common(BaseModel):
     seed: Optional[int] = None
     n: int = Field(1, ge=1, le=1)
     user: Optional[str] = None  # OpenAI's end-user id: accepted for compatibility, not used
-    # SGLang's router forwards its own request model whole: its fields at the values that leave
-    # them off are accepted (a router in front of rtpkv works unmodified), any other refused.
+    # The routers forward their own request models whole (SGLang's, vLLM's): their fields at the
+    # values that leave them off are accepted, so a router in front of rtpkv works unmodified;
+    # any other value is refused.
     no_stop_trim: Literal[False] = False
 
     def generate_config(self) -> dict[str, Any]:
@@ -64,8 +65,10 @@ class ChatCompletionRequest(_Common):
     messages: list[dict[str, Any]]
     logprobs: Optional[Literal[False]] = None
     continue_final_message: Literal[False] = False   # SGLang's router's fields, see no_stop_trim
-    separate_reasoning: bool = True   # no effect: rtpkv parses no reasoning out of the text
+    # no effect: rtpkv parses no reasoning out of the text (SGLang's and vLLM's routers send them)
+    separate_reasoning: bool = True
     stream_reasoning: bool = True
+    include_reasoning: bool = True
     max_completion_tokens: Optional[int] = Field(None, ge=1)
 
     def max_new_tokens(self) -> Optional[int]:
