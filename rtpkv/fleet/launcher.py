@@ -68,12 +68,14 @@ class Fleet:
                  replica_port: int = 8100, events_port: int = 5557, router_port: int = 30000,
                  block_size: int = 64, threads_per_replica: int = 1,
                  redis_url: Optional[str] = None, env: Optional[dict[str, str]] = None,
-                 log_dir: Optional[str] = None, time_limit_s: Optional[float] = None):
+                 log_dir: Optional[str] = None, time_limit_s: Optional[float] = None,
+                 served_model_name: Optional[str] = None):
         if replicas < 1:
             raise ValueError(f"replicas={replicas}: at least 1")
         if threads_per_replica < 1:
             raise ValueError(f"threads_per_replica={threads_per_replica}: at least 1")
         self.model = str(model)
+        self.served_model_name = served_model_name or Path(self.model.rstrip("/")).name
         self.num_replicas = replicas
         self.host = host
         self.replica_port = replica_port
@@ -122,7 +124,8 @@ class Fleet:
             env = self.replica_env(i)
             log = self.log_dir / f"replica-{i}.log"
             argv = [sys.executable, "-m", "rtpkv", "serve", "--model", self.model,
-                    "--host", self.host, "--port", str(port), "--shutdown-timeout", "10"]
+                    "--host", self.host, "--port", str(port), "--shutdown-timeout", "10",
+                    "--served-model-name", self.served_model_name]
             self.replicas.append(Replica(i, f"http://{self.host}:{port}",
                                          env["KV_EVENTS_ENDPOINT"],
                                          env["KV_EVENTS_REPLAY_ENDPOINT"],
@@ -159,7 +162,8 @@ class Fleet:
             for r in replicas:
                 argv += ["--kv-event-source", f"{r.url}={r.events_endpoint}",
                          "--kv-event-replay-source", f"{r.url}={r.replay_endpoint}"]
-            argv += ["--kv-event-block-size", str(self.block_size), "--kv-event-model", self.model]
+            argv += ["--kv-event-block-size", str(self.block_size),
+                     "--kv-event-model", self.served_model_name]
         return argv
 
     def start_router(self, router: str = "vllm", policy: str = "kv_aware",

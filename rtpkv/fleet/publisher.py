@@ -5,12 +5,20 @@ rtpkv replica unchanged.
 Each message is three frames: the topic, an 8-byte big-endian sequence number (0, 1, 2, ... per
 batch), and a msgpack `KVEventBatch` (`rtpkv.fleet.wire`). The last `buffer_steps` batches are
 kept; a ROUTER socket (optional) answers a replay request `[identity, b"", start_seq]` with every
-kept batch from `start_seq` on, each as `[identity, b"", seq, payload]`, then
-`[identity, b"", -1 (8 bytes, signed), b""]` — how a consumer that joined late or saw a gap in
-the sequence numbers catches up. Both sockets bind (the routers connect to the replica):
+kept batch from `start_seq` on, each as `[identity, b"", topic, seq, payload]`, then
+`[identity, b"", topic, -1 (8 bytes, signed), b""]` — how a consumer that joined late or saw a
+gap in the sequence numbers catches up. The topic frame is there because vllm-router's
+subscriber reads a replay reply as `[empty, topic, seq, payload]` (seq second from last) and
+drops shorter ones; a consumer that takes the last two frames reads both layouts. Both sockets bind (the routers connect to the replica):
 `tcp://*:5557` on every interface, `tcp://127.0.0.1:5557` on loopback only (vLLM would connect
 out to an explicit host; rtpkv has no use for that side). The first batch is `AllBlocksCleared`: a consumer that knew a
 previous life of this replica forgets its blocks.
+
+While no event comes, the last batch is sent again every HEARTBEAT_S under its own sequence
+number. A consumer that is up to date ignores it (it has that number); one that connected after
+the replica went quiet learns from it that it is behind and replays — vllm-router only replays
+when a live batch shows a gap, so without this a router started next to an idle replica would
+know none of its blocks until the replica's next event.
 
 The engine thread only appends each event to a queue (the listener); a background thread turns
 them into batches, encodes, sends and serves replays, so publishing costs the engine one queue
@@ -35,6 +43,7 @@ log = logging.getLogger("rtpkv")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 POLL_S = 0.05   # how long the publisher thread waits for an event before it checks replays
+HEARTBEAT_S = 1.0   # while idle, the last batch is sent again this often (see the docstring)
 
 
 class KVEventPublisher:
@@ -111,6 +120,10 @@ class KVEventPublisher:
             except queue.Empty:
                 if self._stopping.is_set():
                     return
+                if time.monotonic() - self._last_send >= HEARTBEAT_S:
+                    seq, payload = self.buffer[-1]
+                    self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+                    self._last_send = time.monotonic()
                 continue
             batch = [first]
             while True:
@@ -126,6 +139,7 @@ class KVEventPublisher:
         payload = wire.encode_batch(time.time(), events)
         seq = self._seq.to_bytes(8, "big")
         self._pub.send_multipart((self.topic, seq, payload))
+        self._last_send = time.monotonic()
         self.buffer.append((self._seq, payload))
         self._seq += 1
         self.published_batches += 1
@@ -140,8 +154,9 @@ class KVEventPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in list(self.buffer):
             if seq >= first:
-                self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((identity, b"", END_SEQ, b""))
+                self._replay.send_multipart((identity, b"", self.topic, seq.to_bytes(8, "big"),
+                                             payload))
+        self._replay.send_multipart((identity, b"", self.topic, END_SEQ, b""))
 
     # ------------------------------------------------------------------ stop
     def stop(self, timeout: float = 5.0) -> None:

@@ -57,7 +57,7 @@ class ReplicaView:
             while True:
                 if not dealer.poll(max(1, int((deadline - time.monotonic()) * 1000))):
                     raise TimeoutError(f"no replay answer from {self._replay_endpoint}")
-                _, seq, payload = dealer.recv_multipart()
+                *_, seq, payload = dealer.recv_multipart()   # [b"", topic, seq, payload]
                 if seq == END_SEQ:
                     return
                 self._take(int.from_bytes(seq, "big"), payload)
