@@ -1,6 +1,7 @@
 """Many replicas behind a cache-aware router, on a real conversation trace.
 
-Replays Mooncake's conversation trace (../shared/traces/mooncake-conversation.jsonl) through
+Replays Mooncake's conversation trace (`mooncake-conversation.jsonl`, FAST'25: one JSON object a
+line with `timestamp`, `input_length`, `output_length`, `hash_ids` of 512-token blocks) through
 vllm-router to N `rtpkv serve` replicas (rtpkv.fleet.Fleet) and prints, per setup: prefix hit
 rate (sum of cached_tokens / sum of prompt tokens), TTFT p50/p90/p99, output tokens/s and
 requests failed. Setups: round_robin; round_robin with every replica on one Redis tier;
@@ -16,8 +17,11 @@ from cold replicas. Replicas share the machine: each runs --threads-per-replica 
 (replicas x threads <= cores), and the device pool per replica is --kv-tokens tokens, small
 enough that the trace evicts.
 
-    python benchmarks/fleet.py [--requests 1000] [--replicas 2] [--concurrency 4]
+    python benchmarks/fleet.py --trace PATH/mooncake-conversation.jsonl [--requests 1000]
+        [--replicas 2] [--concurrency 4]
         [--setups round_robin round_robin+redis cache_aware kv_aware alone]
+
+Method and machine: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -41,7 +45,6 @@ from redis_server import RedisServer  # noqa: E402
 
 from rtpkv.fleet.launcher import Fleet  # noqa: E402
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake-conversation.jsonl"
 SETUPS = ("round_robin", "round_robin+redis", "cache_aware", "kv_aware", "alone")
 WORDS = ("the of and to in is was for on are with as by at from his her they this that have "
          "not but what all were when we there can an your which their said if will each about "
@@ -153,7 +156,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=4, help="closed-loop clients")
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--trace", type=Path, required=True, help="mooncake-conversation.jsonl")
     parser.add_argument("--words-per-id", type=int, default=16)
     parser.add_argument("--max-ids", type=int, default=48,
                         help="hash ids kept per prompt (its prefix), to fit max_seq_len")

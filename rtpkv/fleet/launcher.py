@@ -207,7 +207,10 @@ class Fleet:
 def main(args: argparse.Namespace) -> None:
     """`rtpkv fleet`: start the replicas and the router, print where they are, run until
     SIGINT/SIGTERM (or --duration seconds), then stop everything."""
-    fleet = Fleet(args.model, args.replicas, host=args.host, replica_port=args.replica_port,
+    from rtpkv.cli import _model_path
+
+    fleet = Fleet(_model_path(args.model), args.replicas, host=args.host,
+                  replica_port=args.replica_port,
                   events_port=args.events_port, router_port=args.port,
                   block_size=args.block_size, threads_per_replica=args.threads_per_replica,
                   redis_url=args.redis, log_dir=args.log_dir)
@@ -232,7 +235,8 @@ def main(args: argparse.Namespace) -> None:
 def add_parser(sub: "argparse._SubParsersAction", parents: list) -> None:
     p = sub.add_parser("fleet", parents=parents,
                        help="N `rtpkv serve` replicas behind vllm-router or sglang-router")
-    p.add_argument("--model", required=True, help="checkpoint directory every replica serves")
+    p.add_argument("--model", help="checkpoint directory every replica serves "
+                                   "(default: the demo one)")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--router", choices=sorted(ROUTERS), default="vllm")
     p.add_argument("--policy", default="kv_aware",

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from fastapi import FastAPI, Request
 
 from rtpkv.server import openai
-from rtpkv.server.errors import api_error
+from rtpkv.server.errors import ApiError, ErrorCode, api_error
 
 if TYPE_CHECKING:
     from rtpkv.server.app import ServerState
@@ -33,6 +33,11 @@ def add_worker_routes(app: FastAPI, state: "ServerState",
                       json_body: Callable[[Request], Awaitable[dict[str, Any]]]) -> None:
     pipeline, model = state.pipeline, state.model_name
 
+    def check_model(name: Any) -> None:
+        if name is not None and name != model:
+            raise ApiError(404, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                           f"model {name!r} does not exist; this server serves {model!r}", "model")
+
     def tokenized(fn: Callable[[], list[int]]) -> list[int]:
         try:
             return fn()
@@ -42,6 +47,7 @@ def add_worker_routes(app: FastAPI, state: "ServerState",
     @app.post("/v1/completions/render")
     async def completions_render(request: Request) -> list[dict[str, Any]]:
         req = openai.parse(openai.CompletionRequest, await json_body(request))
+        check_model(req.model)
         prompts = req.prompt if req.batch else [req.prompt]
         return [_generate_request(model, tokenized(lambda p=p: pipeline.prompt_token_ids(p)),
                                   req.max_tokens) for p in prompts]
@@ -49,6 +55,7 @@ def add_worker_routes(app: FastAPI, state: "ServerState",
     @app.post("/v1/chat/completions/render")
     async def chat_render(request: Request) -> dict[str, Any]:
         req = openai.parse(openai.ChatCompletionRequest, await json_body(request))
+        check_model(req.model)
         ids = tokenized(lambda: pipeline.chat_prompt(req.messages))
         return _generate_request(model, ids, req.max_new_tokens())
 
