@@ -248,9 +248,9 @@ class Pipeline:
         self.kv_event_publisher: Optional["KVEventPublisher"] = None
         try:
             if config.kv_events_endpoint:  # before the task prompts: their blocks are events too
-                from rtpkv.fleet.publisher import KVEventPublisher
+                from rtpkv.fleet import publisher  # the `fleet` extra: only when asked for
 
-                self.kv_event_publisher = KVEventPublisher.from_config(
+                self.kv_event_publisher = publisher.KVEventPublisher.from_config(
                     config, self.engine.events, self.engine.block_size,
                     self.engine.cache.index.root)
             for task in task_list:

@@ -240,7 +240,8 @@ def add_parser(sub: "argparse._SubParsersAction", parents: list) -> None:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--router", choices=sorted(ROUTERS), default="vllm")
     p.add_argument("--policy", default="kv_aware",
-                   help="vllm: round_robin, cache_aware, kv_aware; sglang: round_robin, cache_aware")
+                   help="vllm: round_robin, cache_aware, kv_aware; "
+                        "sglang: round_robin, cache_aware")
     p.add_argument("--redis", help="redis:// URL every replica shares as its remote KV tier")
     p.add_argument("--host", default="127.0.0.1", help="address everything listens on")
     p.add_argument("--port", type=int, default=30000, help="the router's port (+1: its metrics)")

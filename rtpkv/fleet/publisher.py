@@ -9,10 +9,12 @@ kept batch from `start_seq` on, each as `[identity, b"", topic, seq, payload]`, 
 `[identity, b"", topic, -1 (8 bytes, signed), b""]` — how a consumer that joined late or saw a
 gap in the sequence numbers catches up. The topic frame is there because vllm-router's
 subscriber reads a replay reply as `[empty, topic, seq, payload]` (seq second from last) and
-drops shorter ones; a consumer that takes the last two frames reads both layouts. Both sockets bind (the routers connect to the replica):
-`tcp://*:5557` on every interface, `tcp://127.0.0.1:5557` on loopback only (vLLM would connect
-out to an explicit host; rtpkv has no use for that side). The first batch is `AllBlocksCleared`: a consumer that knew a
-previous life of this replica forgets its blocks.
+drops shorter ones; a consumer that takes the last two frames reads both layouts.
+
+Both sockets bind (the routers connect to the replica): `tcp://*:5557` on every interface,
+`tcp://127.0.0.1:5557` on loopback only (vLLM would connect out to an explicit host; rtpkv has
+no use for that side). The first batch is `AllBlocksCleared`: a consumer that knew a previous
+life of this replica forgets its blocks.
 
 While no event comes, the last batch is sent again every HEARTBEAT_S under its own sequence
 number. A consumer that is up to date ignores it (it has that number); one that connected after

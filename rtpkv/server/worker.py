@@ -3,10 +3,10 @@
 vllm-router's `kv_aware` policy scores replicas on the exact token ids of a request, which it
 gets from the worker's render routes (vLLM's `/v1/completions/render` and
 `/v1/chat/completions/render`: the request tokenized and templated, nothing generated), then
-hashes them by block the way the replicas' KV events do. SGLang's router reads
-`/model_info` and `/server_info` (or their older `/get_` names) when it registers a worker. A render here tokenizes
-exactly as a generation request does (`Pipeline.prompt_token_ids` / `chat_prompt`), so the ids
-a router hashes are the ids whose blocks the replica caches.
+hashes them by block the way the replicas' KV events do. SGLang's router reads `/model_info`
+and `/server_info` (or their older `/get_` names) when it registers a worker. A render here
+tokenizes exactly as a generation request does (`Pipeline.prompt_token_ids` / `chat_prompt`),
+so the ids a router hashes are the ids whose blocks the replica caches.
 """
 
 from __future__ import annotations
@@ -72,8 +72,9 @@ def add_worker_routes(app: FastAPI, state: "ServerState",
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:
         config = pipeline.config
-        return {**model_info(), "page_size": config.seq_size_per_block,
-                "max_total_num_tokens": pipeline.engine.cache.num_blocks * config.seq_size_per_block,
+        block = config.seq_size_per_block
+        return {**model_info(), "page_size": block,
+                "max_total_num_tokens": pipeline.engine.cache.num_blocks * block,
                 "max_running_requests": config.concurrency_limit,
                 "context_length": config.max_seq_len, "dp_size": 1,
                 "kv_events_endpoint": config.kv_events_endpoint,

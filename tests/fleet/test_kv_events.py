@@ -151,7 +151,8 @@ def test_a_subscriber_rebuilds_the_cached_set_after_evictions(model):
 
 def test_endpoints_are_validated_with_the_variable_name(monkeypatch):
     monkeypatch.setenv("KV_EVENTS_ENDPOINT", "udp://127.0.0.1:5557")
-    with pytest.raises(ConfigError, match="KV_EVENTS_ENDPOINT='udp://127.0.0.1:5557'.*tcp://HOST:PORT"):
+    with pytest.raises(ConfigError,
+                       match="KV_EVENTS_ENDPOINT='udp://127.0.0.1:5557'.*tcp://HOST:PORT"):
         Settings.from_env()
     monkeypatch.setenv("KV_EVENTS_ENDPOINT", "tcp://*:5557")
     monkeypatch.setenv("KV_EVENTS_REPLAY_ENDPOINT", "tcp://127.0.0.1:70000")
