@@ -5,6 +5,7 @@ positional batch), and a consumer rebuilds exactly the replica's cached set."""
 from __future__ import annotations
 
 import random
+import threading
 
 import msgpack
 import pytest
@@ -158,3 +159,20 @@ def test_endpoints_are_validated_with_the_variable_name(monkeypatch):
     monkeypatch.setenv("KV_EVENTS_REPLAY_ENDPOINT", "tcp://127.0.0.1:70000")
     with pytest.raises(ConfigError, match="KV_EVENTS_REPLAY_ENDPOINT.*PORT 1 to 65535"):
         Settings.from_env()
+
+
+def test_an_endpoint_in_use_is_refused_by_name_and_the_engine_stops(model):
+    pub, rep = endpoints()
+    def engines() -> int:
+        return sum(t.name == "rtpkv-engine" for t in threading.enumerate())
+
+    with Pipeline(model, reuse_cache=True, kv_events_endpoint=pub):
+        running = engines()
+        with pytest.raises(OSError, match=f"KV events: cannot open {pub}"):
+            Pipeline(model, reuse_cache=True, kv_events_endpoint=pub,
+                     kv_events_replay_endpoint=rep)
+        assert wait_until(lambda: engines() == running, 10), "the refused engine still runs"
+    # the replay endpoint of the refused pipeline was released with it
+    with Pipeline(model, reuse_cache=True, kv_events_endpoint=pub,
+                  kv_events_replay_endpoint=rep) as again:
+        assert again.kv_event_publisher.replay_endpoint == rep
