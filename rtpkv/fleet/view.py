@@ -3,7 +3,7 @@
 It subscribes to the replica's PUB socket and, to start from the beginning or to fill a gap in
 the sequence numbers, asks the replay socket for the batches it missed; every batch is applied
 once, in sequence order. `blocks[medium]` is then the set of block hashes the replica holds in
-that medium ("GPU": its device pool, "CPU": host memory).
+that medium ("GPU": its device pool, "CPU": host memory, "DISK": its disk tier).
 """
 
 from __future__ import annotations

@@ -114,17 +114,20 @@ def test_cache_salt_keeps_tenants_apart_in_the_events(model):
         view.close()
 
 
-def test_a_subscriber_rebuilds_the_cached_set_after_evictions(model):
-    """A small device pool and a small host tier: blocks are evicted from both, offloaded to
-    host memory (BlockStored, medium CPU) and onboarded back; the view from the events equals
-    what the replica holds, in each medium."""
+def test_a_subscriber_rebuilds_the_cached_set_after_evictions(model, tmp_path):
+    """A small device pool, host tier and disk tier: blocks are evicted from all three,
+    offloaded to host memory (BlockStored, medium CPU), handed to disk (DISK; the disk tier also
+    takes every block as it fills) and onboarded back; the view from the events equals what the
+    replica holds, in each medium."""
     pub, rep = endpoints()
     block_bytes = model.spec.num_layers * 2 * model.spec.num_kv_heads * B * model.spec.head_dim * 4
     rng = random.Random(0)
     prefixes = [[rng.randrange(5, 500) for _ in range(12)] for _ in range(6)]
     with Pipeline(model, reuse_cache=True, seq_size_per_block=B, kv_cache_max_tokens=96,
                   concurrency_limit=2, enable_memory_cache=True,
-                  host_cache_size=10 * block_bytes, kv_events_endpoint=pub,
+                  host_cache_size=10 * block_bytes, enable_memory_cache_disk=True,
+                  memory_cache_disk_paths=str(tmp_path), write_cache_sync=True,
+                  memory_cache_disk_size_mb=40 * block_bytes / 2**20, kv_events_endpoint=pub,
                   kv_events_replay_endpoint=rep, kv_events_buffer_steps=100000) as pipeline:
         view = ReplicaView(pub, rep)
         for i in range(40):
@@ -132,20 +135,23 @@ def test_a_subscriber_rebuilds_the_cached_set_after_evictions(model):
         cache = pipeline.engine.cache
         stats = pipeline.cache_stats()
         assert stats["evictions"] > 0 and stats["memory_evictions"] > 0
-        assert stats["memory_onboarded_blocks"] > 0
-        device = {wire_hash(k) for k, _ in cache.index.items()}
-        host = {wire_hash(k) for k in cache.tiers[0]._slots}
+        assert stats["disk_evictions"] > 0 and stats["memory_onboarded_blocks"] > 0
+        tiers = {tier.name: tier for tier in cache.tiers}
+        held = {"GPU": {wire_hash(k) for k, _ in cache.index.items()},
+                "CPU": {wire_hash(k) for k in tiers["memory"]._slots},
+                "DISK": {wire_hash(k) for k in tiers["disk"]._sizes}}
+        assert all(held.values())
 
         def caught_up() -> bool:
             view.poll(0.05)
-            return view.blocks["GPU"] == device and view.blocks["CPU"] == host
+            return {m: view.blocks[m] for m in held} == held
 
-        assert wait_until(caught_up, 15), (len(view.blocks["GPU"]), len(device))
-        assert set(view.blocks) <= {"GPU", "CPU"}
+        assert wait_until(caught_up, 15), {m: len(b) for m, b in view.blocks.items()}
+        assert set(view.blocks) == set(held)
         # a consumer that joins now catches up from the replay socket alone
         late = ReplicaView(pub, rep)
         late.replay()
-        assert late.blocks["GPU"] == device and late.blocks["CPU"] == host
+        assert {m: late.blocks[m] for m in held} == held
         late.close()
         view.close()
 
