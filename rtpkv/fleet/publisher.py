@@ -1,6 +1,6 @@
 """KVEventPublisher: the engine's KV cache events on a ZeroMQ PUB socket, as vLLM publishes
-them, so vllm-router (`kv_aware`), Dynamo's KV router and llm-d's precise prefix scorer read an
-rtpkv replica unchanged.
+them, so the consumers of vLLM's events read an rtpkv replica unchanged (vllm-router's
+`kv_aware` is tested against it).
 
 Each message is three frames: the topic, an 8-byte big-endian sequence number (0, 1, 2, ... per
 batch), and a msgpack `KVEventBatch` (`rtpkv.fleet.wire`). The last `buffer_steps` batches are
@@ -56,8 +56,6 @@ class KVEventPublisher:
         self.root_key = root_key
         self.topic = topic.encode()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self.published_batches = 0
-        self.published_events = 0
         self._seq = 0
         self._queue: "queue.SimpleQueue[dict[str, Any]]" = queue.SimpleQueue()
         self._ctx = zmq.Context.instance()
@@ -144,8 +142,6 @@ class KVEventPublisher:
         self._last_send = time.monotonic()
         self.buffer.append((self._seq, payload))
         self._seq += 1
-        self.published_batches += 1
-        self.published_events += len(events)
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()
