@@ -53,14 +53,25 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL the process's whole group: the command and, under `timeout`, its child."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
 def _terminate(process: subprocess.Popen, grace: float) -> None:
+    """SIGTERM (`timeout` passes it on to the command), then the group's SIGKILL after
+    `grace` seconds."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
             process.wait(grace)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            pass
+    _kill_group(process)
 
 
 class Fleet:
@@ -101,6 +112,7 @@ class Fleet:
 
     def _spawn(self, argv: list[str], log: Path, env: Optional[dict[str, str]] = None
                ) -> subprocess.Popen:
+        """Start `argv` as the leader of its own process group (stopped as a group)."""
         with open(log, "ab") as out:
             return subprocess.Popen(self._command(argv), stdout=out, stderr=subprocess.STDOUT,
                                     env=env, start_new_session=True)
@@ -187,9 +199,7 @@ class Fleet:
 
     def kill_replica(self, index: int) -> None:
         """SIGKILL one replica (what a crash looks like to the router)."""
-        process = self.replicas[index].process
-        process.kill()
-        process.wait()
+        _kill_group(self.replicas[index].process)
 
     def stop(self) -> None:
         self.stop_router()
