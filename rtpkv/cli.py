@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may finish after SIGTERM (default 30)")
     p.set_defaults(func=serve)
+    from rtpkv.fleet.launcher import add_parser as add_fleet_parser
+
+    add_fleet_parser(sub, [verbose])
     return parser
 
 

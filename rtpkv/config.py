@@ -104,6 +104,19 @@ def check_redis_url(url: str) -> None:
         raise ValueError(f"options after '?' or '#' are not accepted; {accepted}")
 
 
+def check_zmq_endpoint(endpoint: str) -> None:
+    """A ZeroMQ endpoint rtpkv can bind: tcp://HOST:PORT (HOST `*`: every interface) or
+    ipc://PATH."""
+    accepted = "accepted: tcp://HOST:PORT with PORT 1 to 65535 (HOST * for all), or ipc://PATH"
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return
+    if not endpoint.startswith("tcp://"):
+        raise ValueError(f"unsupported scheme; {accepted}")
+    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"no valid HOST:PORT; {accepted}")
+
+
 def redact_url(url: str) -> str:
     """The URL with its password replaced by ***, for logs and error messages."""
     try:
@@ -172,6 +185,11 @@ class RuntimeConfig(BaseModel):
     remote_cache_password: Optional[str] = Field(None, repr=False)
     remote_cache_ttl_s: int = Field(0, ge=0)  # 0: keys never expire
     remote_cache_timeout_ms: int = Field(200, ge=1, le=60000)
+    # KV events on the wire in vLLM's ZeroMQ format (rtpkv.fleet.publisher)
+    kv_events_endpoint: Optional[str] = None          # PUB, bound: tcp://*:5557 (all), ipc://..
+    kv_events_replay_endpoint: Optional[str] = None   # ROUTER for replay requests (binds)
+    kv_events_topic: str = Field("", max_length=256)
+    kv_events_buffer_steps: int = Field(10000, ge=1, le=1000000)  # batches kept for replay
 
     @field_validator("reuse_cache", "enable_memory_cache", "enable_memory_cache_disk",
                      "write_cache_sync", "enable_remote_cache", mode="before")
@@ -201,6 +219,13 @@ class RuntimeConfig(BaseModel):
     def _redis_url(cls, value: Optional[str]) -> Optional[str]:
         if value is not None:
             check_redis_url(value)
+        return value
+
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            check_zmq_endpoint(value)
         return value
 
     def given(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -27,6 +27,9 @@ from rtpkv.locked_tokenizer import LockedTokenizer
 from rtpkv.model_factory.factory import Model
 from rtpkv.tasks import Task, TaskPrompt, TaskRegistry, parse_tasks, tasks_from_config
 from rtpkv.text_stream import TextStream
+
+if TYPE_CHECKING:
+    from rtpkv.fleet.publisher import KVEventPublisher
 
 log = logging.getLogger("rtpkv")
 
@@ -242,11 +245,18 @@ class Pipeline:
         self.engine = Engine(model, config, hash_fn=hash_fn)
         self._retention_noted = False
         self.tasks = TaskRegistry()
+        self.kv_event_publisher: Optional["KVEventPublisher"] = None
         try:
+            if config.kv_events_endpoint:  # before the task prompts: their blocks are events too
+                from rtpkv.fleet import publisher  # the `fleet` extra: only when asked for
+
+                self.kv_event_publisher = publisher.KVEventPublisher.from_config(
+                    config, self.engine.events, self.engine.block_size,
+                    self.engine.cache.index.root)
             for task in task_list:
                 self.add_task(task.task_id, task.prompt)
         except Exception:
-            self.engine.stop()
+            self.stop()
             raise
 
     @property
@@ -389,6 +399,11 @@ class Pipeline:
         `async for res in pipeline.pipeline_async(...)`."""
         return self(prompt, generate_config, messages=messages, **kwargs)
 
+    def prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        """The token ids a request without a task_id computes for `prompt` (text is tokenized
+        with the tokenizer's special tokens): what a router must hash to find its blocks."""
+        return self._tokenize(prompt, with_special=True)
+
     def chat_prompt(self, messages: Messages) -> list[int]:
         """The token ids of `messages` rendered for the assistant's reply (rtpkv.chat)."""
         return render_chat(self.tokenizer, messages)
@@ -415,6 +430,8 @@ class Pipeline:
 
     def stop(self) -> None:
         self.engine.stop()
+        if self.kv_event_publisher is not None:  # after the engine: its last events go out
+            self.kv_event_publisher.stop()
 
     def __enter__(self) -> "Pipeline":
         return self

@@ -182,7 +182,8 @@ class BlockPool:
                 self._put_free(held)
         self.index.insert(block.key, block.block_id)
         block.indexed = True
-        self.events.stored([block.key], block.parent_key, [block.tokens], block.priority)
+        self.events.stored([block.key], block.parent_key, [block.tokens], block.priority,
+                           extra=block.extra)
 
     def _unindex(self, block: Block) -> None:
         if block.indexed:

@@ -4,7 +4,11 @@ prefixes a replica holds.
 The manager records `stored` (a block became hittable), `removed` (it no longer is) and
 `updated` (its retention priority changed) into a bounded buffer; `drain` hands them out. Each
 event has a monotonically increasing `event_id`, so a consumer sees a gap when the buffer
-overflowed (the oldest events are dropped first, and counted). A size of 0 turns events off.
+overflowed (the oldest events are dropped first, and counted). A size of 0 turns the buffer off.
+
+Listeners (`add_listener`, e.g. the ZeroMQ publisher of rtpkv.fleet) get every event as it is
+made, buffered or not: events are on while the buffer or a listener wants them. A listener runs
+on the thread that made the event (the engine's) and must only hand the event off.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 
 class KVEventBuffer:
@@ -23,14 +27,27 @@ class KVEventBuffer:
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
         self.dropped = 0
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
 
     @property
     def enabled(self) -> bool:
-        return self.max_size > 0
+        return self.max_size > 0 or bool(self._listeners)
+
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        with self._cond:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        with self._cond:
+            self._listeners.remove(listener)
 
     def _put(self, event: dict[str, Any]) -> None:
         with self._cond:
             event["event_id"] = next(self._ids)
+            for listener in self._listeners:
+                listener(event)
+            if self.max_size <= 0:
+                return
             if len(self._events) >= self.max_size:
                 self._events.popleft()
                 self.dropped += 1
@@ -38,11 +55,13 @@ class KVEventBuffer:
             self._cond.notify_all()
 
     def stored(self, keys: Sequence[bytes], parent_key: bytes, token_ids: Sequence[Sequence[int]],
-               priority: int, tier: str = "device") -> None:
+               priority: int, tier: str = "device", extra: bytes = b"") -> None:
+        """`extra`: the first block's extra key material (its cache_salt), b"" for none."""
         if self.enabled:
             self._put({"type": "stored", "block_hashes": [k.hex() for k in keys],
                        "parent_hash": parent_key.hex(), "token_ids": [list(t) for t in token_ids],
-                       "priority": priority, "tier": tier, "timestamp": time.time()})
+                       "priority": priority, "tier": tier, "extra": extra.hex(),
+                       "timestamp": time.time()})
 
     def removed(self, keys: Sequence[bytes], tier: str = "device") -> None:
         if self.enabled:

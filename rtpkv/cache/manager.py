@@ -152,7 +152,8 @@ class KVCacheManager:
         self.index = index
         self.memory = memory
         self.reuse_enabled = reuse_enabled
-        self.ladder = TierLadder(tiers, offload_min_priority)
+        events = events or KVEventBuffer(0)
+        self.ladder = TierLadder(tiers, offload_min_priority, events)
         self.pool = BlockPool(num_blocks, index, policy=policy, events=events, clock=clock,
                               on_evict=self._offload if self.ladder else None)
         self.window = window              # tokens each query attends to; None: all

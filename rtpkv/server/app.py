@@ -20,6 +20,7 @@ from rtpkv.server import native, openai
 from rtpkv.server.errors import ApiError, ErrorCode, api_error
 from rtpkv.server.metrics import ServerMetrics
 from rtpkv.server.sse import ClientGone, EventStreamResponse, until_disconnect
+from rtpkv.server.worker import add_worker_routes
 
 GENERATION_ROUTES = ("/", "/v1/chat/completions", "/v1/completions")
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"
@@ -214,4 +215,5 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
         body = await asyncio.to_thread(state.metrics.render)  # reads cache_stats under its lock
         return HttpResponse(body, media_type=CONTENT_TYPE_LATEST)
 
+    add_worker_routes(app, state, _json_body)  # render, model and server info (routers probe)
     return app

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, AsyncGenerator, Optional, Union
+from typing import Any, AsyncGenerator, Literal, Optional, Union
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -41,6 +41,10 @@ class _Common(BaseModel):
     seed: Optional[int] = None
     n: int = Field(1, ge=1, le=1)
     user: Optional[str] = None  # OpenAI's end-user id: accepted for compatibility, not used
+    # The routers forward their own request models whole (SGLang's, vLLM's): their fields at the
+    # values that leave them off are accepted, so a router in front of rtpkv works unmodified;
+    # any other value is refused.
+    no_stop_trim: Literal[False] = False
 
     def generate_config(self) -> dict[str, Any]:
         """The rtpkv generate_config: mapped OpenAI fields, then the extras as given."""
@@ -59,6 +63,12 @@ class _Common(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[dict[str, Any]]
+    logprobs: Optional[Literal[False]] = None
+    continue_final_message: Literal[False] = False   # SGLang's router's fields, see no_stop_trim
+    # no effect: rtpkv parses no reasoning out of the text (SGLang's and vLLM's routers send them)
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
     max_completion_tokens: Optional[int] = Field(None, ge=1)
 
     def max_new_tokens(self) -> Optional[int]:
@@ -72,6 +82,7 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[str], list[int]]
+    echo: Literal[False] = False  # OpenAI's: the prompt is never repeated in the answer
 
     @property
     def batch(self) -> bool:

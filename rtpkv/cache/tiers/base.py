@@ -20,6 +20,8 @@ from rtpkv.cache.block import DEFAULT_PRIORITY
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
+    from rtpkv.cache.events import KVEventBuffer
+
 TIER_NAMES = ("memory", "disk", "remote", "connector")  # below the device pool, in lookup order
 
 
@@ -82,6 +84,9 @@ class KVTier(ABC):
     # Set by the ladder: a tier that evicts a block to make room calls it with the block, so the
     # ladder can hand it down (the payload is valid only during the call).
     on_evict: Optional[Callable[[BlockMeta, torch.Tensor], None]] = None
+    # Set by the ladder, the engine's KV event buffer: a tier that can list what it holds reports the blocks it
+    # takes in and lets go (`stored`/`removed` with tier=name), so a router sees tier moves.
+    events: Optional["KVEventBuffer"] = None
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> int:

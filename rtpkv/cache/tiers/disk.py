@@ -239,6 +239,10 @@ class DiskTier(KVTier):
             self._pending.pop(key, None)
             self._foreign.discard(key)
             self._index(key, len(data), item.meta.priority)
+            if self.events is not None:
+                meta = item.meta
+                self.events.stored([key], meta.parent_key, [meta.tokens], meta.priority,
+                                   tier=self.name, extra=meta.extra)
             self.counters["writes"] += 1
             self.counters["write_bytes"] += len(data)
             victims = self._make_room(keep=key)
@@ -319,6 +323,8 @@ class DiskTier(KVTier):
             if key in self._sizes:
                 self._bytes -= self._sizes.pop(key)
                 self._order.remove(key)
+                if self.events is not None:
+                    self.events.removed([key], tier=self.name)
 
     def _make_room(self, keep: Optional[bytes] = None) -> list[bytes]:
         """Drop the least valuable files from the index until it fits (lock held); returns the
@@ -334,6 +340,8 @@ class DiskTier(KVTier):
             self._order.remove(key)
             self.counters["evictions"] += 1
             victims.append(key)
+            if self.events is not None:
+                self.events.removed([key], tier=self.name)
         if kept:
             self._order.add(keep, priority)
         return victims

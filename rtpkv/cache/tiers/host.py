@@ -103,6 +103,9 @@ class HostTier(KVTier):
             self._slots[meta.key] = _Slot(index, meta, self._copy_in(index, payload))
             self._order.add(meta.key, meta.priority)
             self.counters["offloaded_blocks"] += 1
+            if self.events is not None:
+                self.events.stored([meta.key], meta.parent_key, [meta.tokens], meta.priority,
+                                   tier=self.name, extra=meta.extra)
 
     def drop(self, key: bytes) -> None:
         with self._lock:
@@ -192,3 +195,5 @@ class HostTier(KVTier):
         slot = self._slots.pop(key)
         self._order.remove(key)
         self._free.append(slot.index)
+        if self.events is not None:
+            self.events.removed([key], tier=self.name)

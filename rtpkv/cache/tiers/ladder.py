@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from rtpkv.cache.events import KVEventBuffer
 from rtpkv.cache.tiers.base import BlockMeta, KVTier
 
 Allows = Callable[[str], bool]   # a request's per-tier switch (enable_<name>_cache)
@@ -64,10 +65,12 @@ class TierPlan:
 
 
 class TierLadder:
-    def __init__(self, tiers: Sequence[KVTier], offload_min_priority: int):
+    def __init__(self, tiers: Sequence[KVTier], offload_min_priority: int,
+                 events: Optional[KVEventBuffer] = None):
         self.tiers = list(tiers)
         self.offload_min_priority = offload_min_priority
         for i, tier in enumerate(self.tiers):
+            tier.events = events      # tier moves are KV events too (rtpkv.fleet)
             below = next((t for t in self.tiers[i + 1:] if t.takes_evictions), None)
             if below is not None:
                 tier.on_evict = partial(self._hand_down, below)

@@ -1,0 +1,266 @@
+"""Fleet: N `rtpkv serve` replicas and one existing cache-aware router on one machine.
+
+Each replica is its own process on its own port, publishing its KV events on its own PUB and
+replay sockets (loopback unless told otherwise), optionally pointed at one shared Redis. The
+router is vLLM's (`vllm-router`: round_robin, cache_aware, kv_aware fed by the events) or
+SGLang's (`sglang-router`: round_robin, cache_aware over the text it routes), run unmodified
+from their pip packages. What each policy needs from the replicas:
+
+- vllm-router kv_aware: one `--kv-event-source URL=tcp://...` (and replay source) per replica
+  and `--kv-event-block-size` equal to the replicas' SEQ_SIZE_PER_BLOCK. It gets a request's
+  token ids from the replica's `/v1/completions/render` (so no tokenizer on the router side)
+  and hashes them by block with SHA-256, as it hashes the `token_ids` of each BlockStored
+  event: no hash seed to share.
+- cache_aware (both routers) and round_robin: only the worker URLs.
+
+`stop()` ends the router, then the replicas (SIGTERM: in-flight requests finish; SIGKILL after
+the grace period); every process also carries a hard time limit when one is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+ROUTERS = {"vllm": ("round_robin", "cache_aware", "kv_aware"),
+           "sglang": ("round_robin", "cache_aware")}
+
+
+@dataclass
+class Replica:
+    index: int
+    url: str
+    events_endpoint: str
+    replay_endpoint: str
+    process: subprocess.Popen
+    log: Path
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as res:
+            return res.status == 200
+    except OSError:
+        return False
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL the process's whole group: the command and, under `timeout`, its child."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def _terminate(process: subprocess.Popen, grace: float) -> None:
+    """SIGTERM (`timeout` passes it on to the command), then the group's SIGKILL after
+    `grace` seconds."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    _kill_group(process)
+
+
+class Fleet:
+    def __init__(self, model: str, replicas: int = 2, *, host: str = "127.0.0.1",
+                 replica_port: int = 8100, events_port: int = 5557, router_port: int = 30000,
+                 block_size: int = 64, threads_per_replica: int = 1,
+                 redis_url: Optional[str] = None, env: Optional[dict[str, str]] = None,
+                 log_dir: Optional[str] = None, time_limit_s: Optional[float] = None,
+                 served_model_name: Optional[str] = None):
+        if replicas < 1:
+            raise ValueError(f"replicas={replicas}: at least 1")
+        if threads_per_replica < 1:
+            raise ValueError(f"threads_per_replica={threads_per_replica}: at least 1")
+        self.model = str(model)
+        self.served_model_name = served_model_name or Path(self.model.rstrip("/")).name
+        self.num_replicas = replicas
+        self.host = host
+        self.replica_port = replica_port
+        self.events_port = events_port
+        self.router_port = router_port
+        self.block_size = block_size
+        self.threads = threads_per_replica
+        self.redis_url = redis_url
+        self.env = dict(env or {})
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="rtpkv-fleet-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.time_limit_s = time_limit_s
+        self.replicas: list[Replica] = []
+        self.router: Optional[subprocess.Popen] = None
+        self.router_url = f"http://{host}:{router_port}"
+
+    # ------------------------------------------------------------------ processes
+    def _command(self, argv: list[str]) -> list[str]:
+        """`argv` under coreutils' `timeout` when a time limit is set: nothing outlives it."""
+        if self.time_limit_s is None:
+            return argv
+        return ["timeout", "-k", "10", str(int(self.time_limit_s)), *argv]
+
+    def _spawn(self, argv: list[str], log: Path, env: Optional[dict[str, str]] = None
+               ) -> subprocess.Popen:
+        """Start `argv` as the leader of its own process group (stopped as a group)."""
+        with open(log, "ab") as out:
+            return subprocess.Popen(self._command(argv), stdout=out, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
+
+    def replica_env(self, index: int) -> dict[str, str]:
+        events = f"tcp://{self.host}:{self.events_port + 2 * index}"
+        replay = f"tcp://{self.host}:{self.events_port + 2 * index + 1}"
+        env = {**os.environ, "REUSE_CACHE": "1", "SEQ_SIZE_PER_BLOCK": str(self.block_size),
+               "KV_EVENTS_ENDPOINT": events, "KV_EVENTS_REPLAY_ENDPOINT": replay,
+               "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
+        if self.redis_url:
+            env.update(ENABLE_REMOTE_CACHE="1", REMOTE_CACHE_URL=self.redis_url)
+        env.update(self.env)
+        return env
+
+    def start_replicas(self, timeout: float = 180.0) -> None:
+        """Start every replica and wait until each answers /health (a replica that exits or
+        stays unhealthy past `timeout` stops the fleet and raises, with its log's tail)."""
+        for i in range(self.num_replicas):
+            port = self.replica_port + i
+            env = self.replica_env(i)
+            log = self.log_dir / f"replica-{i}.log"
+            argv = [sys.executable, "-m", "rtpkv", "serve", "--model", self.model,
+                    "--host", self.host, "--port", str(port), "--shutdown-timeout", "10",
+                    "--served-model-name", self.served_model_name]
+            self.replicas.append(Replica(i, f"http://{self.host}:{port}",
+                                         env["KV_EVENTS_ENDPOINT"],
+                                         env["KV_EVENTS_REPLAY_ENDPOINT"],
+                                         self._spawn(argv, log, env), log))
+        deadline = time.monotonic() + timeout
+        for replica in self.replicas:
+            while not _healthy(replica.url + "/health"):
+                if replica.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    tail = replica.log.read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"replica {replica.index} ({replica.url}) did not come "
+                                       f"up; its log ends with:\n{tail}")
+                time.sleep(0.2)
+
+    def router_command(self, router: str, policy: str,
+                       replicas: Optional[Sequence[Replica]] = None) -> list[str]:
+        if policy not in ROUTERS.get(router, ()):
+            raise ValueError(f"router={router!r} policy={policy!r}: accepted: "
+                             + "; ".join(f"{r}: {', '.join(p)}" for r, p in ROUTERS.items()))
+        replicas = self.replicas if replicas is None else replicas
+        urls = [r.url for r in replicas]
+        if router == "sglang":
+            return [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host,
+                    "--port", str(self.router_port), "--policy", policy,
+                    "--prometheus-host", self.host, "--prometheus-port", str(self.router_port + 1),
+                    "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+                    "--worker-urls", *urls]
+        argv = [sys.executable, "-m", "vllm_router.launch_router", "--host", self.host,
+                "--port", str(self.router_port), "--policy", policy,
+                "--prometheus-host", self.host, "--prometheus-port", str(self.router_port + 1),
+                "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1",
+                "--health-failure-threshold", "1", "--worker-urls", *urls]
+        if policy == "kv_aware":
+            for r in replicas:
+                argv += ["--kv-event-source", f"{r.url}={r.events_endpoint}",
+                         "--kv-event-replay-source", f"{r.url}={r.replay_endpoint}"]
+            argv += ["--kv-event-block-size", str(self.block_size),
+                     "--kv-event-model", self.served_model_name]
+        return argv
+
+    def start_router(self, router: str = "vllm", policy: str = "kv_aware",
+                     timeout: float = 60.0) -> None:
+        """Start the router in front of the replicas; wait until it answers /health."""
+        self.stop_router()
+        log = self.log_dir / f"router-{router}-{policy}.log"
+        self.router = self._spawn(self.router_command(router, policy), log)
+        deadline = time.monotonic() + timeout
+        while not _healthy(self.router_url + "/health"):
+            if self.router.poll() is not None or time.monotonic() > deadline:
+                self.stop_router()
+                raise RuntimeError(f"the {router} router did not come up; its log ends with:\n"
+                                   + log.read_text(errors="replace")[-2000:])
+            time.sleep(0.2)
+
+    def stop_router(self) -> None:
+        if self.router is not None:
+            _terminate(self.router, 10)
+            self.router = None
+
+    def kill_replica(self, index: int) -> None:
+        """SIGKILL one replica (what a crash looks like to the router)."""
+        _kill_group(self.replicas[index].process)
+
+    def stop(self) -> None:
+        self.stop_router()
+        for replica in self.replicas:
+            _terminate(replica.process, 20)
+        self.replicas = []
+
+    def __enter__(self) -> "Fleet":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(args: argparse.Namespace) -> None:
+    """`rtpkv fleet`: start the replicas and the router, print where they are, run until
+    SIGINT/SIGTERM (or --duration seconds), then stop everything."""
+    from rtpkv.cli import _model_path
+
+    fleet = Fleet(_model_path(args.model), args.replicas, host=args.host,
+                  replica_port=args.replica_port,
+                  events_port=args.events_port, router_port=args.port,
+                  block_size=args.block_size, threads_per_replica=args.threads_per_replica,
+                  redis_url=args.redis, log_dir=args.log_dir)
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(True))
+    try:
+        fleet.start_replicas()
+        fleet.start_router(args.router, args.policy)
+        for r in fleet.replicas:
+            print(f"replica {r.index}: {r.url}  events {r.events_endpoint}  "
+                  f"replay {r.replay_endpoint}", flush=True)
+        print(f"router ({args.router}, {args.policy}): {fleet.router_url}  logs: {fleet.log_dir}",
+              flush=True)
+        deadline = time.monotonic() + args.duration if args.duration else None
+        while not stop and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.2)
+    finally:
+        fleet.stop()
+
+
+def add_parser(sub: "argparse._SubParsersAction", parents: list) -> None:
+    p = sub.add_parser("fleet", parents=parents,
+                       help="N `rtpkv serve` replicas behind vllm-router or sglang-router")
+    p.add_argument("--model", help="checkpoint directory every replica serves "
+                                   "(default: the demo one)")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--router", choices=sorted(ROUTERS), default="vllm")
+    p.add_argument("--policy", default="kv_aware",
+                   help="vllm: round_robin, cache_aware, kv_aware; "
+                        "sglang: round_robin, cache_aware")
+    p.add_argument("--redis", help="redis:// URL every replica shares as its remote KV tier")
+    p.add_argument("--host", default="127.0.0.1", help="address everything listens on")
+    p.add_argument("--port", type=int, default=30000, help="the router's port (+1: its metrics)")
+    p.add_argument("--replica-port", type=int, default=8100, help="first replica's port")
+    p.add_argument("--events-port", type=int, default=5557,
+                   help="first replica's KV event port; replica i uses 2i and 2i+1 above it")
+    p.add_argument("--block-size", type=int, default=64, help="SEQ_SIZE_PER_BLOCK of every replica")
+    p.add_argument("--threads-per-replica", type=int, default=1,
+                   help="torch threads per replica (replicas x threads <= cores)")
+    p.add_argument("--log-dir", help="where each process logs (default: a new temp directory)")
+    p.add_argument("--duration", type=float, help="stop after this many seconds")
+    p.set_defaults(func=main)

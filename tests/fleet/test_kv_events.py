@@ -1,0 +1,184 @@
+"""KV events on the wire: a real ZeroMQ SUB and DEALER read what a Pipeline publishes, decoded
+with plain msgpack the way vllm-router's subscriber decodes vLLM's (tagged event maps inside a
+positional batch), and a consumer rebuilds exactly the replica's cached set."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import msgpack
+import pytest
+import zmq
+
+from rtpkv.config import Settings
+from rtpkv.errors import ConfigError
+from rtpkv.fleet.publisher import END_SEQ
+from rtpkv.fleet.view import ReplicaView
+from rtpkv.fleet.wire import wire_hash
+from rtpkv.model_factory import ModelConfig, ModelFactory
+from rtpkv.pipeline import Pipeline
+from server_helpers import free_port, wait_until
+
+B = 4
+
+
+@pytest.fixture(scope="module")
+def model(checkpoints):
+    return ModelFactory.from_huggingface(checkpoints("qwen2"), ModelConfig())
+
+
+def endpoints() -> tuple[str, str]:
+    return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+
+
+def run(pipeline: Pipeline, prompt, **config) -> dict:
+    for res in pipeline(prompt, generate_config={"max_new_tokens": 2, "top_k": 1, **config}):
+        pass
+    return res.aux_info
+
+
+def replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, bytes]]:
+    """A replay request as vLLM's consumers send it: [b"", start_seq] from a DEALER."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    got = []
+    while True:
+        assert dealer.poll(10000), "no replay answer"
+        empty, topic, seq, payload = dealer.recv_multipart()
+        assert empty == b"" and topic == b"kv@"
+        if seq == END_SEQ:
+            assert payload == b""
+            dealer.close()
+            return got
+        got.append((int.from_bytes(seq, "big"), payload))
+
+
+def test_events_decode_as_vllm_consumers_decode_them(model):
+    pub, rep = endpoints()
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    with Pipeline(model, reuse_cache=True, seq_size_per_block=B, kv_events_endpoint=pub,
+                  kv_events_replay_endpoint=rep, kv_events_topic="kv@") as pipeline:
+        sub.connect(pub)
+        prompt = list(range(10, 23))  # 13 tokens: 3 full blocks hittable once computed
+        # PUB drops what is sent before the subscription is set up: retry until one arrives
+        assert wait_until(lambda: run(pipeline, prompt) is not None and sub.poll(200), 20)
+        stored: list = []
+        while not stored:  # skip an idle heartbeat (the last batch again) if one comes first
+            assert sub.poll(5000), "no batch with the prompt's blocks"
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == b"kv@" and len(seq) == 8
+            ts, events, rank = msgpack.unpackb(payload, raw=False)
+            assert isinstance(ts, float) and rank == 0
+            stored = [e for e in events if e["type"] == "BlockStored"]
+        chain = pipeline.engine.cache.index.root
+        keys = []
+        for i in range(3):
+            chain = pipeline.engine.cache.index.key(chain, tuple(prompt[i * B:(i + 1) * B]))
+            keys.append(wire_hash(chain))
+        hashes = [h for e in stored for h in e["block_hashes"]]
+        assert hashes[:3] == keys
+        first = stored[0]
+        assert first["parent_block_hash"] is None and first["token_ids"] == prompt[:B]
+        assert first["block_size"] == B and first["medium"] == "GPU"
+        assert first["lora_id"] is None and first["extra_keys"] is None
+        assert [e["parent_block_hash"] for e in stored[1:3]] == keys[:2]
+
+        # replay: every kept batch from the asked sequence number on, in order, then END_SEQ
+        batches = replay(ctx, rep, 0)
+        assert [s for s, _ in batches] == list(range(len(batches)))
+        first_batch = msgpack.unpackb(batches[0][1], raw=False)
+        assert first_batch[1] == [{"type": "AllBlocksCleared"}]
+        assert any(p == payload for _, p in batches)
+        assert [s for s, _ in replay(ctx, rep, 2)] == list(range(2, len(batches)))
+    sub.close()
+
+
+def test_cache_salt_keeps_tenants_apart_in_the_events(model):
+    pub, rep = endpoints()
+    with Pipeline(model, reuse_cache=True, seq_size_per_block=B, kv_events_endpoint=pub,
+                  kv_events_replay_endpoint=rep) as pipeline:
+        view = ReplicaView(pub, rep)
+        prompt = list(range(40, 49))
+        run(pipeline, prompt)
+        run(pipeline, prompt, cache_salt="tenant-a")
+        assert wait_until(lambda: view.poll(0.05) >= 0 and len(view.blocks["GPU"]) == 4, 10)
+        # the same tokens under two salts: two distinct chains of two blocks each
+        firsts = [h for h in view.blocks["GPU"] if view.tokens[h] == prompt[:B]]
+        assert len(firsts) == 2
+        view.close()
+
+
+def test_a_subscriber_rebuilds_the_cached_set_after_evictions(model, tmp_path):
+    """A small device pool, host tier and disk tier: blocks are evicted from all three,
+    offloaded to host memory (BlockStored, medium CPU), handed to disk (DISK; the disk tier also
+    takes every block as it fills) and onboarded back; the view from the events equals what the
+    replica holds, in each medium."""
+    pub, rep = endpoints()
+    block_bytes = model.spec.num_layers * 2 * model.spec.num_kv_heads * B * model.spec.head_dim * 4
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(5, 500) for _ in range(12)] for _ in range(6)]
+    with Pipeline(model, reuse_cache=True, seq_size_per_block=B, kv_cache_max_tokens=96,
+                  concurrency_limit=2, enable_memory_cache=True,
+                  host_cache_size=10 * block_bytes, enable_memory_cache_disk=True,
+                  memory_cache_disk_paths=str(tmp_path), write_cache_sync=True,
+                  memory_cache_disk_size_mb=40 * block_bytes / 2**20, kv_events_endpoint=pub,
+                  kv_events_replay_endpoint=rep, kv_events_buffer_steps=100000) as pipeline:
+        view = ReplicaView(pub, rep)
+        for i in range(40):
+            run(pipeline, rng.choice(prefixes) + [rng.randrange(5, 500) for _ in range(9)])
+        cache = pipeline.engine.cache
+        stats = pipeline.cache_stats()
+        assert stats["evictions"] > 0 and stats["memory_evictions"] > 0
+        assert stats["disk_evictions"] > 0 and stats["memory_onboarded_blocks"] > 0
+        tiers = {tier.name: tier for tier in cache.tiers}
+        held = {"GPU": {wire_hash(k) for k, _ in cache.index.items()},
+                "CPU": {wire_hash(k) for k in tiers["memory"]._slots},
+                "DISK": {wire_hash(k) for k in tiers["disk"]._sizes}}
+        assert all(held.values())
+
+        def caught_up() -> bool:
+            view.poll(0.05)
+            return {m: view.blocks[m] for m in held} == held
+
+        assert wait_until(caught_up, 15), {m: len(b) for m, b in view.blocks.items()}
+        assert set(view.blocks) == set(held)
+        # a consumer that joins now catches up from the replay socket alone
+        late = ReplicaView(pub, rep)
+        late.replay()
+        assert {m: late.blocks[m] for m in held} == held
+        late.close()
+        view.close()
+
+
+def test_endpoints_are_validated_with_the_variable_name(monkeypatch):
+    monkeypatch.setenv("KV_EVENTS_ENDPOINT", "udp://127.0.0.1:5557")
+    with pytest.raises(ConfigError,
+                       match="KV_EVENTS_ENDPOINT='udp://127.0.0.1:5557'.*tcp://HOST:PORT"):
+        Settings.from_env()
+    monkeypatch.setenv("KV_EVENTS_ENDPOINT", "tcp://*:5557")
+    monkeypatch.setenv("KV_EVENTS_REPLAY_ENDPOINT", "tcp://127.0.0.1:70000")
+    with pytest.raises(ConfigError, match="KV_EVENTS_REPLAY_ENDPOINT.*PORT 1 to 65535"):
+        Settings.from_env()
+
+
+def test_an_endpoint_in_use_is_refused_by_name_and_the_engine_stops(model):
+    pub, rep = endpoints()
+    def engines() -> int:
+        return sum(t.name == "rtpkv-engine" for t in threading.enumerate())
+
+    with Pipeline(model, reuse_cache=True, kv_events_endpoint=pub):
+        running = engines()
+        with pytest.raises(OSError, match=f"KV events: cannot open {pub}"):
+            Pipeline(model, reuse_cache=True, kv_events_endpoint=pub,
+                     kv_events_replay_endpoint=rep)
+        assert wait_until(lambda: engines() == running, 10), "the refused engine still runs"
+    # the replay endpoint of the refused pipeline was released with it
+    with Pipeline(model, reuse_cache=True, kv_events_endpoint=pub,
+                  kv_events_replay_endpoint=rep) as again:
+        assert again.kv_event_publisher.replay_endpoint == rep

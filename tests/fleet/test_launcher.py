@@ -1,0 +1,48 @@
+"""The launcher's arguments: what each router and policy is started with, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from rtpkv.fleet.launcher import Fleet, Replica
+
+
+def fleet_with_two(tmp_path) -> Fleet:
+    fleet = Fleet("/models/m", 2, replica_port=9000, events_port=9100, router_port=9200,
+                  block_size=32, log_dir=str(tmp_path))
+    fleet.replicas = [Replica(i, f"http://127.0.0.1:{9000 + i}", f"tcp://127.0.0.1:{9100 + 2 * i}",
+                              f"tcp://127.0.0.1:{9101 + 2 * i}", None, tmp_path / "log")
+                      for i in range(2)]
+    return fleet
+
+
+def test_kv_aware_gets_each_replicas_event_sockets_and_the_block_size(tmp_path):
+    argv = fleet_with_two(tmp_path).router_command("vllm", "kv_aware")
+    pairs = list(zip(argv, argv[1:]))
+    assert ("--kv-event-source", "http://127.0.0.1:9001=tcp://127.0.0.1:9102") in pairs
+    assert ("--kv-event-replay-source", "http://127.0.0.1:9000=tcp://127.0.0.1:9101") in pairs
+    assert ("--kv-event-block-size", "32") in pairs and ("--kv-event-model", "m") in pairs
+    assert ("--host", "127.0.0.1") in pairs and ("--policy", "kv_aware") in pairs
+
+
+def test_replica_environment_names_its_own_sockets(tmp_path):
+    fleet = Fleet("/models/m", 2, events_port=9100, block_size=32, redis_url="redis://h:1/0",
+                  log_dir=str(tmp_path), env={"KV_CACHE_MAX_TOKENS": "4096"})
+    env = fleet.replica_env(1)
+    assert env["KV_EVENTS_ENDPOINT"] == "tcp://127.0.0.1:9102"
+    assert env["KV_EVENTS_REPLAY_ENDPOINT"] == "tcp://127.0.0.1:9103"
+    assert env["SEQ_SIZE_PER_BLOCK"] == "32" and env["REUSE_CACHE"] == "1"
+    assert env["REMOTE_CACHE_URL"] == "redis://h:1/0" and env["KV_CACHE_MAX_TOKENS"] == "4096"
+
+
+@pytest.mark.parametrize("router, policy", [("sglang", "kv_aware"), ("nginx", "round_robin")])
+def test_an_unknown_router_or_policy_names_the_accepted_ones(tmp_path, router, policy):
+    with pytest.raises(ValueError, match="accepted: vllm: round_robin, cache_aware, kv_aware"):
+        fleet_with_two(tmp_path).router_command(router, policy)
+
+
+def test_counts_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="replicas=0: at least 1"):
+        Fleet("/models/m", 0, log_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="threads_per_replica=0: at least 1"):
+        Fleet("/models/m", 1, threads_per_replica=0, log_dir=str(tmp_path))

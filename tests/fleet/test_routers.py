@@ -1,0 +1,184 @@
+"""Two `rtpkv serve` replicas behind the real routers from PyPI (vllm-router, sglang-router),
+on loopback: prefix affinity from KV events, round robin with and without the shared Redis
+tier, a router that starts late, a replica that dies, and outputs equal to one replica's."""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from rtpkv.fleet.launcher import Fleet
+from server_helpers import wait_until
+
+B = 16
+EVENT_DELAY_S = 1.5   # a replica's events reach the router within milliseconds; this is slack
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
+         "november oscar papa quebec romeo sierra tango uniform victor whiskey xray").split()
+
+
+def free_base(span: int) -> int:
+    """A port p with p .. p+span-1 all free on loopback."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - span)
+        socks = []
+        try:
+            for port in range(base, base + span):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free run of ports")
+
+
+def text(seed: int, words: int = 80) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+@pytest.fixture(scope="module")
+def fleet(checkpoints, redis_server, tmp_path_factory):
+    base = free_base(10)
+    f = Fleet(checkpoints("qwen2"), 2, replica_port=base, events_port=base + 2,
+              router_port=base + 6, block_size=B, redis_url=redis_server.url,
+              env={"KV_CACHE_MAX_TOKENS": "8192", "CONCURRENCY_LIMIT": "8"},
+              log_dir=str(tmp_path_factory.mktemp("fleet")), time_limit_s=900,
+              served_model_name="qwen2")
+    try:
+        f.start_replicas()
+        yield f
+    finally:
+        f.stop()
+
+
+def complete(url: str, prompt: str, **extra: Any) -> dict[str, Any]:
+    """A greedy completion. vllm-router's kv_aware credits cache only to requests without
+    fields it does not know, so extras (enable_remote_cache, ...) are for the other tests."""
+    body = {"model": "qwen2", "prompt": prompt, "max_tokens": 6, "temperature": 0, **extra}
+    res = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert res.status_code == 200, res.text
+    return res.json()
+
+
+def cached(res: dict[str, Any]) -> int:
+    return res["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def queries(fleet: Fleet) -> list[int]:
+    """Prompt tokens each replica has looked up: which one served a request."""
+    return [httpx.get(r.url + "/cache_status", timeout=10).json()["queries"]
+            for r in fleet.replicas]
+
+
+def served_by(fleet: Fleet, url: str, prompt: str, **kw: Any) -> tuple[int, dict[str, Any]]:
+    before = queries(fleet)
+    res = complete(url, prompt, **kw)
+    after = queries(fleet)
+    grew = [i for i, (a, b) in enumerate(zip(before, after)) if b > a]
+    assert len(grew) == 1, (before, after)
+    return grew[0], res
+
+
+def test_kv_aware_routes_a_shared_prefix_to_the_replica_that_holds_it(fleet):
+    fleet.start_router("vllm", "kv_aware")
+    for holder in (0, 1):
+        shared = text(100 + holder)
+        complete(fleet.replicas[holder].url, shared + " first")  # straight to the replica
+        time.sleep(EVENT_DELAY_S)
+        for turn in range(2):
+            who, res = served_by(fleet, fleet.router_url, shared + f" turn {turn}")
+            assert who == holder and cached(res) >= 4 * B, (holder, who, res["usage"])
+
+
+def test_round_robin_loses_the_prefix_unless_the_redis_tier_is_on(fleet):
+    fleet.start_router("vllm", "round_robin")
+    shared = text(200)
+    first, _ = served_by(fleet, fleet.router_url, shared + " one", enable_remote_cache=False)
+    second, res = served_by(fleet, fleet.router_url, shared + " two", enable_remote_cache=False)
+    assert second != first and cached(res) == 0
+    shared = text(201)
+    first, _ = served_by(fleet, fleet.router_url, shared + " one")
+
+    def from_redis() -> bool:  # the write-through to Redis is asynchronous
+        who, res = served_by(fleet, fleet.router_url, shared + " two")
+        return who != first and cached(res) >= 4 * B
+    assert wait_until(from_redis, 10, 0.3)
+
+
+def test_sglang_router_cache_aware_keeps_a_conversation_on_one_replica(fleet):
+    fleet.start_router("sglang", "cache_aware")
+    shared = text(300)
+    first, _ = served_by(fleet, fleet.router_url, shared + " one", enable_remote_cache=False)
+    for turn in range(3):
+        who, res = served_by(fleet, fleet.router_url, shared + f" turn {turn}",
+                             enable_remote_cache=False)
+        assert who == first and cached(res) >= 4 * B
+
+
+def test_a_router_started_late_catches_up_through_the_replay_socket(fleet):
+    fleet.stop_router()
+    shared = {holder: text(400 + holder) for holder in (0, 1)}
+    for holder, prefix in shared.items():
+        complete(fleet.replicas[holder].url, prefix + " before the router")
+    fleet.start_router("vllm", "kv_aware")   # its subscription starts after those events
+    time.sleep(EVENT_DELAY_S)
+    for holder, prefix in shared.items():
+        who, res = served_by(fleet, fleet.router_url, prefix + " after")
+        assert who == holder and cached(res) >= 4 * B, (holder, who, res["usage"])
+    # the router's own count: its index answered with the replicas' blocks
+    metrics = httpx.get(f"http://127.0.0.1:{fleet.router_port + 1}/metrics", timeout=10).text
+    assert 'vllm_router_kv_placement_lookups_total{result="hit"} 2' in metrics, metrics
+
+
+def test_greedy_outputs_through_the_router_equal_one_replica_alone(fleet):
+    fleet.start_router("vllm", "kv_aware")
+    for seed in range(500, 504):
+        prompt = text(seed, 30)
+        alone = complete(fleet.replicas[0].url, prompt, reuse_cache=False)
+        routed = complete(fleet.router_url, prompt)
+        assert routed["choices"][0]["text"] == alone["choices"][0]["text"]
+    chat = {"model": "qwen2", "messages": [{"role": "user", "content": text(510, 30)}],
+            "max_tokens": 6, "temperature": 0}
+    answers = [httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).json()
+               for url in (fleet.replicas[1].url, fleet.router_url)]
+    assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+
+
+def test_a_killed_replica_stops_receiving_requests(fleet):
+    """Last in the module: it leaves one replica."""
+    fleet.start_router("vllm", "round_robin")
+    dead = fleet.replicas[1].url
+    fleet.kill_replica(1)
+
+    def gone() -> bool:  # not merely unhealthy: nothing answers on its port
+        try:
+            httpx.get(dead + "/health", timeout=5)
+        except httpx.TransportError:
+            return True
+        return False
+    assert wait_until(gone, 10, 0.2)
+    survivor = fleet.replicas[0].url
+
+    def routed_around() -> bool:  # the router's health check (every second) drops replica 1
+        return all(httpx.post(fleet.router_url + "/v1/completions", timeout=60,
+                              json={"model": "qwen2", "prompt": text(600 + i), "max_tokens": 2}
+                              ).status_code == 200 for i in range(2))
+    assert wait_until(routed_around, 20, 0.5)
+    before = httpx.get(survivor + "/cache_status", timeout=10).json()["queries"]
+    prompts = [text(700 + i) for i in range(6)]
+    for prompt in prompts:
+        complete(fleet.router_url, prompt, enable_remote_cache=False)
+    after = httpx.get(survivor + "/cache_status", timeout=10).json()["queries"]
+    sent = sum(len(r["token_ids"]) for r in httpx.post(
+        survivor + "/v1/completions/render", json={"prompt": prompts}, timeout=30).json())
+    assert after - before == sent   # every one of them was served by the survivor
