@@ -136,7 +136,7 @@ def test_a_subscriber_rebuilds_the_cached_set_after_evictions(model, tmp_path):
         stats = pipeline.cache_stats()
         assert stats["evictions"] > 0 and stats["memory_evictions"] > 0
         assert stats["disk_evictions"] > 0 and stats["memory_onboarded_blocks"] > 0
-        tiers = {tier.name: tier for tier in cache.tiers}
+        tiers = {tier.name: tier for tier in cache.ladder.tiers}
         held = {"GPU": {wire_hash(k) for k, _ in cache.index.items()},
                 "CPU": {wire_hash(k) for k in tiers["memory"]._slots},
                 "DISK": {wire_hash(k) for k in tiers["disk"]._sizes}}
