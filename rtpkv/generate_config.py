@@ -23,10 +23,10 @@ class GenerateConfig(BaseModel):
     max_new_tokens: Optional[int] = Field(None, ge=1)  # None: up to 256, within max_seq_len
     min_new_tokens: int = Field(0, ge=0)
     top_k: int = Field(0, ge=0)              # 0: no top-k filter; 1: greedy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    temperature: float = Field(1.0, ge=0.0)  # 0: greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)  # 0: greedy
     do_sample: bool = True                   # False: greedy, whatever top_k/top_p/temperature say
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
     random_seed: Optional[int] = None
     stop_words_str: list[str] = Field(default_factory=list)
     stop_words_list: list[list[int]] = Field(default_factory=list)

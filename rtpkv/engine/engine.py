@@ -25,7 +25,7 @@ from rtpkv.cache.tiers.factory import build_tiers
 from rtpkv.config import RuntimeConfig
 from rtpkv.engine.model_runner import ModelRunner
 from rtpkv.engine.request import FinishReason, Request, StepOutput
-from rtpkv.engine.sampler import sample
+from rtpkv.engine.sampler import sample_batch
 from rtpkv.engine.scheduler import ScheduledChunk, Scheduler
 from rtpkv.engine.window import attention_window
 from rtpkv.errors import CapacityError, EngineStoppedError, RequestTimeoutError
@@ -203,7 +203,16 @@ class Engine:
                 for c in batch:
                     self._finish(c.request, FinishReason.ERROR, exc)
                 return True
-            tokens = sample(logits, [c.request for c in sampled]) if sampled else []
+            tokens, failed = sample_batch(logits, [c.request for c in sampled]) if sampled \
+                else ([], {})
+            if failed:  # each fails alone; the others keep their tokens
+                for req, exc in failed.items():
+                    log.error("request %d failed in sampling: %r", req.request_id, exc)
+                    self._finish(req, FinishReason.ERROR, exc)
+                keep = [i for i, c in enumerate(sampled) if c.request not in failed]
+                batch = [c for c in batch if c.request not in failed]
+                sampled, tokens = [sampled[i] for i in keep], [tokens[i] for i in keep]
+                logits = logits[keep]
             finished = self.scheduler.postprocess(batch, sampled, tokens)
             self._emit(sampled, tokens, logits, finished)
             return True

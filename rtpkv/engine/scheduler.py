@@ -18,6 +18,7 @@ free, and never touches a block itself.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -27,6 +28,8 @@ from typing import Optional
 from rtpkv.cache import KVCacheManager
 from rtpkv.config import CapacitySchedulerPolicy, ContextChunkingPolicy, RuntimeConfig, SchedulePolicy
 from rtpkv.engine.request import FinishReason, Request
+
+log = logging.getLogger("rtpkv")
 
 _LPM_MAX_QUEUE = 128  # longer queues fall back to arrival order: matching them all costs too much
 
@@ -176,16 +179,20 @@ class Scheduler:
         finished = []
         for c in chunks:
             req = c.request
-            if req.finish_reason != FinishReason.ERROR:
-                self.cache.commit(req)
-            if req.prefill_only and req.num_computed == req.num_tokens:
-                req.pinned = self.cache.pin(req)
-                req.finish_reason = FinishReason.PREFILLED
+            try:
+                if req.finish_reason != FinishReason.ERROR:
+                    self.cache.commit(req)
+                if req.prefill_only and req.num_computed == req.num_tokens:
+                    req.pinned = self.cache.pin(req)
+                    req.finish_reason = FinishReason.PREFILLED
+                if req.finish_reason is None:
+                    self.cache.release_out_of_window(req)
+            except Exception as exc:  # fails this request alone; the others keep their tokens
+                log.exception("request %d failed in postprocessing", req.request_id)
+                req.error, req.finish_reason = exc, FinishReason.ERROR
             if req.finish_reason is not None:
                 self.finish(req)
                 finished.append(req)
-            else:
-                self.cache.release_out_of_window(req)
         return finished
 
     def _append(self, req: Request, token: int) -> None:
