@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import os
+import reprlib
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
@@ -18,6 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rtpkv.errors import ConfigError
+
+# Values in error messages: bounded in depth and length, so a value nested a thousand levels
+# deep or megabytes long is reported in a line (a plain repr would recurse or flood the log).
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = \
+    4, 200, 200, 10, 10
 
 _TRUE = {"1", "true", "on"}
 _FALSE = {"0", "false", "off"}
@@ -74,7 +81,7 @@ def describe_validation_error(exc: ValidationError, name: Callable[[str], str] =
             msg = err["msg"].removeprefix("Value error, ")
             shown = value(field, err.get("input"))
             shown = _SECRET_VALUES.get(field, lambda v: v)(shown)
-            clauses.append(f"{name(field)}={shown!r} is invalid: {msg}")
+            clauses.append(f"{name(field)}={_SHORT.repr(shown)} is invalid: {msg}")
     return "; ".join(clauses)
 
 
@@ -226,6 +233,7 @@ class Settings(RuntimeConfig, BaseSettings):
     checkpoint_path: Optional[str] = None
     start_port: int = Field(8088, ge=1, le=65535)
     host: str = Field("127.0.0.1", min_length=1)
+    max_request_body_mb: float = Field(16.0, gt=0)  # larger bodies: 413 before parsing
 
     @classmethod
     def from_env(cls) -> "Settings":

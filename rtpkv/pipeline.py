@@ -34,6 +34,22 @@ DEFAULT_MAX_NEW_TOKENS = 256
 Prompt = Union[str, Sequence[int]]
 
 
+def longest_token_chars(tokenizer: Any) -> Optional[int]:
+    """The most characters one token of the vocabulary spells (raw vocabulary strings are never
+    shorter than their text: byte-level BPE maps a byte to a character, `<0x0A>` is longer than
+    its byte), so a prompt of more than `tokens * this` characters needs more than `tokens`
+    tokens and is refused without tokenizing it. None when the vocabulary cannot be read."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:
+        return None
+    return max((len(piece) for piece in vocab), default=None) or None
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
 @dataclass
 class Response:
     """One streamed update. `batch_response` is rtp-llm's name for `generate_texts`."""
@@ -239,6 +255,7 @@ class Pipeline:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self._token_chars = longest_token_chars(self.tokenizer)
         self.engine = Engine(model, config, hash_fn=hash_fn)
         self._retention_noted = False
         self.tasks = TaskRegistry()
@@ -302,17 +319,18 @@ class Pipeline:
         if cfg.task_id is not None:
             task = self.tasks.get(cfg.task_id)
             prefix = task.token_ids
+        limit = self.config.max_seq_len
+        self._refuse_untokenized(prompt, limit - len(prefix))
         own = self._tokenize(prompt, with_special=not prefix)
         ids = prefix + own
-        limit = self.config.max_seq_len
         room = limit - len(ids)
         if room < 1:
-            raise PromptTooLongError(f"prompt is {len(ids)} tokens ({len(prefix)} of them the "
+            raise PromptTooLongError(f"prompt is {_tokens(len(ids))} ({len(prefix)} of them the "
                                      f"task prompt); max_seq_len is {limit}, leaving no room to "
                                      "generate")
         max_new = cfg.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, room)
         if max_new > room:
-            raise PromptTooLongError(f"prompt of {len(ids)} tokens + max_new_tokens {max_new} "
+            raise PromptTooLongError(f"prompt of {_tokens(len(ids))} + max_new_tokens {max_new} "
                                      f"exceeds max_seq_len {limit}")
         stream = TextStream(self.tokenizer, cfg.stop_words_str, cfg.min_new_tokens,
                             cfg.skip_special_tokens)
@@ -322,6 +340,16 @@ class Pipeline:
             self._note_retention_without_reuse()
         aux = {"input_len": len(own), "prefix_len": len(prefix)}
         return req, _ResponseBuilder(req, stream, cfg.return_incremental, aux)
+
+    def _refuse_untokenized(self, prompt: Prompt, room: int) -> None:
+        """A text too long for any tokenization of it to fit is refused before the tokenizer
+        spends time on it (seconds for megabytes, holding the tokenizer's lock)."""
+        if (isinstance(prompt, str) and self._token_chars is not None
+                and len(prompt) > max(room, 0) * self._token_chars):
+            raise PromptTooLongError(
+                f"prompt of {len(prompt)} characters is longer than any prompt that fits "
+                f"max_seq_len {self.config.max_seq_len} can be (at most {self._token_chars} "
+                "characters a token); refused before tokenizing")
 
     def _tokenize(self, prompt: Prompt, with_special: bool) -> list[int]:
         if isinstance(prompt, str):

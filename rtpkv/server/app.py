@@ -17,12 +17,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from rtpkv.pipeline import BatchResponse, Pipeline, Response, ResponseStream
 from rtpkv.server import native, openai
+from rtpkv.server.body_limit import DEFAULT_MAX_BODY_MB, BodyLimit
 from rtpkv.server.errors import ApiError, ErrorCode, api_error
 from rtpkv.server.metrics import ServerMetrics
 from rtpkv.server.sse import ClientGone, EventStreamResponse, until_disconnect
 
 GENERATION_ROUTES = ("/", "/v1/chat/completions", "/v1/completions")
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"
+MAX_JSON_DEPTH = 64  # far above any real request (chat content parts nest 5 deep)
 
 
 @dataclass
@@ -47,16 +49,21 @@ class ServerState:
             raise ApiError(503, ErrorCode.ENGINE_STOPPED,
                            "the engine is stopped (the server is shutting down)")
 
-    def start(self, route: str, num_prompts: int,
-              submit: Callable[[], ResponseStream]) -> AsyncGenerator[Any, None]:
-        """Admit a request under CONCURRENCY_LIMIT (counted in prompts) and submit it."""
+    async def start(self, route: str, num_prompts: int,
+                    submit: Callable[[], ResponseStream]) -> AsyncGenerator[Any, None]:
+        """Admit a request under CONCURRENCY_LIMIT (counted in prompts) and submit it off the
+        event loop (tokenizing a long prompt must not stall other clients or /health)."""
         self.check_available()
         if self.in_flight + num_prompts > self.concurrency_limit:
             raise ApiError(409, ErrorCode.CONCURRENCY_LIMIT_ERROR,
                            f"{self.in_flight} requests in flight + {num_prompts} new > "
                            f"CONCURRENCY_LIMIT={self.concurrency_limit}; retry later")
-        stream = submit()
-        self.in_flight += num_prompts
+        self.in_flight += num_prompts  # held while submitting, so the limit stays exact
+        try:
+            stream = await asyncio.to_thread(submit)
+        except BaseException:
+            self.in_flight -= num_prompts
+            raise
         return self._run(route, num_prompts, stream)
 
     async def _run(self, route: str, num_prompts: int, stream: ResponseStream
@@ -92,6 +99,20 @@ async def _last(responses: AsyncGenerator[Any, None]) -> Any:
     return last
 
 
+def _check_depth(body: Any) -> None:
+    """Refuse JSON nested deeper than MAX_JSON_DEPTH: validating and reporting such a value
+    would recurse past Python's limit."""
+    level: list[Any] = [body]
+    for _ in range(MAX_JSON_DEPTH + 1):
+        level = [child for value in level
+                 for child in (value.values() if isinstance(value, dict) else value)
+                 if isinstance(child, (dict, list))]
+        if not level:
+            return
+    raise ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                   f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
+
+
 async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     try:
@@ -102,6 +123,7 @@ async def _json_body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
                        f"request body must be a JSON object, got {type(body).__name__}")
+    _check_depth(body)
     return body
 
 
@@ -115,9 +137,10 @@ def _submitting(fn: Callable[[], ResponseStream]) -> Callable[[], ResponseStream
     return call
 
 
-def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: bool = True
-               ) -> FastAPI:
-    """The app over `pipeline`; on shutdown it stops the pipeline unless told otherwise."""
+def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: bool = True,
+               max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)) -> FastAPI:
+    """The app over `pipeline`; on shutdown it stops the pipeline unless told otherwise.
+    Request bodies over `max_body_bytes` are refused with 413 before they are parsed."""
     state = ServerState(pipeline, model_name)
 
     @contextlib.asynccontextmanager
@@ -128,6 +151,7 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
 
     app = FastAPI(title="rtpkv", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.rtpkv = state
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -152,7 +176,7 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
     @app.post("/")
     async def generate(request: Request) -> Any:
         req = native.parse(await _json_body(request))
-        responses = state.start("/", req.num_prompts, _submitting(
+        responses = await state.start("/", req.num_prompts, _submitting(
             lambda: pipeline.pipeline_async(req.prompt, req.generate_config)))
         if req.stream:
             return EventStreamResponse(native.events(responses))
@@ -169,7 +193,7 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
                       submit: Callable[[], ResponseStream]) -> Any:
         _check_model(req.model)
         shaper = openai.Shaper(chat=route.endswith("chat/completions"), model=model_name)
-        responses = state.start(route, num_prompts, _submitting(submit))
+        responses = await state.start(route, num_prompts, _submitting(submit))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStreamResponse(shaper.events(responses, include_usage))

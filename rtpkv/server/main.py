@@ -35,7 +35,7 @@ def serve(model: Optional[str] = None, host: Optional[str] = None, port: Optiona
     loaded = ModelFactory.from_huggingface(path, ModelConfig())
     pipeline = Pipeline(loaded, loaded.tokenizer)
     name = served_model_name or Path(str(path).rstrip("/")).name
-    app = create_app(pipeline, name)
+    app = create_app(pipeline, name, max_body_bytes=int(settings.max_request_body_mb * 2**20))
     config = uvicorn.Config(app, host=host or settings.host, port=port or settings.start_port,
                             log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
                             access_log=False)
