@@ -3,6 +3,8 @@ request never hurt the other clients; every invalid body is a 4xx in the route's
 
 from __future__ import annotations
 
+import logging
+import socket
 import threading
 import time
 
@@ -110,3 +112,81 @@ def test_prompt_of_one_token_is_said_in_the_singular(make_pipeline):
     pipe = make_pipeline()
     with pytest.raises(PromptTooLongError, match="prompt of 1 token \\+ max_new_tokens"):
         pipe([5], max_new_tokens=pipe.config.max_seq_len)
+
+
+@pytest.mark.parametrize("method,path", [("GET", "/v1/nothing"), ("GET", "/v1/completions"),
+                                         ("DELETE", "/v1/models")])
+def test_404_and_405_under_v1_have_openais_shape(client, method, path):
+    res = client.request(method, path)
+    assert res.status_code in (404, 405)
+    err = res.json()["error"]
+    assert path in err["message"] and err["type"]
+
+
+def test_404_on_the_native_side_has_rtp_llms_shape(client):
+    res = client.get("/nothing")
+    assert res.status_code == 404 and "/nothing" in res.json()["message"]
+    assert "error_code" in res.json()
+
+
+@pytest.mark.parametrize("extra", [{"n": 2}, {"logprobs": True}, {"logprobs": 3},
+                                   {"top_logprobs": 2}, {"echo": True},
+                                   {"response_format": {"type": "json_object"}},
+                                   {"tools": [{"type": "function", "function": {"name": "f"}}]},
+                                   {"presence_penalty": 0.5}])
+def test_openai_parameters_rtpkv_lacks_are_refused_as_not_supported(client, extra):
+    (name, _), = extra.items()
+    res = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, **extra})
+    assert res.status_code == 400
+    err = res.json()["error"]
+    assert err["param"] == name and "not supported" in err["message"]
+    assert "unknown generate_config" not in err["message"]
+
+
+def test_openai_parameters_at_their_off_value_are_accepted(client):
+    res = client.post("/v1/completions", json={
+        "prompt": "hello", "max_tokens": 2, "n": 1, "logprobs": None, "echo": False,
+        "response_format": {"type": "text"}, "tools": [], "presence_penalty": 0,
+        "frequency_penalty": 0.0})
+    assert res.status_code == 200, res.text
+
+
+def _timeouts(client, route: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("rtpkv_requests_total{") and f'route="{route}"' in line \
+                and 'outcome="timeout"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/", {"prompt": "hello", "max_new_tokens": 500, "ignore_eos": True, "timeout_ms": 30}),
+    ("/v1/completions", {"prompt": "hello", "max_tokens": 500, "ignore_eos": True,
+                         "timeout_ms": 30})])
+def test_a_timeout_is_counted_once(client, route, body):
+    before = _timeouts(client, route)
+    assert client.post(route, json=body).status_code == 504
+    assert _timeouts(client, route) == before + 1
+
+
+def test_a_client_that_leaves_before_its_body_logs_no_traceback(edge_server, client):
+    server, _ = edge_server
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    loggers = [logging.getLogger(n) for n in ("uvicorn.error", "uvicorn", "rtpkv", "")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", server.port)) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                             b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+                             b'{"prompt": ')
+            time.sleep(0.3)
+        assert client.get("/health").status_code == 200
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+    noisy = [r for r in records if r.exc_info or r.levelno >= logging.WARNING]
+    assert not noisy, [r.getMessage() for r in noisy]

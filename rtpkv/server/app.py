@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Union
@@ -13,6 +14,8 @@ from typing import Any, AsyncGenerator, AsyncIterator, Callable, Union
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response as HttpResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from rtpkv.pipeline import BatchResponse, Pipeline, Response, ResponseStream
@@ -21,6 +24,8 @@ from rtpkv.server.body_limit import DEFAULT_MAX_BODY_MB, BodyLimit
 from rtpkv.server.errors import ApiError, ErrorCode, api_error
 from rtpkv.server.metrics import ServerMetrics
 from rtpkv.server.sse import ClientGone, EventStreamResponse, until_disconnect
+
+log = logging.getLogger("rtpkv")
 
 GENERATION_ROUTES = ("/", "/v1/chat/completions", "/v1/completions")
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"
@@ -114,7 +119,11 @@ def _check_depth(body: Any) -> None:
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # an ordinary event: one line at debug level, no traceback
+        log.debug("client %s left before sending its body", request.client)
+        raise ClientGone() from None
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -151,15 +160,27 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
 
     app = FastAPI(title="rtpkv", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.rtpkv = state
+
+    @app.exception_handler(ClientGone)
+    async def on_client_gone(request: Request, exc: ClientGone) -> HttpResponse:
+        return HttpResponse(status_code=CLIENT_CLOSED)  # nobody is left to read it
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
         path = request.url.path
-        if path in GENERATION_ROUTES:
+        if path in GENERATION_ROUTES and not exc.counted:
             state.metrics.requests.labels(path, exc.outcome).inc()
         body = exc.openai_body() if path.startswith("/v1") else exc.native_body()
         return JSONResponse(body, status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """404, 405, ... in the route family's error shape, not FastAPI's {"detail"}."""
+        err = ApiError(exc.status_code, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                       f"{request.method} {request.url.path}: {exc.detail}")
+        body = err.openai_body() if request.url.path.startswith("/v1") else err.native_body()
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     async def _respond(request: Request, responses: Any, render: Callable[[Any], Any]) -> Any:
         """A non-streaming answer: the last update rendered as JSON; a client that went away
@@ -169,7 +190,9 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
         except ClientGone:
             return HttpResponse(status_code=CLIENT_CLOSED)
         except Exception as exc:
-            raise api_error(exc) from exc
+            err = api_error(exc)
+            err.counted = True  # the stream's end counted it
+            raise err from exc
         return JSONResponse(render(last))
 
     # ------------------------------------------------------------------ rtp-llm native

@@ -36,6 +36,7 @@ class ApiError(Exception):
     def __init__(self, status: int, code: ErrorCode, message: str, param: Optional[str] = None):
         super().__init__(message)
         self.status, self.code, self.message, self.param = status, code, message, param
+        self.counted = False  # already in rtpkv_requests_total (the request's stream ended)
 
     @property
     def outcome(self) -> str:

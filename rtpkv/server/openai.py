@@ -28,6 +28,38 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI parameters rtpkv does not implement, with the value that leaves each off: any other
+# value is refused as "not supported", naming the parameter (not as an unknown generate_config
+# key). logprobs are refused rather than faked.
+_OFF = object()
+UNSUPPORTED: dict[str, Any] = {
+    "n": 1, "best_of": 1, "logprobs": _OFF, "top_logprobs": _OFF, "echo": False,
+    "response_format": _OFF, "tools": _OFF, "tool_choice": _OFF, "functions": _OFF,
+    "function_call": _OFF, "parallel_tool_calls": _OFF, "logit_bias": _OFF, "suffix": _OFF,
+    "presence_penalty": 0, "frequency_penalty": 0,
+}
+
+
+def _leaves_off(name: str, value: Any) -> bool:
+    if value is None:
+        return True
+    off = UNSUPPORTED[name]
+    if off is _OFF:  # null, false, an empty list or object, or plain text output
+        return value in (False, [], {}) or (name == "response_format" and value == {"type": "text"})
+    if isinstance(off, bool):
+        return value is off
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == off
+
+
+def refuse_unsupported(body: dict[str, Any]) -> None:
+    for name in UNSUPPORTED:
+        if name in body and not _leaves_off(name, body[name]):
+            off = UNSUPPORTED[name]
+            hint = "" if off is _OFF else f"; {name}: {off!r} is"
+            raise ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                           f"{name}: {body[name]!r} is not supported by rtpkv{hint}", name)
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -39,12 +71,13 @@ class _Common(BaseModel):
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = None
-    n: int = Field(1, ge=1, le=1)
     user: Optional[str] = None  # OpenAI's end-user id: accepted for compatibility, not used
 
     def generate_config(self) -> dict[str, Any]:
-        """The rtpkv generate_config: mapped OpenAI fields, then the extras as given."""
-        config: dict[str, Any] = dict(self.model_extra or {})
+        """The rtpkv generate_config: mapped OpenAI fields, then the extras as given (the
+        unsupported OpenAI parameters, checked in `parse`, left off)."""
+        config: dict[str, Any] = {k: v for k, v in (self.model_extra or {}).items()
+                                  if k not in UNSUPPORTED}
         mapped = {"max_new_tokens": self.max_new_tokens(), "temperature": self.temperature,
                   "top_p": self.top_p, "random_seed": self.seed,
                   "stop_words_str": [self.stop] if isinstance(self.stop, str) else self.stop}
@@ -84,6 +117,7 @@ class CompletionRequest(_Common):
 
 def parse(kind: type[_Common], body: dict[str, Any]) -> Any:
     """Validate a request; the error names the first bad field and what it accepts."""
+    refuse_unsupported(body)
     try:
         return kind.model_validate(body)
     except ValidationError as exc:
