@@ -237,7 +237,11 @@ class Settings(RuntimeConfig, BaseSettings):
 
     @classmethod
     def from_env(cls) -> "Settings":
-        """Read and validate the environment; a bad value raises ConfigError naming it."""
+        """Read and validate the environment; a bad value raises ConfigError naming it, and a
+        variable that looks meant for rtpkv but has no effect is warned about (env_check)."""
+        from rtpkv.env_check import check_environment
+
+        check_environment(name.upper() for name in cls.model_fields)
         try:
             return cls()
         except ValidationError as exc:
