@@ -113,7 +113,7 @@ def serve(args: argparse.Namespace) -> None:
 
     run_server(model=args.model, host=args.host, port=args.port,
                served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
-               log_level="info" if args.verbose else "warning")
+               log_level="debug" if args.verbose else "info", access_log=args.access_log)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the model id of /v1 (default: the directory name)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may finish after SIGTERM (default 30)")
+    p.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="do not log one line per HTTP request (logged by default, as uvicorn does)")
     p.set_defaults(func=serve)
     return parser
 
@@ -152,8 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     args.verbose = getattr(args, "verbose", False)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    # the server logs at INFO by default: a container operator's only view of what it does
+    logging.basicConfig(level=logging.INFO if args.verbose or args.command == "serve"
+                        else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         args.func(args)
     except KeyboardInterrupt:

@@ -234,6 +234,12 @@ class Settings(RuntimeConfig, BaseSettings):
     start_port: int = Field(8088, ge=1, le=65535)
     host: str = Field("127.0.0.1", min_length=1)
     max_request_body_mb: float = Field(16.0, gt=0)  # larger bodies: 413 before parsing
+    warm_up: bool = True   # rtp-llm's switch: one short request at start, before "ready"
+
+    @field_validator("warm_up", mode="before")
+    @classmethod
+    def _warm_up_switch(cls, value: Any) -> Any:
+        return parse_switch(value)
 
     @classmethod
     def from_env(cls) -> "Settings":
