@@ -84,6 +84,8 @@ class _ResponseBuilder:
         if self.stream.stopped and not out.finished:
             return None
         text = self.stream.visible(self.ids, out.finished)
+        if out.finished and not self.incremental:  # cumulative: the last text is exact
+            text = self.stream.final_text(self.ids)
         delta = text[len(self.shown):] if text.startswith(self.shown) else text
         self.shown = text
         aux = {**self.aux, **self.req.aux_info()}

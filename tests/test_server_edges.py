@@ -190,3 +190,36 @@ def test_a_client_that_leaves_before_its_body_logs_no_traceback(edge_server, cli
             logger.removeHandler(handler)
     noisy = [r for r in records if r.exc_info or r.levelno >= logging.WARNING]
     assert not noisy, [r.getMessage() for r in noisy]
+
+
+@pytest.fixture
+def byte_run_output(edge_server, monkeypatch):
+    """Every request generates a ByteFallback run valid so far ("é"), then invalid, then a
+    word: a stream shows "é" before the full decode turns the run into U+FFFD."""
+    from rtpkv.engine import engine as engine_module
+
+    _, pipe = edge_server
+    tok = pipe.tokenizer
+    forced = [tok.convert_tokens_to_ids(t) for t in ("<0xC3>", "<0xA9>", "<0x95>", "▁hello")]
+
+    def sample_batch(logits, requests):
+        return [forced[r.num_output % len(forced)] for r in requests], {}
+
+    monkeypatch.setattr(engine_module, "sample_batch", sample_batch)
+    full = tok.decode(forced, skip_special_tokens=True)
+    assert full.startswith("\ufffd\ufffd")
+    return pipe, full
+
+
+def test_non_streaming_text_is_the_full_decode(byte_run_output, client):
+    pipe, full = byte_run_output
+    config = {"max_new_tokens": 4, "ignore_eos": True}
+    deltas = [r.generate_texts[0] for r in pipe("hi", return_incremental=True, **config)]
+    assert deltas[1] == "é" and "".join(deltas) != full  # a stream keeps what it showed
+    last = list(pipe("hi", **config))[-1]
+    assert last.generate_texts[0] == full == pipe.tokenizer.decode(last.output_ids,
+                                                                   skip_special_tokens=True)
+    assert client.post("/", json={"prompt": "hi", **config}).json()["response"] == full
+    res = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4,
+                                               "ignore_eos": True})
+    assert res.json()["choices"][0]["text"] == full
