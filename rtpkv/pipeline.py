@@ -380,7 +380,8 @@ class Pipeline:
         if messages is not None:
             if prompt is not None:
                 raise RequestError("pass either prompt or messages, not both")
-            prompt = self.chat_prompt(messages)
+            task = GenerateConfig.build(generate_config, kwargs).task_id
+            prompt = render_chat(self.tokenizer, messages, after_task_prompt=task is not None)
         if prompt is None:
             raise RequestError("prompt is missing (got NoneType); pass a string, token ids, a "
                                "list of strings (a batch) or messages=[...]")
