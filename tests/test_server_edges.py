@@ -223,3 +223,10 @@ def test_non_streaming_text_is_the_full_decode(byte_run_output, client):
     res = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4,
                                                "ignore_eos": True})
     assert res.json()["choices"][0]["text"] == full
+
+
+def test_a_poisoned_temperature_over_http_is_answered(client):
+    res = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4,
+                                               "temperature": 1e-45, "ignore_eos": True})
+    assert res.status_code == 200, res.text
+    assert res.json()["usage"]["completion_tokens"] == 4
