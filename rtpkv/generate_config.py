@@ -36,6 +36,9 @@ class GenerateConfig(BaseModel):
     cache_salt: Optional[str] = Field(None, max_length=256)
     return_incremental: bool = False
     return_logits: bool = False              # each response carries the logits of its tokens
+    # each response carries every generated token's log-probability (the model's, before any
+    # sampling processor, as vLLM reports them) and this many most likely alternatives
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
     timeout_ms: Optional[int] = Field(None, ge=1)  # -1 (rtp-llm's default): no timeout
     skip_special_tokens: bool = True         # in the response text
     kv_cache_retention_config: Optional[KvCacheRetentionConfig] = None  # object or plain dict

@@ -51,6 +51,25 @@ def _tokens(n: int) -> str:
 
 
 @dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model, and the most likely alternatives
+    (token id, log-probability), best first: what `logprobs=k` asks for."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list[TokenLogprob]:
+    """One TokenLogprob per row of `logits` (the rows that produced `token_ids`)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logp, k, dim=-1) if k else None
+    return [TokenLogprob(int(t), float(logp[i, t]),
+                         list(zip(top.indices[i].tolist(), top.values[i].tolist())) if top else [])
+            for i, t in enumerate(token_ids)]
+
+
+@dataclass
 class Response:
     """One streamed update. `batch_response` is rtp-llm's name for `generate_texts`."""
 
@@ -59,6 +78,7 @@ class Response:
     output_ids: list[int]
     aux_info: dict[str, Any] = field(default_factory=dict)
     logits: Optional[torch.Tensor] = None  # (output_len, vocab) float32, with return_logits
+    logprobs: Optional[list[TokenLogprob]] = None  # one per output id, with logprobs=k
 
     @property
     def batch_response(self) -> list[str]:
@@ -73,14 +93,19 @@ class _ResponseBuilder:
         self.req, self.stream, self.incremental, self.aux = req, stream, incremental, aux
         self.ids: list[int] = []
         self.logits: list[torch.Tensor] = []
+        self.logprobs: Optional[list[TokenLogprob]] = \
+            None if req.config.logprobs is None else []
         self.shown = ""
 
     def feed(self, out: StepOutput) -> Optional[Response]:
         if out.error is not None:
             raise out.error
         self.ids.extend(out.new_token_ids)
-        if out.logits is not None:
+        if out.logits is not None and self.req.config.return_logits:
             self.logits.append(out.logits)
+        if out.logits is not None and self.logprobs is not None:
+            self.logprobs.extend(token_logprobs(out.logits, out.new_token_ids,
+                                                self.req.config.logprobs))
         if self.stream.stopped and not out.finished:
             return None
         text = self.stream.visible(self.ids, out.finished)
@@ -91,7 +116,7 @@ class _ResponseBuilder:
         aux = {**self.aux, **self.req.aux_info()}
         logits = torch.cat(self.logits) if self.logits else None
         return Response([delta if self.incremental else text], out.finished, list(self.ids), aux,
-                        logits)
+                        logits, None if self.logprobs is None else list(self.logprobs))
 
 
 Tagged = tuple[int, StepOutput]   # (index of the prompt in the call, its output)

@@ -230,7 +230,8 @@ class Engine:
             done = req.finish_reason is not None
             req.outputs.put(StepOutput(
                 [token], finished=done, error=req.error,
-                logits=logits[row:row + 1].clone() if req.config.return_logits else None))
+                logits=logits[row:row + 1].clone()
+                if req.config.return_logits or req.config.logprobs is not None else None))
             emitted.add(req)
         for req in finished:
             if req not in emitted:

@@ -215,7 +215,8 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
     async def _openai(request: Request, route: str, req: Any, num_prompts: int,
                       submit: Callable[[], ResponseStream]) -> Any:
         _check_model(req.model)
-        shaper = openai.Shaper(chat=route.endswith("chat/completions"), model=model_name)
+        shaper = openai.Shaper(chat=route.endswith("chat/completions"), model=model_name,
+                               tokenizer=pipeline.tokenizer)
         responses = await state.start(route, num_prompts, _submitting(submit))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -16,7 +16,7 @@ from typing import Any, AsyncGenerator, Optional, Union
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rtpkv.pipeline import BatchResponse, Response
+from rtpkv.pipeline import BatchResponse, Response, TokenLogprob
 from rtpkv.server.errors import ApiError, ErrorCode, api_error
 
 DONE = "data: [DONE]\n\n"
@@ -30,10 +30,10 @@ class StreamOptions(BaseModel):
 
 # OpenAI parameters rtpkv does not implement, with the value that leaves each off: any other
 # value is refused as "not supported", naming the parameter (not as an unknown generate_config
-# key). logprobs are refused rather than faked.
+# key).
 _OFF = object()
 UNSUPPORTED: dict[str, Any] = {
-    "n": 1, "best_of": 1, "logprobs": _OFF, "top_logprobs": _OFF, "echo": False,
+    "n": 1, "best_of": 1, "echo": False,
     "response_format": _OFF, "tools": _OFF, "tool_choice": _OFF, "functions": _OFF,
     "function_call": _OFF, "parallel_tool_calls": _OFF, "logit_bias": _OFF, "suffix": _OFF,
     "presence_penalty": 0, "frequency_penalty": 0,
@@ -82,6 +82,8 @@ class _Common(BaseModel):
                   "top_p": self.top_p, "random_seed": self.seed,
                   "stop_words_str": [self.stop] if isinstance(self.stop, str) else self.stop}
         config.update({k: v for k, v in mapped.items() if v is not None})
+        if self.top_alternatives() is not None:
+            config["logprobs"] = self.top_alternatives()
         # a stream relays the pipeline's own deltas; an answer is the final text
         config["return_incremental"] = self.stream
         return config
@@ -89,10 +91,22 @@ class _Common(BaseModel):
     def max_new_tokens(self) -> Optional[int]:
         return self.max_tokens
 
+    def top_alternatives(self) -> Optional[int]:
+        """generate_config's `logprobs`: None (no log-probabilities) or how many alternatives."""
+        return None
+
 
 class ChatCompletionRequest(_Common):
     messages: list[dict[str, Any]]
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+    def top_alternatives(self) -> Optional[int]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                           "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_new_tokens(self) -> Optional[int]:
         if self.max_completion_tokens is not None and self.max_tokens is not None \
@@ -105,6 +119,10 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[str], list[int]]
+    logprobs: Optional[int] = Field(None, ge=0, le=5)
+
+    def top_alternatives(self) -> Optional[int]:
+        return self.logprobs
 
     @property
     def batch(self) -> bool:
@@ -151,8 +169,8 @@ def _finish_reason(res: Response) -> Optional[str]:
 class Shaper:
     """Builds one request's OpenAI objects: chat.completion(.chunk) or text_completion."""
 
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, tokenizer: Any = None):
+        self.chat, self.model, self.tokenizer = chat, model, tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -165,7 +183,7 @@ class Shaper:
         for i, r in enumerate(_members(res)):
             text = r.generate_texts[0]
             choice: dict[str, Any] = {"index": i, "finish_reason": _finish_reason(r),
-                                      "logprobs": None}
+                                      "logprobs": self._logprobs(r.output_ids, r.logprobs, 0)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -174,19 +192,54 @@ class Shaper:
         return {**self._head(self.object), "choices": choices,
                 "usage": usage([r.aux_info for r in _members(res)])}
 
+    def _piece(self, ids: list[int], i: int) -> str:
+        """Token i's text: what it adds to the decode of the tokens before it."""
+        before = self.tokenizer.decode(ids[:i])
+        after = self.tokenizer.decode(ids[:i + 1])
+        return after[len(before):] if after.startswith(before) else self.tokenizer.decode(ids[i:i + 1])
+
+    def _logprobs(self, ids: list[int], entries: Optional[list[TokenLogprob]],
+                  start: int) -> Optional[dict[str, Any]]:
+        """OpenAI's logprobs object for tokens start.. (chat: `content`; completions: parallel
+        lists with text offsets), or None when not asked for."""
+        if entries is None:
+            return None
+        entries = entries[start:]
+        pieces = [self._piece(ids, start + i) for i in range(len(entries))]
+
+        def alternatives(entry: TokenLogprob) -> list[tuple[str, float]]:
+            return [(self.tokenizer.decode([t]), lp) for t, lp in entry.top]
+
+        if self.chat:
+            return {"content": [
+                {"token": piece, "logprob": e.logprob, "bytes": list(piece.encode()),
+                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
+                                  for t, lp in alternatives(e)]}
+                for piece, e in zip(pieces, entries)]}
+        offset = len(self.tokenizer.decode(ids[:start])) if start else 0
+        offsets = []
+        for piece in pieces:
+            offsets.append(offset)
+            offset += len(piece)
+        return {"tokens": pieces, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [dict(alternatives(e)) for e in entries],
+                "text_offset": offsets}
+
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return "data: " + orjson.dumps({**self._head(obj), "choices": choices, **extra}).decode() \
             + "\n\n"
 
     def _choice(self, index: int, text: Optional[str], finish: Optional[str],
-                role: bool = False) -> dict[str, Any]:
+                role: bool = False, logprobs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return {"index": index, "delta": delta, "finish_reason": finish,
+                    "logprobs": logprobs}
+        return {"index": index, "text": text or "", "finish_reason": finish,
+                "logprobs": logprobs}
 
     async def events(self, responses: AsyncGenerator[Union[Response, BatchResponse], None],
                      include_usage: bool) -> AsyncGenerator[str, None]:
@@ -194,24 +247,31 @@ class Shaper:
         (the pipeline's return_incremental delta), a chunk with its finish_reason, the usage
         chunk when asked, then `data: [DONE]`."""
         done: list[bool] = []
+        sent: list[int] = []   # log-probabilities already sent, per choice
         last: Optional[Union[Response, BatchResponse]] = None
         try:
             async for res in responses:
                 last = res
                 members = _members(res)
                 if not done:
-                    done = [False] * len(members)
+                    done, sent = [False] * len(members), [0] * len(members)
                     if self.chat:
                         yield self._chunk([self._choice(i, "", None, role=True)
                                            for i in range(len(members))])
                 for i, r in enumerate(members):
                     delta = r.generate_texts[0]
+                    finish = r.finished and not done[i]
+                    logprobs = None
+                    if (delta or finish) and r.logprobs is not None:
+                        logprobs = self._logprobs(r.output_ids, r.logprobs, sent[i])
+                        sent[i] = len(r.logprobs)
                     if delta:
-                        yield self._chunk([self._choice(i, delta, None)])
-                    if r.finished and not done[i]:
+                        yield self._chunk([self._choice(i, delta, None, logprobs=logprobs)])
+                        logprobs = None
+                    if finish:
                         done[i] = True
                         yield self._chunk([self._choice(i, None if self.chat else "",
-                                                        _finish_reason(r))])
+                                                        _finish_reason(r), logprobs=logprobs)])
             if include_usage and last is not None:
                 yield self._chunk([], usage=usage([r.aux_info for r in _members(last)]))
         except Exception as exc:
