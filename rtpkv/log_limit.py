@@ -23,7 +23,7 @@ class RateLimitedLog:
         self._last = float("-inf")
         self._suppressed = 0
 
-    def __call__(self, msg: str, *args: Any) -> None:
+    def __call__(self, msg: str, *args: Any, exc_info: bool = False) -> None:
         with self._lock:
             now = self.clock()
             if now - self._last < self.interval_s:
@@ -32,4 +32,4 @@ class RateLimitedLog:
             suppressed, self._suppressed, self._last = self._suppressed, 0, now
         if suppressed:
             msg += f" ({suppressed} more since the last report)"
-        self.logger.log(self.level, msg, *args)
+        self.logger.log(self.level, msg, *args, exc_info=exc_info)

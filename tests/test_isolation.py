@@ -3,6 +3,9 @@ sampling or postprocessing, never fails the requests beside it in the same step.
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -93,3 +96,26 @@ def test_infinite_sampling_values_are_refused_by_name(make_pipeline, key):
     pipe = make_pipeline()
     with pytest.raises(ConfigError, match=key):
         pipe("hello", generate_config={key: float("inf")})
+
+
+def test_a_step_that_keeps_failing_is_logged_once_with_a_count(make_pipeline, monkeypatch,
+                                                               caplog):
+    pipe = make_pipeline()
+    real = pipe.engine.scheduler.schedule
+    failing = threading.Event()
+    failing.set()
+
+    def schedule():
+        if failing.is_set():
+            raise RuntimeError("scheduler bug")
+        return real()
+
+    monkeypatch.setattr(pipe.engine.scheduler, "schedule", schedule)
+    with caplog.at_level(logging.ERROR, logger="rtpkv"):
+        stream = pipe("hello", top_k=1, max_new_tokens=2)
+        time.sleep(1.0)                                 # the loop retries every iteration
+        failing.clear()
+        last = list(stream)[-1]                         # then the waiting request runs
+    assert last.finished and len(last.output_ids) == 2
+    failures = [r for r in caplog.records if "engine step failed" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].exc_info

@@ -29,6 +29,7 @@ from rtpkv.engine.sampler import sample_batch
 from rtpkv.engine.scheduler import ScheduledChunk, Scheduler
 from rtpkv.engine.window import attention_window
 from rtpkv.errors import CapacityError, EngineStoppedError, RequestTimeoutError
+from rtpkv.log_limit import RateLimitedLog
 from rtpkv.model_factory.factory import Model
 from rtpkv.torch_threads import serial_torch
 
@@ -95,6 +96,7 @@ class Engine:
         self._inbox: "queue.Queue[Optional[Request]]" = queue.Queue()
         self._stopped = threading.Event()
         self._threads = torch.get_num_threads()
+        self._step_failed = RateLimitedLog(log, logging.ERROR)
         log.info("reuse_cache: %s", config.reuse_cache)
         log.info("attention window: %s", self.window.describe())
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB), attention backend: %s",
@@ -179,8 +181,8 @@ class Engine:
                         self.scheduler.add(item)
             except queue.Empty:
                 continue
-            except Exception:  # a bug must not kill the loop silently
-                log.exception("engine step failed")
+            except Exception:  # a bug must not kill the loop silently, nor flood the log
+                self._step_failed("engine step failed", exc_info=True)
                 with self.lock:
                     for req in list(self.scheduler.running):
                         self._finish(req, FinishReason.ERROR, RuntimeError("engine step failed"))

@@ -39,7 +39,6 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port} (HOST/--host, START_PORT/--port): "
                           f"{exc.strerror or exc}") from None
-    sock.set_inheritable(True)
     return sock
 
 
