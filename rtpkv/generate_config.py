@@ -27,7 +27,7 @@ class GenerateConfig(BaseModel):
     temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)  # 0: greedy
     do_sample: bool = True                   # False: greedy, whatever top_k/top_p/temperature say
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
-    random_seed: Optional[int] = None
+    random_seed: Optional[int] = Field(None, ge=-2**63, le=2**64 - 1)  # what torch accepts
     stop_words_str: list[str] = Field(default_factory=list)
     stop_words_list: list[list[int]] = Field(default_factory=list)
     ignore_eos: bool = False

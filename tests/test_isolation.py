@@ -119,3 +119,10 @@ def test_a_step_that_keeps_failing_is_logged_once_with_a_count(make_pipeline, mo
     assert last.finished and len(last.output_ids) == 2
     failures = [r for r in caplog.records if "engine step failed" in r.getMessage()]
     assert len(failures) == 1 and failures[0].exc_info
+
+
+@pytest.mark.parametrize("seed", [2**64, -2**63 - 1])
+def test_a_seed_torch_cannot_take_is_refused_by_name(make_pipeline, seed):
+    pipe = make_pipeline()
+    with pytest.raises(ConfigError, match="random_seed"):
+        pipe("hello", random_seed=seed)
