@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
@@ -31,6 +32,10 @@ from rtpkv.text_stream import TextStream
 log = logging.getLogger("rtpkv")
 
 DEFAULT_MAX_NEW_TOKENS = 256
+# Texts longer than this are encoded by the pipeline's own copy of the tokenizer, under its own
+# lock: every stream's detokenization takes the shared tokenizer's lock, and must not wait
+# while a long prompt is encoded (a stream consumed on the event loop would stall the server).
+LONG_PROMPT_CHARS = 4096
 Prompt = Union[str, Sequence[int]]
 
 
@@ -283,6 +288,8 @@ class Pipeline:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self._token_chars = longest_token_chars(self.tokenizer)
+        self._long_encoder: Optional[LockedTokenizer] = None
+        self._long_encoder_lock = threading.Lock()
         self.engine = Engine(model, config, hash_fn=hash_fn)
         self._retention_noted = False
         self.tasks = TaskRegistry()
@@ -382,9 +389,10 @@ class Pipeline:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt is empty; pass a non-empty string or token id list")
+            encoder = self._encoder(prompt)
             if with_special:
-                return list(self.tokenizer(prompt).input_ids)
-            return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+                return list(encoder(prompt).input_ids)
+            return list(encoder(prompt, add_special_tokens=False).input_ids)
         if isinstance(prompt, (list, tuple)) and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if not prompt:
@@ -395,6 +403,19 @@ class Pipeline:
                 raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
             return list(prompt)
         raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _encoder(self, text: str) -> LockedTokenizer:
+        """The shared tokenizer for short texts; for long ones a private copy made once (the
+        shared one where it cannot be copied)."""
+        if len(text) <= LONG_PROMPT_CHARS:
+            return self.tokenizer
+        with self._long_encoder_lock:
+            if self._long_encoder is None:
+                try:
+                    self._long_encoder = LockedTokenizer(copy.deepcopy(self.tokenizer.wrapped))
+                except Exception:
+                    self._long_encoder = self.tokenizer
+            return self._long_encoder
 
     def _submit(self, prompt: Union[Prompt, list[str], None], messages: Optional[Messages],
                 generate_config: Optional[dict[str, Any]], kwargs: dict[str, Any],

@@ -229,3 +229,36 @@ def test_a_poisoned_temperature_over_http_is_answered(client):
                                                "temperature": 1e-45, "ignore_eos": True})
     assert res.status_code == 200, res.text
     assert res.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_long_tokenization_does_not_hold_up_other_streams(make_pipeline, monkeypatch):
+    from rtpkv.pipeline import LONG_PROMPT_CHARS
+
+    pipe = make_pipeline()
+    cls = type(pipe.tokenizer.wrapped)
+    real = cls.__call__
+    started = threading.Event()
+
+    def slow(self, text, *args, **kwargs):
+        if isinstance(text, str) and len(text) > LONG_PROMPT_CHARS:
+            started.set()
+            time.sleep(3)                                  # a long prompt being encoded
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "__call__", slow)
+    long_prompt = "hello " * (LONG_PROMPT_CHARS // 6 + 10)
+    worker = threading.Thread(target=_swallow, args=(pipe, long_prompt))
+    worker.start()
+    assert started.wait(10)
+    began = time.monotonic()
+    last = list(pipe([5, 6, 7, 8], top_k=1, max_new_tokens=3, ignore_eos=True))[-1]
+    assert last.finished and time.monotonic() - began < 1.5, "decoding waited for the encoder"
+    worker.join(10)
+
+
+def _swallow(pipe, prompt: str) -> None:
+    """Run a request whose outcome does not matter here (it may be too long)."""
+    try:
+        list(pipe(prompt, max_new_tokens=1))
+    except Exception:
+        pass
