@@ -14,7 +14,6 @@ half-written); and a block is loaded only if its record is intact and holds that
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,12 +87,11 @@ class FolderKvCacheConnector(KvCacheConnector):
 
 
 def main() -> None:
-    from rtpkv.cli import DEMO_CHECKPOINT
+    from rtpkv.cli import example_model_path
     from rtpkv.model_factory import ModelConfig, ModelFactory
-    from rtpkv.model_factory.tiny import cached_tiny_checkpoint
     from rtpkv.pipeline import Pipeline
 
-    model_name = sys.argv[1] if len(sys.argv) > 1 else str(cached_tiny_checkpoint("demo", **DEMO_CHECKPOINT))
+    model_name = example_model_path(__doc__)
     test_text = (
         "Nvidia Corporation is an American technology company headquartered in Santa Clara, California."
         "Founded in 1993 by Jensen Huang, Chris Malachowsky, and Curtis Priem, it develops graphics processing units (GPUs), "

@@ -5,19 +5,17 @@ start-up and pinned; a request naming task_id starts from that cache.
 """
 
 import os
-import sys
 from pathlib import Path
 
 os.environ.setdefault("MULTI_TASK_PROMPT", str(Path(__file__).with_name("tasks.json")))
 os.environ.setdefault("SEQ_SIZE_PER_BLOCK", "4")
 # os.environ["MULTI_TASK_PROMPT_STR"] = "{json str}"
 
-from rtpkv.cli import DEMO_CHECKPOINT  # noqa: E402
+from rtpkv.cli import example_model_path  # noqa: E402
 from rtpkv.model_factory import ModelConfig, ModelFactory  # noqa: E402
-from rtpkv.model_factory.tiny import cached_tiny_checkpoint  # noqa: E402
 from rtpkv.pipeline import Pipeline  # noqa: E402
 
-model_name = sys.argv[1] if len(sys.argv) > 1 else str(cached_tiny_checkpoint("demo", **DEMO_CHECKPOINT))
+model_name = example_model_path(__doc__)
 model = ModelFactory.from_huggingface(model_name, ModelConfig())
 pipeline = Pipeline(model, model.tokenizer)
 

@@ -7,17 +7,15 @@ SEQ_SIZE_PER_BLOCK come from the environment (this script defaults them to 1 and
 """
 
 import os
-import sys
 
 os.environ.setdefault("REUSE_CACHE", "1")
 os.environ.setdefault("SEQ_SIZE_PER_BLOCK", "4")
 
-from rtpkv.cli import DEMO_CHECKPOINT  # noqa: E402
+from rtpkv.cli import example_model_path  # noqa: E402
 from rtpkv.model_factory import ModelConfig, ModelFactory  # noqa: E402
-from rtpkv.model_factory.tiny import cached_tiny_checkpoint  # noqa: E402
 from rtpkv.pipeline import Pipeline  # noqa: E402
 
-model_name = sys.argv[1] if len(sys.argv) > 1 else str(cached_tiny_checkpoint("demo", **DEMO_CHECKPOINT))
+model_name = example_model_path(__doc__)
 model = ModelFactory.from_huggingface(model_name, ModelConfig())
 pipeline = Pipeline(model, model.tokenizer)
 generate_config = {"top_k": 1, "max_new_tokens": 100}

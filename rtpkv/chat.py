@@ -9,6 +9,11 @@ default template:
     <|im_start|>assistant\\n
 
 tokenized as a plain prompt (BOS added where the tokenizer adds one).
+
+With a `task_id`, the task's prompt stands in for the system message: it is the request's
+prefix, and the chat is rendered without a system turn of its own (not the template's default
+one either, which templates such as Qwen's insert when no system message is given); a system
+message beside a task_id is refused.
 """
 
 from __future__ import annotations
@@ -59,13 +64,38 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
     return out
 
 
-def render_chat(tokenizer: Any, messages: Any) -> list[int]:
-    """Token ids of `messages` followed by the assistant's turn opener."""
+_SYSTEM_MARK = "\x00rtpkv-task-prompt\x00"
+
+
+def _render(tokenizer: Any, msgs: list[dict[str, str]], generation: bool) -> str:
+    own = getattr(tokenizer, "chat_template", None)
+    return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation,
+                                         **({} if own else {"chat_template": CHATML_TEMPLATE}))
+
+
+def _after_system_turn(tokenizer: Any, msgs: list[dict[str, str]]) -> str:
+    """The rendered chat with its system turn cut off: rendered behind a marker system
+    message (so no default one is added), less what the marker's turn alone renders to."""
+    if any(m["role"] == "system" for m in msgs):
+        raise RequestError("a request with a task_id takes no system message: the task's prompt "
+                           "is the system prompt")
+    system = [{"role": "system", "content": _SYSTEM_MARK}]
+    head = _render(tokenizer, system, generation=False)
+    text = _render(tokenizer, system + msgs, generation=True)
+    if _SYSTEM_MARK not in head or not text.startswith(head):
+        raise RequestError("this checkpoint's chat template cannot render messages after a "
+                           "task prompt; send the prompt as text with the task_id")
+    return text[len(head):]
+
+
+def render_chat(tokenizer: Any, messages: Any, after_task_prompt: bool = False) -> list[int]:
+    """Token ids of `messages` followed by the assistant's turn opener; `after_task_prompt`:
+    without a system turn, to follow a task prompt (no special tokens added)."""
     msgs = normalize_messages(messages)
-    template = getattr(tokenizer, "chat_template", None)
-    if template:
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    if after_task_prompt:
+        text = _after_system_turn(tokenizer, msgs)
         return list(tokenizer(text, add_special_tokens=False).input_ids)
-    text = tokenizer.apply_chat_template(msgs, chat_template=CHATML_TEMPLATE, tokenize=False,
-                                         add_generation_prompt=True)
+    text = _render(tokenizer, msgs, generation=True)
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
     return list(tokenizer(text).input_ids)

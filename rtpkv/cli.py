@@ -25,6 +25,16 @@ RANDOM_WEIGHTS_NOTE = (
 SAMPLING_KEYS = {"do_sample", "top_k", "top_p", "temperature", "random_seed"}
 
 
+def example_model_path(doc: Optional[str], argv: Optional[list[str]] = None) -> str:
+    """The examples' command line: an optional MODEL_DIR (default: the demo checkpoint), with
+    --help, so `--help` is never taken for a model path."""
+    parser = argparse.ArgumentParser(description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir", nargs="?", metavar="MODEL_DIR",
+                        help="a checkpoint directory or hub id (default: the tiny demo one)")
+    return _model_path(parser.parse_args(argv).model_dir)
+
+
 def _model_path(model: Optional[str]) -> str:
     if model:
         return model
@@ -43,19 +53,16 @@ def _pipeline(model: Optional[str], defaults: dict[str, Any]):
     return Pipeline(loaded, loaded.tokenizer)
 
 
-def _stream(pipeline, prompt: str, config: dict[str, Any]) -> None:
+def _stream(pipeline, prompt: str, config: dict[str, Any], chat: bool = False) -> None:
+    """Print the stream of `prompt` (with `chat`, the one user message of a chat, through the
+    checkpoint's chat template), then its aux_info."""
     from rtpkv.report import aux_table
 
-    incremental = config.get("return_incremental", False)
-    shown = ""
     res = None
-    for res in pipeline(prompt, generate_config=config):
-        text = res.batch_response[0]
-        if incremental:
-            sys.stdout.write(text)
-        else:
-            sys.stdout.write(text[len(shown):] if text.startswith(shown) else "\n" + text)
-            shown = text
+    request = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    # a terminal shows deltas: printed text is never taken back
+    for res in pipeline(generate_config={**config, "return_incremental": True}, **request):
+        sys.stdout.write(res.batch_response[0])
         sys.stdout.flush()
     print()
     if res is not None:
@@ -105,7 +112,7 @@ def generate(args: argparse.Namespace) -> None:
     config = generate_config_option(args.generate_config, args.max_new_tokens)
     pipeline = _pipeline(args.model, {})
     with pipeline:
-        _stream(pipeline, args.prompt, config)
+        _stream(pipeline, args.prompt, config, chat=args.chat)
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -113,7 +120,7 @@ def serve(args: argparse.Namespace) -> None:
 
     run_server(model=args.model, host=args.host, port=args.port,
                served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
-               log_level="info" if args.verbose else "warning")
+               log_level="debug" if args.verbose else "info", access_log=args.access_log)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     p.add_argument("--model", help="a checkpoint directory or hub id (default: the demo one)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the chat template")
     p.add_argument("--generate-config",
                    help='JSON object of generate_config keys, e.g. \'{"top_k": 50, "temperature": 0.8}\'')
     p.set_defaults(func=generate)
@@ -145,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the model id of /v1 (default: the directory name)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may finish after SIGTERM (default 30)")
+    p.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="do not log one line per HTTP request (logged by default, as uvicorn does)")
     p.set_defaults(func=serve)
     from rtpkv.fleet.launcher import add_parser as add_fleet_parser
 
@@ -155,8 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     args.verbose = getattr(args, "verbose", False)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    # the server logs at INFO by default: a container operator's only view of what it does
+    logging.basicConfig(level=logging.INFO if args.verbose or args.command == "serve"
+                        else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         args.func(args)
     except KeyboardInterrupt:

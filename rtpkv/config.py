@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import os
+import reprlib
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
@@ -20,6 +21,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rtpkv.cache.block import DEFAULT_PRIORITY
 from rtpkv.errors import ConfigError
 from rtpkv.kernels.names import ATTENTION_BACKENDS, LINEAR_PATHS
+
+# Values in error messages: bounded in depth and length, so a value nested a thousand levels
+# deep or megabytes long is reported in a line (a plain repr would recurse or flood the log).
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = \
+    4, 200, 200, 10, 10
 
 _TRUE = {"1", "true", "on"}
 _FALSE = {"0", "false", "off"}
@@ -76,7 +83,7 @@ def describe_validation_error(exc: ValidationError, name: Callable[[str], str] =
             msg = err["msg"].removeprefix("Value error, ")
             shown = value(field, err.get("input"))
             shown = _SECRET_VALUES.get(field, lambda v: v)(shown)
-            clauses.append(f"{name(field)}={shown!r} is invalid: {msg}")
+            clauses.append(f"{name(field)}={_SHORT.repr(shown)} is invalid: {msg}")
     return "; ".join(clauses)
 
 
@@ -256,10 +263,21 @@ class Settings(RuntimeConfig, BaseSettings):
     checkpoint_path: Optional[str] = None
     start_port: int = Field(8088, ge=1, le=65535)
     host: str = Field("127.0.0.1", min_length=1)
+    max_request_body_mb: float = Field(16.0, gt=0)  # larger bodies: 413 before parsing
+    warm_up: bool = True   # rtp-llm's switch: one short request at start, before "ready"
+
+    @field_validator("warm_up", mode="before")
+    @classmethod
+    def _warm_up_switch(cls, value: Any) -> Any:
+        return parse_switch(value)
 
     @classmethod
     def from_env(cls) -> "Settings":
-        """Read and validate the environment; a bad value raises ConfigError naming it."""
+        """Read and validate the environment; a bad value raises ConfigError naming it, and a
+        variable that looks meant for rtpkv but has no effect is warned about (env_check)."""
+        from rtpkv.env_check import check_environment
+
+        check_environment(name.upper() for name in cls.model_fields)
         try:
             return cls()
         except ValidationError as exc:

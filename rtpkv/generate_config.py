@@ -23,11 +23,11 @@ class GenerateConfig(BaseModel):
     max_new_tokens: Optional[int] = Field(None, ge=1)  # None: up to 256, within max_seq_len
     min_new_tokens: int = Field(0, ge=0)
     top_k: int = Field(0, ge=0)              # 0: no top-k filter; 1: greedy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    temperature: float = Field(1.0, ge=0.0)  # 0: greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)  # 0: greedy
     do_sample: bool = True                   # False: greedy, whatever top_k/top_p/temperature say
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    random_seed: Optional[int] = None
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    random_seed: Optional[int] = Field(None, ge=-2**63, le=2**64 - 1)  # what torch accepts
     stop_words_str: list[str] = Field(default_factory=list)
     stop_words_list: list[list[int]] = Field(default_factory=list)
     ignore_eos: bool = False
@@ -36,6 +36,9 @@ class GenerateConfig(BaseModel):
     cache_salt: Optional[str] = Field(None, max_length=256)
     return_incremental: bool = False
     return_logits: bool = False              # each response carries the logits of its tokens
+    # each response carries every generated token's log-probability (the model's, before any
+    # sampling processor, as vLLM reports them) and this many most likely alternatives
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
     timeout_ms: Optional[int] = Field(None, ge=1)  # -1 (rtp-llm's default): no timeout
     skip_special_tokens: bool = True         # in the response text
     kv_cache_retention_config: Optional[KvCacheRetentionConfig] = None  # object or plain dict

@@ -3,7 +3,8 @@
 A fast tokenizer is a Rust object behind a RefCell: two threads inside it at once can fail with
 "Already borrowed" (encode with truncation or padding mutates it). The engine thread (stop-word
 checks), the threads that iterate response streams (detokenization) and the callers that submit
-prompts (tokenization) all use the pipeline's tokenizer, so every call goes through one lock.
+prompts (tokenization) all use the pipeline's tokenizer, so every call goes through one lock
+(a pipeline encodes long prompts with a copy of its own, so that they do not hold this one).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
@@ -34,7 +35,46 @@ if TYPE_CHECKING:
 log = logging.getLogger("rtpkv")
 
 DEFAULT_MAX_NEW_TOKENS = 256
+# Texts longer than this are encoded by the pipeline's own copy of the tokenizer, under its own
+# lock: every stream's detokenization takes the shared tokenizer's lock, and must not wait
+# while a long prompt is encoded (a stream consumed on the event loop would stall the server).
+LONG_PROMPT_CHARS = 4096
 Prompt = Union[str, Sequence[int]]
+
+
+def longest_token_chars(tokenizer: Any) -> Optional[int]:
+    """The most characters one token of the vocabulary spells (raw vocabulary strings are never
+    shorter than their text: byte-level BPE maps a byte to a character, `<0x0A>` is longer than
+    its byte), so a prompt of more than `tokens * this` characters needs more than `tokens`
+    tokens and is refused without tokenizing it. None when the vocabulary cannot be read."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:
+        return None
+    return max((len(piece) for piece in vocab), default=None) or None
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model, and the most likely alternatives
+    (token id, log-probability), best first: what `logprobs=k` asks for."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list[TokenLogprob]:
+    """One TokenLogprob per row of `logits` (the rows that produced `token_ids`)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logp, k, dim=-1) if k else None
+    return [TokenLogprob(int(t), float(logp[i, t]),
+                         list(zip(top.indices[i].tolist(), top.values[i].tolist())) if top else [])
+            for i, t in enumerate(token_ids)]
 
 
 @dataclass
@@ -46,6 +86,7 @@ class Response:
     output_ids: list[int]
     aux_info: dict[str, Any] = field(default_factory=dict)
     logits: Optional[torch.Tensor] = None  # (output_len, vocab) float32, with return_logits
+    logprobs: Optional[list[TokenLogprob]] = None  # one per output id, with logprobs=k
 
     @property
     def batch_response(self) -> list[str]:
@@ -60,23 +101,30 @@ class _ResponseBuilder:
         self.req, self.stream, self.incremental, self.aux = req, stream, incremental, aux
         self.ids: list[int] = []
         self.logits: list[torch.Tensor] = []
+        self.logprobs: Optional[list[TokenLogprob]] = \
+            None if req.config.logprobs is None else []
         self.shown = ""
 
     def feed(self, out: StepOutput) -> Optional[Response]:
         if out.error is not None:
             raise out.error
         self.ids.extend(out.new_token_ids)
-        if out.logits is not None:
+        if out.logits is not None and self.req.config.return_logits:
             self.logits.append(out.logits)
+        if out.logits is not None and self.logprobs is not None:
+            self.logprobs.extend(token_logprobs(out.logits, out.new_token_ids,
+                                                self.req.config.logprobs))
         if self.stream.stopped and not out.finished:
             return None
         text = self.stream.visible(self.ids, out.finished)
+        if out.finished and not self.incremental:  # cumulative: the last text is exact
+            text = self.stream.final_text(self.ids)
         delta = text[len(self.shown):] if text.startswith(self.shown) else text
         self.shown = text
         aux = {**self.aux, **self.req.aux_info()}
         logits = torch.cat(self.logits) if self.logits else None
         return Response([delta if self.incremental else text], out.finished, list(self.ids), aux,
-                        logits)
+                        logits, None if self.logprobs is None else list(self.logprobs))
 
 
 Tagged = tuple[int, StepOutput]   # (index of the prompt in the call, its output)
@@ -242,6 +290,9 @@ class Pipeline:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self._token_chars = longest_token_chars(self.tokenizer)
+        self._long_encoder: Optional[LockedTokenizer] = None
+        self._long_encoder_lock = threading.Lock()
         self.engine = Engine(model, config, hash_fn=hash_fn)
         self._retention_noted = False
         self.tasks = TaskRegistry()
@@ -312,17 +363,18 @@ class Pipeline:
         if cfg.task_id is not None:
             task = self.tasks.get(cfg.task_id)
             prefix = task.token_ids
+        limit = self.config.max_seq_len
+        self._refuse_untokenized(prompt, limit - len(prefix))
         own = self._tokenize(prompt, with_special=not prefix)
         ids = prefix + own
-        limit = self.config.max_seq_len
         room = limit - len(ids)
         if room < 1:
-            raise PromptTooLongError(f"prompt is {len(ids)} tokens ({len(prefix)} of them the "
+            raise PromptTooLongError(f"prompt is {_tokens(len(ids))} ({len(prefix)} of them the "
                                      f"task prompt); max_seq_len is {limit}, leaving no room to "
                                      "generate")
         max_new = cfg.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, room)
         if max_new > room:
-            raise PromptTooLongError(f"prompt of {len(ids)} tokens + max_new_tokens {max_new} "
+            raise PromptTooLongError(f"prompt of {_tokens(len(ids))} + max_new_tokens {max_new} "
                                      f"exceeds max_seq_len {limit}")
         stream = TextStream(self.tokenizer, cfg.stop_words_str, cfg.min_new_tokens,
                             cfg.skip_special_tokens)
@@ -333,13 +385,24 @@ class Pipeline:
         aux = {"input_len": len(own), "prefix_len": len(prefix)}
         return req, _ResponseBuilder(req, stream, cfg.return_incremental, aux)
 
+    def _refuse_untokenized(self, prompt: Prompt, room: int) -> None:
+        """A text too long for any tokenization of it to fit is refused before the tokenizer
+        spends time on it (seconds for megabytes, holding the tokenizer's lock)."""
+        if (isinstance(prompt, str) and self._token_chars is not None
+                and len(prompt) > max(room, 0) * self._token_chars):
+            raise PromptTooLongError(
+                f"prompt of {len(prompt)} characters is longer than any prompt that fits "
+                f"max_seq_len {self.config.max_seq_len} can be (at most {self._token_chars} "
+                "characters a token); refused before tokenizing")
+
     def _tokenize(self, prompt: Prompt, with_special: bool) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise EmptyPromptError("prompt is empty; pass a non-empty string or token id list")
+            encoder = self._encoder(prompt)
             if with_special:
-                return list(self.tokenizer(prompt).input_ids)
-            return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+                return list(encoder(prompt).input_ids)
+            return list(encoder(prompt, add_special_tokens=False).input_ids)
         if isinstance(prompt, (list, tuple)) and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if not prompt:
@@ -351,6 +414,19 @@ class Pipeline:
             return list(prompt)
         raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
+    def _encoder(self, text: str) -> LockedTokenizer:
+        """The shared tokenizer for short texts; for long ones a private copy made once (the
+        shared one where it cannot be copied)."""
+        if len(text) <= LONG_PROMPT_CHARS:
+            return self.tokenizer
+        with self._long_encoder_lock:
+            if self._long_encoder is None:
+                try:
+                    self._long_encoder = LockedTokenizer(copy.deepcopy(self.tokenizer.wrapped))
+                except Exception:
+                    self._long_encoder = self.tokenizer
+            return self._long_encoder
+
     def _submit(self, prompt: Union[Prompt, list[str], None], messages: Optional[Messages],
                 generate_config: Optional[dict[str, Any]], kwargs: dict[str, Any],
                 put: Callable[[tuple[int, StepOutput]], None]
@@ -360,7 +436,8 @@ class Pipeline:
         if messages is not None:
             if prompt is not None:
                 raise RequestError("pass either prompt or messages, not both")
-            prompt = self.chat_prompt(messages)
+            task = GenerateConfig.build(generate_config, kwargs).task_id
+            prompt = render_chat(self.tokenizer, messages, after_task_prompt=task is not None)
         if prompt is None:
             raise RequestError("prompt is missing (got NoneType); pass a string, token ids, a "
                                "list of strings (a batch) or messages=[...]")

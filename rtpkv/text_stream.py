@@ -6,7 +6,9 @@ the bytes show as U+FFFD, as a full decode shows them. Text once shown is never 
 cumulative texts only grow and deltas add up to the final text. That text is what decoding all
 output ids at once gives, with one exception a bounded wait cannot avoid: Hugging Face's
 ByteFallback decoder turns a whole run of byte tokens into U+FFFD when any byte of it is invalid,
-so characters already shown from the start of such a run stay shown.
+so characters already shown from the start of such a run stay shown. A response that showed
+nothing before its end (non-streaming, or the final cumulative text) takes `final_text`: the
+full decode, cut at its stop word, without that exception.
 """
 
 from __future__ import annotations
@@ -91,6 +93,14 @@ class TextStream:
                     hold = k
                     break
         return text[:end - hold]
+
+    def final_text(self, ids: Sequence[int]) -> str:
+        """The full decode of the output `ids`, cut at the first stop word that counts: the
+        text of an answer that nothing was shown of before (no shown text has to stay)."""
+        text = self.decode(ids)
+        hits = [i for i in (text.find(s, max(0, self._floor - len(s) + 1))
+                            for s in self.stop_words) if i >= 0]
+        return text[:min(hits)] if hits else text
 
     def stop_check(self) -> "StopCheck | None":
         return StopCheck(self) if self.stop_words else None

@@ -22,10 +22,11 @@ from rtpkv.cache.manager import HashFn, KVCacheManager, PinnedPrefix, sha256
 from rtpkv.config import RuntimeConfig
 from rtpkv.engine.model_runner import ModelRunner
 from rtpkv.engine.request import FinishReason, Request, StepOutput
-from rtpkv.engine.sampler import sample
+from rtpkv.engine.sampler import sample_batch
 from rtpkv.engine.scheduler import ScheduledChunk, Scheduler
 from rtpkv.engine.window import attention_window
 from rtpkv.errors import EngineStoppedError, RequestTimeoutError
+from rtpkv.log_limit import RateLimitedLog
 from rtpkv.model_factory.factory import Model
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class Engine:
         self._inbox: "queue.Queue[Optional[Request]]" = queue.Queue()
         self._stopped = threading.Event()
         self._threads = torch.get_num_threads()
+        self._step_failed = RateLimitedLog(log, logging.ERROR)
         log.info("attention window: %s, attention backend: %s", self.window.describe(),
                  model.module.attention_name)
         self._thread = threading.Thread(target=self._loop, name="rtpkv-engine", daemon=True)
@@ -121,8 +123,8 @@ class Engine:
                         self.scheduler.add(item)
             except queue.Empty:
                 continue
-            except Exception:  # a bug must not kill the loop silently
-                log.exception("engine step failed")
+            except Exception:  # a bug must not kill the loop silently, nor flood the log
+                self._step_failed("engine step failed", exc_info=True)
                 with self.lock:
                     for req in list(self.scheduler.running):
                         self._finish(req, FinishReason.ERROR, RuntimeError("engine step failed"))
@@ -148,7 +150,16 @@ class Engine:
                 for c in batch:
                     self._finish(c.request, FinishReason.ERROR, exc)
                 return True
-            tokens = sample(logits, [c.request for c in sampled]) if sampled else []
+            tokens, failed = sample_batch(logits, [c.request for c in sampled]) if sampled \
+                else ([], {})
+            if failed:  # each fails alone; the others keep their tokens
+                for req, exc in failed.items():
+                    log.error("request %d failed in sampling: %r", req.request_id, exc)
+                    self._finish(req, FinishReason.ERROR, exc)
+                keep = [i for i, c in enumerate(sampled) if c.request not in failed]
+                batch = [c for c in batch if c.request not in failed]
+                sampled, tokens = [sampled[i] for i in keep], [tokens[i] for i in keep]
+                logits = logits[keep]
             finished = self.scheduler.postprocess(batch, sampled, tokens)
             self._emit(sampled, tokens, logits, finished)
             return True
@@ -166,7 +177,8 @@ class Engine:
             done = req.finish_reason is not None
             req.outputs.put(StepOutput(
                 [token], finished=done, error=req.error,
-                logits=logits[row:row + 1].clone() if req.config.return_logits else None))
+                logits=logits[row:row + 1].clone()
+                if req.config.return_logits or req.config.logprobs is not None else None))
             emitted.add(req)
         for req in finished:
             if req not in emitted:

@@ -3,6 +3,11 @@
 Processing order follows transformers: repetition penalty, min-new-tokens EOS ban, then
 temperature, top-k and top-p; greedy takes the arg-max. A request with `random_seed` draws from
 its own generator, so the same seed gives the same output whatever else is in the batch.
+
+Sampling is numerically safe: when a temperature or repetition penalty near zero overflows the
+float32 logits (inf or nan probabilities), they are processed again in float64, and where even
+that overflows the draw takes the distribution's limit, the arg-max. A
+request whose sampling still fails fails alone (`sample_batch`); the others keep their tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +27,22 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     if all(_plain_greedy(r) for r in requests):
         return logits.argmax(dim=-1).tolist()
     return [_sample_one(logits[i], req) for i, req in enumerate(requests)]
+
+
+def sample_batch(logits: torch.Tensor, requests: list[Request]
+                 ) -> tuple[list[int], dict[Request, Exception]]:
+    """`sample`, with a failure confined to its request: the tokens (-1 where a request
+    failed) and each failed request's exception, so one bad request never fails the step."""
+    if all(_plain_greedy(r) for r in requests):
+        return logits.argmax(dim=-1).tolist(), {}
+    tokens, failed = [], {}
+    for i, req in enumerate(requests):
+        try:
+            tokens.append(_sample_one(logits[i], req))
+        except Exception as exc:
+            tokens.append(-1)
+            failed[req] = exc
+    return tokens, failed
 
 
 def process_logits(row: torch.Tensor, req: Request) -> torch.Tensor:
@@ -52,9 +73,25 @@ def process_logits(row: torch.Tensor, req: Request) -> torch.Tensor:
     return row
 
 
+def _argmax(row: torch.Tensor) -> int:
+    """The arg-max, nan counted as -inf (an overflowed logit is never the winner by accident)."""
+    return int(torch.nan_to_num(row, nan=float("-inf")).argmax())
+
+
+def _safe_logits(row: torch.Tensor, req: Request) -> torch.Tensor:
+    """`process_logits`, redone in float64 when a temperature or penalty near zero overflowed
+    float32 (+inf or nan), so the largest logit still wins as it does in the exact limit."""
+    out = process_logits(row, req)
+    if bool(torch.isnan(out).any() or torch.isposinf(out).any()):
+        out = process_logits(row.double(), req)
+    return out
+
+
 def _sample_one(row: torch.Tensor, req: Request) -> int:
-    row = process_logits(row, req)
+    row = _safe_logits(row, req)
     if req.config.greedy:
-        return int(row.argmax())
+        return _argmax(row)
     probs = row.softmax(-1)
+    if not bool(torch.isfinite(probs).all()):  # overflowed even in float64: the limit
+        return _argmax(row)
     return int(torch.multinomial(probs.cpu(), 1, generator=req.generator))

@@ -216,16 +216,20 @@ class Scheduler:
         finished = []
         for c in chunks:
             req = c.request
-            if req.finish_reason != FinishReason.ERROR:
-                self.cache.commit(req)
-            if req.prefill_only and req.num_computed == req.num_tokens:
-                req.pinned = self.cache.pin(req)
-                req.finish_reason = FinishReason.PREFILLED
+            try:
+                if req.finish_reason != FinishReason.ERROR:
+                    self.cache.commit(req)
+                if req.prefill_only and req.num_computed == req.num_tokens:
+                    req.pinned = self.cache.pin(req)
+                    req.finish_reason = FinishReason.PREFILLED
+                if req.finish_reason is None:
+                    self.cache.release_out_of_window(req)
+            except Exception as exc:  # fails this request alone; the others keep their tokens
+                log.exception("request %d failed in postprocessing", req.request_id)
+                req.error, req.finish_reason = exc, FinishReason.ERROR
             if req.finish_reason is not None:
                 self.finish(req)
                 finished.append(req)
-            else:
-                self.cache.release_out_of_window(req)
         return finished
 
     def _append(self, req: Request, token: int) -> None:

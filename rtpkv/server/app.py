@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Union
@@ -13,17 +14,23 @@ from typing import Any, AsyncGenerator, AsyncIterator, Callable, Union
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response as HttpResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from rtpkv.pipeline import BatchResponse, Pipeline, Response, ResponseStream
 from rtpkv.server import native, openai
+from rtpkv.server.body_limit import DEFAULT_MAX_BODY_MB, BodyLimit
 from rtpkv.server.errors import ApiError, ErrorCode, api_error
 from rtpkv.server.metrics import ServerMetrics
 from rtpkv.server.sse import ClientGone, EventStreamResponse, until_disconnect
 from rtpkv.server.worker import add_worker_routes
 
+log = logging.getLogger("rtpkv")
+
 GENERATION_ROUTES = ("/", "/v1/chat/completions", "/v1/completions")
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"
+MAX_JSON_DEPTH = 64  # far above any real request (chat content parts nest 5 deep)
 
 
 @dataclass
@@ -48,16 +55,21 @@ class ServerState:
             raise ApiError(503, ErrorCode.ENGINE_STOPPED,
                            "the engine is stopped (the server is shutting down)")
 
-    def start(self, route: str, num_prompts: int,
-              submit: Callable[[], ResponseStream]) -> AsyncGenerator[Any, None]:
-        """Admit a request under CONCURRENCY_LIMIT (counted in prompts) and submit it."""
+    async def start(self, route: str, num_prompts: int,
+                    submit: Callable[[], ResponseStream]) -> AsyncGenerator[Any, None]:
+        """Admit a request under CONCURRENCY_LIMIT (counted in prompts) and submit it off the
+        event loop (tokenizing a long prompt must not stall other clients or /health)."""
         self.check_available()
         if self.in_flight + num_prompts > self.concurrency_limit:
             raise ApiError(409, ErrorCode.CONCURRENCY_LIMIT_ERROR,
                            f"{self.in_flight} requests in flight + {num_prompts} new > "
                            f"CONCURRENCY_LIMIT={self.concurrency_limit}; retry later")
-        stream = submit()
-        self.in_flight += num_prompts
+        self.in_flight += num_prompts  # held while submitting, so the limit stays exact
+        try:
+            stream = await asyncio.to_thread(submit)
+        except BaseException:
+            self.in_flight -= num_prompts
+            raise
         return self._run(route, num_prompts, stream)
 
     async def _run(self, route: str, num_prompts: int, stream: ResponseStream
@@ -93,8 +105,26 @@ async def _last(responses: AsyncGenerator[Any, None]) -> Any:
     return last
 
 
+def _check_depth(body: Any) -> None:
+    """Refuse JSON nested deeper than MAX_JSON_DEPTH: validating and reporting such a value
+    would recurse past Python's limit."""
+    level: list[Any] = [body]
+    for _ in range(MAX_JSON_DEPTH + 1):
+        level = [child for value in level
+                 for child in (value.values() if isinstance(value, dict) else value)
+                 if isinstance(child, (dict, list))]
+        if not level:
+            return
+    raise ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                   f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
+
+
 async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # an ordinary event: one line at debug level, no traceback
+        log.debug("client %s left before sending its body", request.client)
+        raise ClientGone() from None
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -103,6 +133,7 @@ async def _json_body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
                        f"request body must be a JSON object, got {type(body).__name__}")
+    _check_depth(body)
     return body
 
 
@@ -116,9 +147,10 @@ def _submitting(fn: Callable[[], ResponseStream]) -> Callable[[], ResponseStream
     return call
 
 
-def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: bool = True
-               ) -> FastAPI:
-    """The app over `pipeline`; on shutdown it stops the pipeline unless told otherwise."""
+def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: bool = True,
+               max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)) -> FastAPI:
+    """The app over `pipeline`; on shutdown it stops the pipeline unless told otherwise.
+    Request bodies over `max_body_bytes` are refused with 413 before they are parsed."""
     state = ServerState(pipeline, model_name)
 
     @contextlib.asynccontextmanager
@@ -130,13 +162,26 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
     app = FastAPI(title="rtpkv", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.rtpkv = state
 
+    @app.exception_handler(ClientGone)
+    async def on_client_gone(request: Request, exc: ClientGone) -> HttpResponse:
+        return HttpResponse(status_code=CLIENT_CLOSED)  # nobody is left to read it
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
         path = request.url.path
-        if path in GENERATION_ROUTES:
+        if path in GENERATION_ROUTES and not exc.counted:
             state.metrics.requests.labels(path, exc.outcome).inc()
         body = exc.openai_body() if path.startswith("/v1") else exc.native_body()
         return JSONResponse(body, status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """404, 405, ... in the route family's error shape, not FastAPI's {"detail"}."""
+        err = ApiError(exc.status_code, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                       f"{request.method} {request.url.path}: {exc.detail}")
+        body = err.openai_body() if request.url.path.startswith("/v1") else err.native_body()
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     async def _respond(request: Request, responses: Any, render: Callable[[Any], Any]) -> Any:
         """A non-streaming answer: the last update rendered as JSON; a client that went away
@@ -146,14 +191,16 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
         except ClientGone:
             return HttpResponse(status_code=CLIENT_CLOSED)
         except Exception as exc:
-            raise api_error(exc) from exc
+            err = api_error(exc)
+            err.counted = True  # the stream's end counted it
+            raise err from exc
         return JSONResponse(render(last))
 
     # ------------------------------------------------------------------ rtp-llm native
     @app.post("/")
     async def generate(request: Request) -> Any:
         req = native.parse(await _json_body(request))
-        responses = state.start("/", req.num_prompts, _submitting(
+        responses = await state.start("/", req.num_prompts, _submitting(
             lambda: pipeline.pipeline_async(req.prompt, req.generate_config)))
         if req.stream:
             return EventStreamResponse(native.events(responses))
@@ -169,8 +216,9 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
     async def _openai(request: Request, route: str, req: Any, num_prompts: int,
                       submit: Callable[[], ResponseStream]) -> Any:
         _check_model(req.model)
-        shaper = openai.Shaper(chat=route.endswith("chat/completions"), model=model_name)
-        responses = state.start(route, num_prompts, _submitting(submit))
+        shaper = openai.Shaper(chat=route.endswith("chat/completions"), model=model_name,
+                               tokenizer=pipeline.tokenizer)
+        responses = await state.start(route, num_prompts, _submitting(submit))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStreamResponse(shaper.events(responses, include_usage))

@@ -11,10 +11,12 @@ from rtpkv.errors import (CapacityError, ConfigError, EmptyPromptError, EngineSt
 
 
 class ErrorCode(enum.IntEnum):
-    """rtp-llm's error codes (rtp_llm ExceptionType) for the native route; ENGINE_STOPPED is
-    rtpkv's own (rtp-llm has no code for a server that is shutting down)."""
+    """rtp-llm's error codes (rtp_llm ExceptionType) for the native route; ENGINE_STOPPED and
+    REQUEST_TOO_LARGE are rtpkv's own (rtp-llm has no code for a server that is shutting down
+    or for a body over the server's limit)."""
 
     CONCURRENCY_LIMIT_ERROR = 409
+    REQUEST_TOO_LARGE = 413
     CANCELLED_ERROR = 499
     ENGINE_STOPPED = 503
     ERROR_INPUT_FORMAT_ERROR = 507
@@ -34,11 +36,12 @@ class ApiError(Exception):
     def __init__(self, status: int, code: ErrorCode, message: str, param: Optional[str] = None):
         super().__init__(message)
         self.status, self.code, self.message, self.param = status, code, message, param
+        self.counted = False  # already in rtpkv_requests_total (the request's stream ended)
 
     @property
     def outcome(self) -> str:
         """The `outcome` label of rtpkv_requests_total for this error."""
-        return {400: "invalid", 404: "invalid", 409: "rejected",
+        return {400: "invalid", 404: "invalid", 413: "invalid", 409: "rejected",
                 503: "unavailable", 504: "timeout"}.get(self.status, "error")
 
     def native_body(self) -> dict[str, Any]:
@@ -46,6 +49,7 @@ class ApiError(Exception):
 
     def openai_body(self) -> dict[str, Any]:
         kind = {400: "invalid_request_error", 404: "invalid_request_error",
+                413: "invalid_request_error",
                 409: "rate_limit_error", 503: "service_unavailable_error",
                 504: "timeout_error"}.get(self.status, "server_error")
         code = "context_length_exceeded" if self.code == ErrorCode.LONG_PROMPT_ERROR \

@@ -16,7 +16,7 @@ from typing import Any, AsyncGenerator, Literal, Optional, Union
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rtpkv.pipeline import BatchResponse, Response
+from rtpkv.pipeline import BatchResponse, Response, TokenLogprob
 from rtpkv.server.errors import ApiError, ErrorCode, api_error
 
 DONE = "data: [DONE]\n\n"
@@ -26,6 +26,38 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+
+
+# OpenAI parameters rtpkv does not implement, with the value that leaves each off: any other
+# value is refused as "not supported", naming the parameter (not as an unknown generate_config
+# key).
+_OFF = object()
+UNSUPPORTED: dict[str, Any] = {
+    "n": 1, "best_of": 1, "echo": False,
+    "response_format": _OFF, "tools": _OFF, "tool_choice": _OFF, "functions": _OFF,
+    "function_call": _OFF, "parallel_tool_calls": _OFF, "logit_bias": _OFF, "suffix": _OFF,
+    "presence_penalty": 0, "frequency_penalty": 0,
+}
+
+
+def _leaves_off(name: str, value: Any) -> bool:
+    if value is None:
+        return True
+    off = UNSUPPORTED[name]
+    if off is _OFF:  # null, false, an empty list or object, or plain text output
+        return value in (False, [], {}) or (name == "response_format" and value == {"type": "text"})
+    if isinstance(off, bool):
+        return value is off
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == off
+
+
+def refuse_unsupported(body: dict[str, Any]) -> None:
+    for name in UNSUPPORTED:
+        if name in body and not _leaves_off(name, body[name]):
+            off = UNSUPPORTED[name]
+            hint = "" if off is _OFF else f"; {name}: {off!r} is"
+            raise ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                           f"{name}: {body[name]!r} is not supported by rtpkv{hint}", name)
 
 
 class _Common(BaseModel):
@@ -39,7 +71,6 @@ class _Common(BaseModel):
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = None
-    n: int = Field(1, ge=1, le=1)
     user: Optional[str] = None  # OpenAI's end-user id: accepted for compatibility, not used
     # The routers forward their own request models whole (SGLang's, vLLM's): their fields at the
     # values that leave them off are accepted, so a router in front of rtpkv works unmodified;
@@ -47,12 +78,16 @@ class _Common(BaseModel):
     no_stop_trim: Literal[False] = False
 
     def generate_config(self) -> dict[str, Any]:
-        """The rtpkv generate_config: mapped OpenAI fields, then the extras as given."""
-        config: dict[str, Any] = dict(self.model_extra or {})
+        """The rtpkv generate_config: mapped OpenAI fields, then the extras as given (the
+        unsupported OpenAI parameters, checked in `parse`, left off)."""
+        config: dict[str, Any] = {k: v for k, v in (self.model_extra or {}).items()
+                                  if k not in UNSUPPORTED}
         mapped = {"max_new_tokens": self.max_new_tokens(), "temperature": self.temperature,
                   "top_p": self.top_p, "random_seed": self.seed,
                   "stop_words_str": [self.stop] if isinstance(self.stop, str) else self.stop}
         config.update({k: v for k, v in mapped.items() if v is not None})
+        if self.top_alternatives() is not None:
+            config["logprobs"] = self.top_alternatives()
         # a stream relays the pipeline's own deltas; an answer is the final text
         config["return_incremental"] = self.stream
         return config
@@ -60,16 +95,27 @@ class _Common(BaseModel):
     def max_new_tokens(self) -> Optional[int]:
         return self.max_tokens
 
+    def top_alternatives(self) -> Optional[int]:
+        """generate_config's `logprobs`: None (no log-probabilities) or how many alternatives."""
+        return None
+
 
 class ChatCompletionRequest(_Common):
     messages: list[dict[str, Any]]
-    logprobs: Optional[Literal[False]] = None
     continue_final_message: Literal[False] = False   # SGLang's router's fields, see no_stop_trim
     # no effect: rtpkv parses no reasoning out of the text (SGLang's and vLLM's routers send them)
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     include_reasoning: bool = True
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+
+    def top_alternatives(self) -> Optional[int]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                           "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_new_tokens(self) -> Optional[int]:
         if self.max_completion_tokens is not None and self.max_tokens is not None \
@@ -82,7 +128,10 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[str], list[int]]
-    echo: Literal[False] = False  # OpenAI's: the prompt is never repeated in the answer
+    logprobs: Optional[int] = Field(None, ge=0, le=5)
+
+    def top_alternatives(self) -> Optional[int]:
+        return self.logprobs
 
     @property
     def batch(self) -> bool:
@@ -95,6 +144,7 @@ class CompletionRequest(_Common):
 
 def parse(kind: type[_Common], body: dict[str, Any]) -> Any:
     """Validate a request; the error names the first bad field and what it accepts."""
+    refuse_unsupported(body)
     try:
         return kind.model_validate(body)
     except ValidationError as exc:
@@ -128,8 +178,8 @@ def _finish_reason(res: Response) -> Optional[str]:
 class Shaper:
     """Builds one request's OpenAI objects: chat.completion(.chunk) or text_completion."""
 
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, tokenizer: Any = None):
+        self.chat, self.model, self.tokenizer = chat, model, tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -142,7 +192,7 @@ class Shaper:
         for i, r in enumerate(_members(res)):
             text = r.generate_texts[0]
             choice: dict[str, Any] = {"index": i, "finish_reason": _finish_reason(r),
-                                      "logprobs": None}
+                                      "logprobs": self._logprobs(r.output_ids, r.logprobs, 0)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -151,19 +201,54 @@ class Shaper:
         return {**self._head(self.object), "choices": choices,
                 "usage": usage([r.aux_info for r in _members(res)])}
 
+    def _piece(self, ids: list[int], i: int) -> str:
+        """Token i's text: what it adds to the decode of the tokens before it."""
+        before = self.tokenizer.decode(ids[:i])
+        after = self.tokenizer.decode(ids[:i + 1])
+        return after[len(before):] if after.startswith(before) else self.tokenizer.decode(ids[i:i + 1])
+
+    def _logprobs(self, ids: list[int], entries: Optional[list[TokenLogprob]],
+                  start: int) -> Optional[dict[str, Any]]:
+        """OpenAI's logprobs object for tokens start.. (chat: `content`; completions: parallel
+        lists with text offsets), or None when not asked for."""
+        if entries is None:
+            return None
+        entries = entries[start:]
+        pieces = [self._piece(ids, start + i) for i in range(len(entries))]
+
+        def alternatives(entry: TokenLogprob) -> list[tuple[str, float]]:
+            return [(self.tokenizer.decode([t]), lp) for t, lp in entry.top]
+
+        if self.chat:
+            return {"content": [
+                {"token": piece, "logprob": e.logprob, "bytes": list(piece.encode()),
+                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
+                                  for t, lp in alternatives(e)]}
+                for piece, e in zip(pieces, entries)]}
+        offset = len(self.tokenizer.decode(ids[:start])) if start else 0
+        offsets = []
+        for piece in pieces:
+            offsets.append(offset)
+            offset += len(piece)
+        return {"tokens": pieces, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [dict(alternatives(e)) for e in entries],
+                "text_offset": offsets}
+
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return "data: " + orjson.dumps({**self._head(obj), "choices": choices, **extra}).decode() \
             + "\n\n"
 
     def _choice(self, index: int, text: Optional[str], finish: Optional[str],
-                role: bool = False) -> dict[str, Any]:
+                role: bool = False, logprobs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return {"index": index, "delta": delta, "finish_reason": finish,
+                    "logprobs": logprobs}
+        return {"index": index, "text": text or "", "finish_reason": finish,
+                "logprobs": logprobs}
 
     async def events(self, responses: AsyncGenerator[Union[Response, BatchResponse], None],
                      include_usage: bool) -> AsyncGenerator[str, None]:
@@ -171,24 +256,31 @@ class Shaper:
         (the pipeline's return_incremental delta), a chunk with its finish_reason, the usage
         chunk when asked, then `data: [DONE]`."""
         done: list[bool] = []
+        sent: list[int] = []   # log-probabilities already sent, per choice
         last: Optional[Union[Response, BatchResponse]] = None
         try:
             async for res in responses:
                 last = res
                 members = _members(res)
                 if not done:
-                    done = [False] * len(members)
+                    done, sent = [False] * len(members), [0] * len(members)
                     if self.chat:
                         yield self._chunk([self._choice(i, "", None, role=True)
                                            for i in range(len(members))])
                 for i, r in enumerate(members):
                     delta = r.generate_texts[0]
+                    finish = r.finished and not done[i]
+                    logprobs = None
+                    if (delta or finish) and r.logprobs is not None:
+                        logprobs = self._logprobs(r.output_ids, r.logprobs, sent[i])
+                        sent[i] = len(r.logprobs)
                     if delta:
-                        yield self._chunk([self._choice(i, delta, None)])
-                    if r.finished and not done[i]:
+                        yield self._chunk([self._choice(i, delta, None, logprobs=logprobs)])
+                        logprobs = None
+                    if finish:
                         done[i] = True
                         yield self._chunk([self._choice(i, None if self.chat else "",
-                                                        _finish_reason(r))])
+                                                        _finish_reason(r), logprobs=logprobs)])
             if include_usage and last is not None:
                 yield self._chunk([], usage=usage([r.aux_info for r in _members(last)]))
         except Exception as exc:

@@ -131,3 +131,22 @@ def test_model_config_assignment_is_validated_and_counts_as_given():
     assert config.given() == {"reuse_cache": True}
     with pytest.raises(ValueError, match="dtype"):
         config.dtype = "float8"
+
+
+def test_rtp_llm_variables_without_effect_and_near_misses_are_warned(monkeypatch, caplog):
+    from rtpkv import env_check
+
+    monkeypatch.setattr(env_check, "_warned", set())
+    for name, value in {"INT8_MODE": "1", "TOKENIZER_PATH": "/t", "REUSE_CAHCE": "1",
+                        "SEQ_SIZE_PER_BLOK": "16", "HOSTNAME": "box"}.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level(logging.WARNING, logger="rtpkv"):
+        Settings.from_env()
+        Settings.from_env()                       # once per process, not per read
+    lines = [r.getMessage() for r in caplog.records if "environment:" in r.getMessage()]
+    assert len(lines) == 4, lines
+    text = "\n".join(lines)
+    assert "INT8_MODE is an rtp-llm variable that has no effect in rtpkv" in text
+    assert "TOKENIZER_PATH is an rtp-llm variable" in text
+    assert "REUSE_CAHCE is not an rtpkv variable and has no effect; did you mean REUSE_CACHE?" in text
+    assert "did you mean SEQ_SIZE_PER_BLOCK?" in text and "HOSTNAME" not in text

@@ -286,15 +286,21 @@ def _equal_but_for_retracted_runs(streamed: str, full: str) -> bool:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_incremental_detokenization_equals_a_full_decode(make_pipeline, checkpoints, arch):
+    """Cumulative texts grow and the last one is the full decode exactly; an incremental
+    stream never takes shown text back, so its deltas add up to the full decode but for byte
+    runs invalidated after they were shown."""
     pipe = make_pipeline(checkpoints(arch))
     responses = list(pipe(PROMPT, top_k=1, max_new_tokens=200, ignore_eos=True))
     texts = [r.batch_response[0] for r in responses]
     full = pipe.tokenizer.decode(responses[-1].output_ids, skip_special_tokens=True)
-    assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), "shown text is never taken back"
+    assert texts[-1] == full
+    assert all(b.startswith(a) for a, b in zip(texts[:-1], texts[1:-1])), "text grows"
+    deltas = [r.batch_response[0] for r in pipe(PROMPT, top_k=1, max_new_tokens=200,
+                                                ignore_eos=True, return_incremental=True)]
     if arch == "qwen2":  # byte-level BPE: no byte run is invalidated after the fact
-        assert texts[-1] == full
+        assert "".join(deltas) == full
     else:
-        assert _equal_but_for_retracted_runs(texts[-1], full)
+        assert _equal_but_for_retracted_runs("".join(deltas), full)
 
 
 def test_the_stream_itself_supports_async_for(make_pipeline):

@@ -51,7 +51,7 @@ def test_matches_transformers_on_cuda(llama_path, dtype, block):
                      max_num_batched_tokens=192)
     try:
         assert pipe.model.module.attention_name == "flash-attn"
-        assert pipe.engine.pool.kv.is_cuda
+        assert pipe.engine.cache.memory.kv.is_cuda
         prompt = _ids(500, 1)
         res = run(pipe, prompt, max_new_tokens=16, return_logits=True)
         with torch.inference_mode():
@@ -90,7 +90,7 @@ def test_host_tier_onboards_device_blocks_through_pinned_memory(llama_path):
     pipe = _pipeline(llama_path, dtype="bfloat16", reuse_cache=True, seq_size_per_block=64,
                      kv_cache_max_tokens=320, host_cache_size=64 << 20)   # 5 blocks: one request
     try:
-        host = pipe.engine.cache.tiers[0]
+        host = pipe.engine.cache.ladder.tiers[0]
         assert host.cuda and host.buffer.is_pinned()
         first = [run(pipe, ids, max_new_tokens=8) for ids in (a, b)]
         again = run(pipe, a, max_new_tokens=8)

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -109,3 +110,26 @@ def test_demo(demo_cache, monkeypatch, capsys):
     (checkpoint,) = demo_cache.glob("demo-*")
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
     assert vocab == len(AutoTokenizer.from_pretrained(str(checkpoint))) == DEMO_CHECKPOINT["vocab_size"]
+
+
+def test_generate_chat_goes_through_the_chat_template(make_pipeline, llama_path, capsys):
+    argv = ["generate", PROMPT, "--model", str(llama_path), "--max-new-tokens", "12", "--chat"]
+    text = _generated_text(capsys, argv)
+    pipe = make_pipeline()
+    deltas = [res.batch_response[0] for res in pipe(
+        messages=[{"role": "user", "content": PROMPT}], top_k=1, max_new_tokens=12,
+        return_incremental=True)]
+    assert text == "".join(deltas)
+    plain = [res.batch_response[0] for res in pipe(PROMPT, top_k=1, max_new_tokens=12,
+                                                   return_incremental=True)]
+    assert text != "".join(plain)
+
+
+@pytest.mark.parametrize("example", ["reuse_cache.py", "multi_task_prompt.py",
+                                     "kv_cache_connector.py"])
+def test_examples_answer_help_instead_of_loading_it_as_a_model(example):
+    script = Path(__file__).resolve().parents[1] / "examples" / example
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage:" in done.stdout and "MODEL_DIR" in done.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -474,14 +475,25 @@ def _start_cli_server(path, *args: str) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-@pytest.mark.parametrize("deadline,max_new,finishes", [(30, 20, True), (0.5, 1000, False)])
+@pytest.mark.parametrize("deadline,max_new,finishes", [(30, 20, True), (2, 1000, False)])
 def test_sigterm_finishes_or_cancels_in_flight_and_exits_0(llama_path, deadline, max_new, finishes):
     """SIGTERM: no new connections; a request in flight is answered in full if it ends within
-    --shutdown-timeout, else cancelled; the process exits 0."""
+    --shutdown-timeout, else it ends with "engine stopped": 503 JSON when not streaming, an
+    error event then [done] on a stream, and no traceback in the log; the process exits 0."""
     proc, url = _start_cli_server(llama_path, "--shutdown-timeout", str(deadline))
     try:
         events: list[str] = []
         first = threading.Event()
+        answer: dict = {}
+
+        def plain() -> None:
+            body = {"prompt": PROMPT, "top_k": 1, "ignore_eos": True, "max_new_tokens": max_new}
+            try:
+                answer["res"] = httpx.post(url + "/v1/completions", json={
+                    "prompt": PROMPT, "max_tokens": max_new, "ignore_eos": True}, timeout=60) \
+                    if not finishes else httpx.post(url + "/", json=body, timeout=60)
+            except httpx.HTTPError as exc:
+                answer["error"] = exc
 
         def stream() -> None:
             body = {"prompt": PROMPT, "yield_generator": True,
@@ -497,21 +509,64 @@ def test_sigterm_finishes_or_cancels_in_flight_and_exits_0(llama_path, deadline,
 
         reader = threading.Thread(target=stream)
         reader.start()
+        waiter = threading.Thread(target=plain)
+        waiter.start()
         assert first.wait(60) and events, "the stream did not start"
+        assert wait_until(lambda: httpx.get(url + "/cache_status").json()[
+            "requests_running"] == 2, timeout=30)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         elapsed = time.monotonic() - t0
         reader.join(10)
+        waiter.join(10)
+        log = proc.stdout.read()
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health")
+        assert "CancelledError" not in log and "Traceback" not in log, log
         if finishes:
             assert events[-1] == "[done]" and json.loads(events[-2])["finished"]
             assert json.loads(events[-2])["aux_info"]["output_len"] == max_new
+            assert answer["res"].status_code == 200
         else:
-            assert "[done]" not in events and len(events) < max_new
+            assert events[-1] == "[done]" and len(events) < max_new
+            assert json.loads(events[-2])["error_code"] == 503
+            res = answer["res"]
+            assert res.status_code == 503, res.text
+            assert res.json()["error"]["type"] == "service_unavailable_error"
             assert elapsed < deadline + 10
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_says_what_it_does_and_logs_access(llama_path):
+    """Without -v: address, model, dtype, KV pool, reuse, tiers, warm-up and ready at INFO, and
+    one access-log line per request."""
+    proc, url = _start_cli_server(llama_path)
+    try:
+        assert httpx.get(url + "/health").status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        log = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for words in (f"listening on {url}", "dtype", "KV pool:", "MiB", "reuse_cache: True",
+                  "tiers below the device pool: none", "warm-up done", f"ready: serving {url}",
+                  '"GET /health HTTP/1.1" 200'):
+        assert words in log, (words, log)
+
+
+def test_a_busy_port_fails_before_the_weights_load(capsys, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", "--model", str(tmp_path / "no-such-model"), "--port", str(port)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "no-such-model" not in err

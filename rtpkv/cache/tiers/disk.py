@@ -11,6 +11,17 @@ reader, in this process or another, sees a file complete or not at all. By defau
 writer thread behind a bounded queue (a full queue drops the write and counts it: the engine
 never waits for the disk); ``write_sync=True`` (``WRITE_CACHE_SYNC=1``) writes before returning.
 
+The directory may be shared, so nothing in it is trusted: only regular files are opened (never
+through a symlink, never a FIFO or device: those are left alone and counted as foreign), and a
+file's size is checked against a record's before a byte of it is read.
+
+A failing disk (read-only, full) never fails a request or kills the writer thread: each failed
+write is counted (`disk_write_errors`) and logged at most once a minute with a count, and the
+next write tries again, so the tier recovers when the disk does. With ``write_sync=True`` a
+write is durable when `store` returns: the file and the directory are fsynced. Background
+writes are not fsynced (the page cache flushes them; a power loss may lose the newest blocks,
+which are then recomputed).
+
 At start the directory is re-indexed from the records' headers only. Files of another model or
 format version are left alone and counted; corrupt, truncated or unreadable ones are removed with
 a warning naming the file, and so are those found corrupt on load (a miss: the block is
@@ -21,10 +32,12 @@ a file another process removed is simply a miss.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
 import re
+import stat
 import threading
 import time
 import uuid
@@ -37,8 +50,10 @@ import torch
 from rtpkv.cache.block import DEFAULT_PRIORITY
 from rtpkv.cache.tiers.base import BlockMeta, KVTier, TierLayout
 from rtpkv.cache.tiers.order import EvictionOrder
-from rtpkv.cache.tiers.record import (LENGTH_PREFIX, CorruptRecord, ForeignRecord, RecordMismatch,
-                                      decode_header, decode_record, encode_record, header_length)
+from rtpkv.cache.tiers.record import (LENGTH_PREFIX, MAX_HEADER_BYTES, CorruptRecord, ForeignRecord,
+                                      RecordMismatch, decode_header, decode_record, encode_record,
+                                      header_length)
+from rtpkv.log_limit import RateLimitedLog
 
 log = logging.getLogger("rtpkv")
 
@@ -46,6 +61,13 @@ SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
 STALE_TEMP_SECONDS = 600          # a temporary file this old belongs to a writer that died
 _NAME = re.compile(r"^[0-9a-f]{64}\.safetensors$")
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) \
+    | getattr(os, "O_CLOEXEC", 0)
+
+
+class NotABlockFile(OSError):
+    """A directory entry named like a block file that is not a regular file (a FIFO, device,
+    symlink, directory): never read."""
 
 
 @dataclass
@@ -78,6 +100,8 @@ class DiskTier(KVTier):
         probe = encode_record(BlockMeta(b"\0" * 32, b"\0" * 32, (0,) * layout.block_size),
                               torch.zeros(layout.shape, dtype=layout.dtype), layout)
         self.record_bytes = len(probe)
+        self.max_record_bytes = LENGTH_PREFIX + MAX_HEADER_BYTES + layout.nbytes
+        self._write_failed = RateLimitedLog(log)
         if capacity_bytes < self.record_bytes:
             raise ValueError(f"disk cache size {capacity_bytes} bytes holds no block: one block "
                              f"file takes {self.record_bytes} bytes")
@@ -116,10 +140,14 @@ class DiskTier(KVTier):
             return None
         path = self._path(meta.key)
         try:
-            data = path.read_bytes()
+            data = self._read(path)
         except FileNotFoundError:                   # another process evicted it
             self._forget(meta.key)
             return None
+        except NotABlockFile as exc:
+            return self._not_a_block(path, meta.key, exc)
+        except CorruptRecord as exc:
+            return self._corrupt(path, meta.key, str(exc))
         except OSError as exc:
             return self._corrupt(path, meta.key, f"unreadable: {exc}")
         try:
@@ -220,6 +248,8 @@ class DiskTier(KVTier):
                 self._queue.task_done()
 
     def _write(self, item: _Pending) -> None:
+        """Write one block; any failure is counted and logged (rate-limited), never raised: the
+        writer thread and the engine step go on, and the next write tries again."""
         key = item.meta.key
         path = self._path(key)
         temp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}{TEMP_SUFFIX}")
@@ -227,13 +257,23 @@ class DiskTier(KVTier):
             data = encode_record(item.meta, item.payload, self.layout)
             with open(temp, "wb") as f:
                 f.write(data)
+                if self.write_sync:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(temp, path)
-        except OSError as exc:
-            log.warning("disk cache: writing %s failed: %s", path, exc)
-            temp.unlink(missing_ok=True)
+            if self.write_sync:
+                self._fsync_directory()
+        except Exception as exc:
             with self._lock:
                 self._pending.pop(key, None)
                 self.counters["write_errors"] += 1
+                errors = self.counters["write_errors"]
+            self._write_failed("disk cache: writing %s failed: %s (%d write errors so far)",
+                               path, exc, errors)
+            try:
+                temp.unlink(missing_ok=True)
+            except OSError:                         # a read-only disk refuses this too
+                pass
             return
         with self._lock:
             self._pending.pop(key, None)
@@ -266,6 +306,9 @@ class DiskTier(KVTier):
                 continue
             try:
                 header, size, mtime = self._read_header(path)
+            except NotABlockFile as exc:
+                self._not_a_block(path, bytes.fromhex(entry.name[:-len(SUFFIX)]), exc)
+                continue
             except ForeignRecord as exc:
                 log.info("disk cache: %s left alone: %s", path, exc)
                 self.counters["foreign_files"] += 1
@@ -284,28 +327,70 @@ class DiskTier(KVTier):
             self._index(meta.key, size, meta.priority)
         self._unlink(self._make_room())
 
+    def _open(self, path: Path) -> tuple[Any, os.stat_result]:
+        """Open a block file for reading: a regular file, not through a symlink, without
+        blocking (a FIFO), of a size a record can have. Raises NotABlockFile, CorruptRecord or
+        OSError."""
+        fd = os.open(path, _OPEN_FLAGS)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise NotABlockFile(f"not a regular file (mode {stat.filemode(info.st_mode)})")
+            if not LENGTH_PREFIX + self.layout.nbytes < info.st_size <= self.max_record_bytes:
+                raise CorruptRecord(f"file of {info.st_size} bytes; a record of this model "
+                                    f"takes {self.record_bytes} to {self.max_record_bytes}")
+            return os.fdopen(fd, "rb"), info
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _read(self, path: Path) -> bytes:
+        """The whole file, bounded by the size checked at open."""
+        try:
+            f, info = self._open(path)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:            # O_NOFOLLOW met a symlink
+                raise NotABlockFile("a symbolic link") from None
+            raise
+        with f:
+            return f.read(info.st_size)
+
     def _read_header(self, path: Path):
-        with open(path, "rb") as f:
-            stat = os.fstat(f.fileno())
+        try:
+            f, info = self._open(path)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise NotABlockFile("a symbolic link") from None
+            raise
+        with f:
             prefix = f.read(LENGTH_PREFIX)
             prefix += f.read(header_length(prefix))
         header = decode_header(prefix, self.layout)
         if header.meta.key.hex() + SUFFIX != path.name:
             raise CorruptRecord("the record's key differs from its file name")
-        if stat.st_size != header.record_size:
-            raise CorruptRecord(f"file of {stat.st_size} bytes, its header says {header.record_size}")
-        return header, stat.st_size, stat.st_mtime
+        if info.st_size != header.record_size:
+            raise CorruptRecord(f"file of {info.st_size} bytes, its header says {header.record_size}")
+        return header, info.st_size, info.st_mtime
+
+    def _fsync_directory(self) -> None:
+        """Make the rename durable (POSIX: the directory entry lives in the directory)."""
+        fd = os.open(self.directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _adopt(self, key: bytes) -> bool:
         """Index a file another process wrote since this one started (its size from stat)."""
         if key in self._foreign:
             return False
         try:
-            size = self._path(key).stat().st_size
+            info = self._path(key).lstat()
         except OSError:
             return False
-        if size > self.capacity_bytes:              # not a record of ours; load would say why
-            return False
+        size = info.st_size
+        if not stat.S_ISREG(info.st_mode) or size > self.max_record_bytes:
+            return False                            # never a record of ours
         with self._lock:
             if key not in self._sizes:
                 self._index(key, size, DEFAULT_PRIORITY)
@@ -360,6 +445,15 @@ class DiskTier(KVTier):
     def _count_mismatch(self) -> None:
         with self._lock:
             self.counters["mismatches"] += 1
+        return None
+
+    def _not_a_block(self, path: Path, key: bytes, exc: OSError) -> None:
+        """Something else under a block's name: left alone, never opened again."""
+        log.warning("disk cache: %s left alone: %s", path, exc)
+        with self._lock:
+            self.counters["foreign_files"] += 1
+            self._foreign.add(key)
+        self._forget(key)
         return None
 
     def _corrupt(self, path: Path, key: Optional[bytes], reason: str) -> None:
