@@ -128,7 +128,7 @@ def test_generate_chat_goes_through_the_chat_template(make_pipeline, llama_path,
 @pytest.mark.parametrize("example", ["reuse_cache.py", "multi_task_prompt.py",
                                      "kv_cache_connector.py"])
 def test_examples_answer_help_instead_of_loading_it_as_a_model(example):
-    script = Path(__file__).resolve().parents[1] / "examples" / example
+    script = Path(__file__).resolve().parents[2] / "examples" / example
     done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
