@@ -28,9 +28,8 @@ from rtpkv.cache.prefix_index import PrefixIndex
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, index: PrefixIndex, *,
+    def __init__(self, num_blocks: int, index: PrefixIndex, events: KVEventBuffer, *,
                  policy: Optional[EvictionPolicy] = None,
-                 events: Optional[KVEventBuffer] = None,
                  on_evict: Optional[Callable[[Block], None]] = None,
                  clock: Callable[[], float] = time.monotonic):
         if num_blocks < 1:
@@ -38,7 +37,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.index = index
         self.policy = policy or PriorityEvictionPolicy()
-        self.events = events or KVEventBuffer(0)
+        self.events = events
         self.on_evict = on_evict          # sees a victim (read-only) before it is cleared
         self.clock = clock
         self.blocks = [Block(i) for i in range(num_blocks)]

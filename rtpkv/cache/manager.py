@@ -154,7 +154,7 @@ class KVCacheManager:
         self.reuse_enabled = reuse_enabled
         events = events or KVEventBuffer(0)
         self.ladder = TierLadder(tiers, offload_min_priority, events)
-        self.pool = BlockPool(num_blocks, index, policy=policy, events=events, clock=clock,
+        self.pool = BlockPool(num_blocks, index, events, policy=policy, clock=clock,
                               on_evict=self._offload if self.ladder else None)
         self.window = window              # tokens each query attends to; None: all
         self.query_tokens = 0

@@ -17,8 +17,9 @@ import sys
 import pytest
 import torch
 
+from attention_batches import attention_batch
 from conftest import run
-from rtpkv.kernels import AttentionBatch, TorchAttention, attention_backend, auto_attention
+from rtpkv.kernels import TorchAttention, attention_backend, auto_attention
 from rtpkv.kernels.flash_attention import FlashAttention, page_multiple
 
 DTYPES = ["float32", "bfloat16"]
@@ -125,21 +126,12 @@ def _mixed_batch(B: int, window):
     the entries wholly before each sequence's first query's window released (-1)."""
     seqs = [(599, 1), (39, 1), (280, 20), (0, 30)]     # (first position, tokens this step)
     order = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()
-    tables, positions, row_seq, starts = [], [], [], []
-    for i, (start, n) in enumerate(seqs):
+    tables = []
+    for start, n in seqs:
         first = 0 if window is None else max(0, start - window + 1) // B
         table = [order.pop() for _ in range(-(-(start + n) // B))]
         tables.append([-1] * first + table[first:])
-        starts.append(len(positions))
-        positions += range(start, start + n)
-        row_seq += [i] * n
-    width = max(map(len, tables))
-    return AttentionBatch(
-        positions=torch.tensor(positions), row_seq=torch.tensor(row_seq),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        query_start=starts, query_len=[n for _, n in seqs],
-        context_len=[s + n for s, n in seqs], block_size=B, num_blocks=64, kv_heads=2,
-        window=window)
+    return attention_batch(tables, seqs, B, 64, 2, window)
 
 
 @pytest.mark.parametrize("window", [None, 256])

@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_batches import attention_batch
 from conftest import run
 
 from rtpkv.kernels import AttentionBatch, TorchAttention, attention_backend, cpu_attention
@@ -23,17 +24,7 @@ def _mixed_batch() -> AttentionBatch:
     fresh 9-token prompt: rows in the ModelRunner's order, decodes first."""
     tables = [[3, 9], [1, 4, 7, 8], [5, 2, 11], [6, 10, 12]]
     seqs = [(6, 1), (12, 1), (6, 5), (0, 9)]     # (first position, tokens this step)
-    positions, row_seq, starts = [], [], []
-    for i, (start, n) in enumerate(seqs):
-        starts.append(len(positions))
-        positions += range(start, start + n)
-        row_seq += [i] * n
-    width = max(map(len, tables))
-    return AttentionBatch(
-        positions=torch.tensor(positions), row_seq=torch.tensor(row_seq),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        query_start=starts, query_len=[n for _, n in seqs],
-        context_len=[s + n for s, n in seqs], block_size=B, num_blocks=NUM_BLOCKS, kv_heads=KVH)
+    return attention_batch(tables, seqs, B, NUM_BLOCKS, KVH)
 
 
 def _attend(backend, batch, q, k, v, dtype):
