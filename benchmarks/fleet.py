@@ -6,19 +6,22 @@ vllm-router to N `rtpkv serve` replicas (rtpkv.fleet.Fleet) and prints, per setu
 rate (sum of cached_tokens / sum of prompt tokens), TTFT p50/p90/p99, output tokens/s and
 requests failed. Setups: round_robin; round_robin with every replica on one Redis tier;
 cache_aware (the router's approximate tree over request text); kv_aware (fed by the replicas'
-KV events); and one replica alone without a router (the ceiling: it sees every turn).
+KV events); and one replica alone without a router, with every replica's threads (the
+ceiling: it sees every turn).
 
 Trace scaled down: each 512-token hash id becomes a fixed run of --words-per-id words drawn from
 the id alone (equal ids, equal text), prompts are the runs of their first --max-ids ids in
 order, outputs are
-min(trace output, --max-new-tokens) tokens (ignore_eos). Order is kept; a fixed number of
-clients (--concurrency) replays it closed-loop (arrival times are not used). Each setup starts
-from cold replicas. Replicas share the machine: each runs --threads-per-replica torch threads
+min(trace output, --max-new-tokens) tokens (ignore_eos). Order is kept. `--arrivals closed`
+(the default): a fixed number of clients (--concurrency) replays it back to back (arrival times
+are not used); `--arrivals trace`: open loop, each request sent at its trace timestamp divided
+by --speedup, whatever is still running (the same offered load for every setup, so queueing
+shows in TTFT). Each setup starts from cold replicas. Replicas share the machine: each runs --threads-per-replica torch threads
 (replicas x threads <= cores), and the device pool per replica is --kv-tokens tokens, small
 enough that the trace evicts.
 
     python benchmarks/fleet.py --trace PATH/mooncake-conversation.jsonl [--requests 1000]
-        [--replicas 2] [--concurrency 4]
+        [--replicas 2] [--concurrency 4 | --arrivals trace --speedup 2]
         [--setups round_robin round_robin+redis cache_aware kv_aware alone]
 
 Method and machine: docs/BENCHMARKS.md.
@@ -56,9 +59,10 @@ WORDS = ("the of and to in is was for on are with as by at from his her they thi
 
 
 def load_trace(path: Path, requests: int, words_per_id: int, max_ids: int, max_new_tokens: int
-               ) -> list[tuple[str, int]]:
-    """(prompt text, output tokens) of the first `requests` requests, in trace order; a prompt
-    keeps its first `max_ids` hash ids (a prefix: what it shares with others stays shared)."""
+               ) -> list[tuple[str, int, float]]:
+    """(prompt text, output tokens, arrival seconds) of the first `requests` requests, in trace
+    order; a prompt keeps its first `max_ids` hash ids (a prefix: what it shares with others
+    stays shared)."""
     runs: dict[int, str] = {}
     out = []
     with open(path) as f:
@@ -72,58 +76,78 @@ def load_trace(path: Path, requests: int, words_per_id: int, max_ids: int, max_n
                     rng = random.Random(h)
                     runs[h] = " ".join(rng.choice(WORDS) for _ in range(words_per_id))
             text = " ".join(runs[h] for h in ids)
-            out.append((text, max(1, min(rec["output_length"], max_new_tokens))))
+            out.append((text, max(1, min(rec["output_length"], max_new_tokens)),
+                        rec["timestamp"] / 1000))
     if len(out) < requests:
         raise SystemExit(f"--requests {requests}: the trace has only {len(out)}")
     return out
 
 
-async def replay(url: str, model: str, trace: list[tuple[str, int]], concurrency: int,
-                 timeout: float) -> dict[str, Any]:
-    """Closed loop: `concurrency` clients take the trace's requests in order, each streaming
-    one completion at a time. TTFT is the time to the first chunk with text."""
-    queue = iter(enumerate(trace))
+async def replay(url: str, model: str, trace: list[tuple[str, int, float]], concurrency: int,
+                 timeout: float, speedup: Optional[float] = None) -> dict[str, Any]:
+    """Streams one completion per trace request. Closed loop (`speedup` None): `concurrency`
+    clients take the requests in order, one at a time each. Open loop: each request is sent at
+    its arrival time divided by `speedup`. TTFT is the time from sending to the first chunk with
+    text."""
     ttfts: list[float] = []
     errors: Counter[str] = Counter()
     prompt = cached = generated = failed = 0
 
-    async def client(http: httpx.AsyncClient) -> None:
+    async def request(http: httpx.AsyncClient, text: str, new_tokens: int) -> None:
         nonlocal prompt, cached, generated, failed
-        for _, (text, new_tokens) in queue:
-            body = {"model": model, "prompt": text, "max_tokens": new_tokens, "temperature": 0,
-                    "stream": True, "stream_options": {"include_usage": True}}
-            t0 = time.perf_counter()
-            first: Optional[float] = None
-            usage = None
-            try:
-                async with http.stream("POST", url + "/v1/completions", json=body) as res:
-                    if res.status_code != 200:
-                        failed += 1
-                        errors[f"{res.status_code} {(await res.aread())[:160]!r}"] += 1
+        body = {"model": model, "prompt": text, "max_tokens": new_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        t0 = time.perf_counter()
+        first: Optional[float] = None
+        usage = None
+        try:
+            async with http.stream("POST", url + "/v1/completions", json=body) as res:
+                if res.status_code != 200:
+                    failed += 1
+                    errors[f"{res.status_code} {(await res.aread())[:160]!r}"] += 1
+                    return
+                async for line in res.aiter_lines():
+                    if not line.startswith("data:") or line.endswith("[DONE]"):
                         continue
-                    async for line in res.aiter_lines():
-                        if not line.startswith("data:") or line.endswith("[DONE]"):
-                            continue
-                        chunk = json.loads(line[5:])
-                        if first is None and chunk.get("choices"):
-                            first = time.perf_counter() - t0
-                        usage = chunk.get("usage") or usage
-            except httpx.HTTPError as exc:
-                failed += 1
-                errors[type(exc).__name__] += 1
-                continue
-            if first is None or usage is None:
-                failed += 1
-                errors["stream ended without text or usage"] += 1
-                continue
-            ttfts.append(first)
-            prompt += usage["prompt_tokens"]
-            cached += usage["prompt_tokens_details"]["cached_tokens"]
-            generated += usage["completion_tokens"]
+                    chunk = json.loads(line[5:])
+                    if first is None and chunk.get("choices"):
+                        first = time.perf_counter() - t0
+                    usage = chunk.get("usage") or usage
+        except httpx.HTTPError as exc:
+            failed += 1
+            errors[type(exc).__name__] += 1
+            return
+        if first is None or usage is None:
+            failed += 1
+            errors["stream ended without text or usage"] += 1
+            return
+        ttfts.append(first)
+        prompt += usage["prompt_tokens"]
+        cached += usage["prompt_tokens_details"]["cached_tokens"]
+        generated += usage["completion_tokens"]
+
+    async def client(http: httpx.AsyncClient, queue: Any) -> None:
+        for text, new_tokens, _ in queue:
+            await request(http, text, new_tokens)
+
+    async def arrivals(http: httpx.AsyncClient) -> None:
+        start = time.perf_counter()
+        first_arrival = trace[0][2]
+        sent = []
+        for text, new_tokens, arrival in trace:
+            await asyncio.sleep(max(0.0, start + (arrival - first_arrival) / speedup
+                                    - time.perf_counter()))
+            sent.append(asyncio.create_task(request(http, text, new_tokens)))
+        await asyncio.gather(*sent)
 
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=timeout) as http:
-        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        if speedup is None:
+            queue = iter(trace)
+            await asyncio.gather(*(client(http, queue) for _ in range(concurrency)))
+        else:
+            await arrivals(http)
     wall = time.perf_counter() - t0
     q = statistics.quantiles(ttfts, n=100) if len(ttfts) > 1 else [ttfts[0] if ttfts else 0] * 99
     return {"hit_rate": cached / prompt if prompt else 0.0, "ttft_p50": q[49],
@@ -131,15 +155,18 @@ async def replay(url: str, model: str, trace: list[tuple[str, int]], concurrency
             "requests": len(ttfts) + failed, "wall_s": wall, "errors": errors}
 
 
-def run_setup(setup: str, args: Any, trace: list[tuple[str, int]], redis: RedisServer,
+def run_setup(setup: str, args: Any, trace: list[tuple[str, int, float]], redis: RedisServer,
               log_dir: Path) -> dict[str, Any]:
     replicas = 1 if setup == "alone" else args.replicas
     redis_url = redis.url if setup.endswith("+redis") else None   # the one setup that uses it
-    env = {"KV_CACHE_MAX_TOKENS": str(args.kv_tokens), "CONCURRENCY_LIMIT": str(args.concurrency),
+    open_loop = args.arrivals == "trace"
+    limit = len(trace) if open_loop else args.concurrency    # open loop: never refuse for load
+    env = {"KV_CACHE_MAX_TOKENS": str(args.kv_tokens), "CONCURRENCY_LIMIT": str(limit),
            "MAX_SEQ_LEN": str(args.max_seq_len)}
     with Fleet(args.model, replicas, replica_port=args.port + 10, events_port=args.port + 40,
                router_port=args.port, block_size=args.block, redis_url=redis_url,
-               threads_per_replica=args.threads_per_replica, env=env,
+               threads_per_replica=args.threads_per_replica * (args.replicas // replicas),
+               env=env,
                log_dir=str(log_dir / setup), time_limit_s=args.time_limit,
                served_model_name="bench") as fleet:
         fleet.start_replicas()
@@ -147,21 +174,27 @@ def run_setup(setup: str, args: Any, trace: list[tuple[str, int]], redis: RedisS
         if setup != "alone":
             fleet.start_router("vllm", setup.split("+")[0])
             url = fleet.router_url
-        return asyncio.run(replay(url, "bench", trace, args.concurrency, args.request_timeout))
+        return asyncio.run(replay(url, "bench", trace, args.concurrency, args.request_timeout,
+                                  args.speedup if open_loop else None))
 
 
 def main() -> None:
     parser = bench_parser(__doc__, block=16)
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--arrivals", choices=("closed", "trace"), default="closed",
+                        help="closed: --concurrency clients back to back; trace: open loop at "
+                             "the trace's arrival times divided by --speedup")
     parser.add_argument("--concurrency", type=int, default=4, help="closed-loop clients")
+    parser.add_argument("--speedup", type=float, default=1.0,
+                        help="open loop: arrival times are divided by this")
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
     parser.add_argument("--trace", type=Path, required=True, help="mooncake-conversation.jsonl")
-    parser.add_argument("--words-per-id", type=int, default=16)
+    parser.add_argument("--words-per-id", type=int, default=8)
     parser.add_argument("--max-ids", type=int, default=48,
                         help="hash ids kept per prompt (its prefix), to fit max_seq_len")
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--kv-tokens", type=int, default=16384,
+    parser.add_argument("--kv-tokens", type=int, default=262144,
                         help="device pool per replica, tokens (small: the trace evicts)")
     parser.add_argument("--max-seq-len", type=int, default=4096)
     parser.add_argument("--threads-per-replica", type=int, default=1)
@@ -178,7 +211,10 @@ def main() -> None:
     print(f"{len(trace)} requests of {args.trace.name}, {args.words_per_id} words per hash id, "
           f"outputs <= {args.max_new_tokens} tokens; {args.replicas} replicas x "
           f"{args.threads_per_replica} threads, {args.kv_tokens} KV tokens each, block "
-          f"{args.block}; closed loop at concurrency {args.concurrency}; router: vllm-router",
+          f"{args.block}; " + (f"open loop at the trace's arrival times / {args.speedup:g}"
+                               if args.arrivals == "trace" else
+                               f"closed loop at concurrency {args.concurrency}")
+          + "; router: vllm-router",
           flush=True)
     rows = []
     with RedisServer() as redis:
@@ -187,7 +223,7 @@ def main() -> None:
             rows.append([setup, f"{r['hit_rate']:.3f}", f"{r['ttft_p50'] * 1e3:.0f}",
                          f"{r['ttft_p90'] * 1e3:.0f}", f"{r['ttft_p99'] * 1e3:.0f}",
                          f"{r['tok_s']:.1f}", f"{r['failed']}/{r['requests']}"])
-            print(f"{setup}: done in {r['wall_s']:.0f} s"
+            print(f"{setup}: done in {r['wall_s']:.0f} s: " + " ".join(rows[-1][1:])
                   + "".join(f"\n  {n} x {e}" for e, n in r["errors"].items()), flush=True)
     print(table(["setup", "hit rate", "TTFT p50 ms", "p90 ms", "p99 ms", "out tok/s", "failed"],
                 rows))
