@@ -304,6 +304,7 @@ class Pipeline:
                 self.kv_event_publisher = publisher.KVEventPublisher.from_config(
                     config, self.engine.events, self.engine.block_size,
                     self.engine.cache.index.root)
+                self.engine.announce_tiers()  # a restarted replica's disk records
             for task in task_list:
                 self.add_task(task.task_id, task.prompt)
         except Exception:

@@ -188,6 +188,11 @@ class KVCacheManager:
         """Flush and close the tiers; the cache is not used afterwards."""
         self.ladder.close()
 
+    def announce_tiers(self) -> None:
+        """Report as KV events what the tiers held before a listener came (a restarted
+        replica's disk records), so a router that starts from `AllBlocksCleared` knows them."""
+        self.ladder.announce()
+
     @property
     def events(self) -> KVEventBuffer:
         return self.pool.events

@@ -111,6 +111,11 @@ class Engine:
         with self.lock:
             self.scheduler.check_integrity()
 
+    def announce_tiers(self) -> None:
+        """Emit a stored event for each block the tiers held before events were listened to."""
+        with self.lock:
+            self.scheduler.announce_tiers()
+
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
         torch.set_num_threads(self._threads)  # thread counts are per OS thread

@@ -95,6 +95,9 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.cache.check_integrity(self.running)
 
+    def announce_tiers(self) -> None:
+        self.cache.announce_tiers()
+
     def take_failed(self) -> list[Request]:
         """Requests that failed while being admitted (their `error` says why); each is out of
         the queues and holds no block."""

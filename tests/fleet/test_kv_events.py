@@ -156,6 +156,45 @@ def test_a_subscriber_rebuilds_the_cached_set_after_evictions(model, tmp_path):
         view.close()
 
 
+def test_a_restarted_replica_announces_the_records_its_disk_tier_holds(model, tmp_path):
+    """Records written before a restart are indexed before the publisher starts; they are
+    announced (BlockStored, medium DISK, parents first) right after AllBlocksCleared, so a
+    router that joins from the replay socket knows them, and a request then served from disk
+    is stored on the device (GPU) as usual."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(5, 500) for _ in range(3 * B + 1)] for _ in range(3)]
+    disk = dict(enable_memory_cache_disk=True, memory_cache_disk_paths=str(tmp_path),
+                write_cache_sync=True)
+    with Pipeline(model, reuse_cache=True, seq_size_per_block=B, **disk) as first_life:
+        for prompt in prompts:
+            run(first_life, prompt)
+    pub, rep = endpoints()
+    with Pipeline(model, reuse_cache=True, seq_size_per_block=B, kv_events_endpoint=pub,
+                  kv_events_replay_endpoint=rep, kv_events_topic="kv@", **disk) as pipeline:
+        tier = next(t for t in pipeline.engine.cache.ladder.tiers if t.name == "disk")
+        on_disk = {wire_hash(k) for k in tier._sizes}
+        assert len(on_disk) >= 3 * 3
+        late = ReplicaView(pub, rep, topic="kv@")
+        late.replay()
+        assert late.blocks["DISK"] == on_disk and not late.blocks["GPU"]
+        batches = [msgpack.unpackb(p, raw=False)[1] for _, p in replay(zmq.Context.instance(),
+                                                                      rep, 0)]
+        assert batches[0] == [{"type": "AllBlocksCleared"}]
+        seen: set = set()
+        for event in (e for batch in batches for e in batch if e["type"] == "BlockStored"):
+            parent = event["parent_block_hash"]
+            assert parent is None or parent in seen, "a child announced before its parent"
+            seen.update(event["block_hashes"])
+        assert run(pipeline, prompts[0][:3 * B] + [7])["disk_reuse_len"] == 3 * B
+
+        def onboarded() -> bool:
+            late.poll(0.05)
+            return {wire_hash(k) for k, _ in pipeline.engine.cache.index.items()} \
+                <= late.blocks["GPU"] and late.blocks["DISK"] == on_disk
+        assert wait_until(onboarded, 10)
+        late.close()
+
+
 def test_endpoints_are_validated_with_the_variable_name(monkeypatch):
     monkeypatch.setenv("KV_EVENTS_ENDPOINT", "udp://127.0.0.1:5557")
     with pytest.raises(ConfigError,

@@ -154,6 +154,41 @@ def test_greedy_outputs_through_the_router_equal_one_replica_alone(fleet):
     assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
 
 
+class DiskFleet(Fleet):
+    """Replicas each over their own disk-tier directory (`disks[index]`)."""
+
+    def __init__(self, *args: Any, disks: list[str], **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.disks = disks
+
+    def replica_env(self, index: int) -> dict[str, str]:
+        return {**super().replica_env(index), "ENABLE_MEMORY_CACHE_DISK": "1",
+                "MEMORY_CACHE_DISK_PATHS": self.disks[index], "WRITE_CACHE_SYNC": "1"}
+
+
+def test_kv_aware_sends_a_prefix_to_the_replica_restarted_with_it_on_disk(checkpoints,
+                                                                          tmp_path):
+    """Replica 1 restarts over a disk tier that holds three prefixes, replica 0 over an empty
+    one: the announced records (medium DISK) bring every prefix to replica 1, which serves
+    them from disk."""
+    disks = [str(tmp_path / "empty"), str(tmp_path / "written")]
+    prefixes = [text(700 + i) for i in range(3)]
+    base = free_base(10)
+    kw = dict(replica_port=base, events_port=base + 2, router_port=base + 6, block_size=B,
+              log_dir=str(tmp_path / "logs"), time_limit_s=600, served_model_name="qwen2")
+    with DiskFleet(checkpoints("qwen2"), 1, disks=disks[1:], **kw) as first_life:
+        first_life.start_replicas()
+        for prefix in prefixes:
+            complete(first_life.replicas[0].url, prefix + " first life")
+    with DiskFleet(checkpoints("qwen2"), 2, disks=disks, **kw) as fleet:
+        fleet.start_replicas()
+        fleet.start_router("vllm", "kv_aware")
+        time.sleep(EVENT_DELAY_S)
+        for prefix in prefixes:
+            who, res = served_by(fleet, fleet.router_url, prefix + " after the restart")
+            assert who == 1 and cached(res) >= 4 * B, (who, res["usage"])
+
+
 def test_a_killed_replica_stops_receiving_requests(fleet):
     """Last in the module: it leaves one replica."""
     fleet.start_router("vllm", "round_robin")

@@ -88,6 +88,10 @@ class KVTier(ABC):
     # takes in and lets go (`stored`/`removed` with tier=name), so a router sees tier moves.
     events: Optional["KVEventBuffer"] = None
 
+    def announce(self) -> None:
+        """Report through `events`, as stored, the blocks this tier held before it was handed
+        its events (a disk tier's records found at start); the default holds none then."""
+
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many of `keys` (a chain, from its start) this tier holds, contiguous.

@@ -237,6 +237,26 @@ class DiskTier(KVTier):
             self._writer.join()
 
     # ------------------------------------------------------------------ writing
+    def announce(self) -> None:
+        """The records indexed at start, as stored events (parents before children), each
+        while it is still indexed: a router learns what a restarted replica holds on disk. A
+        record gone or changed since start is left to the next lookup."""
+        if self.events is None:
+            return
+        with self._lock:
+            keys = list(self._sizes)
+        metas: dict[bytes, BlockMeta] = {}
+        for key in keys:
+            try:
+                metas[key] = self._read_header(self._path(key))[0].meta
+            except (OSError, CorruptRecord, ForeignRecord):
+                continue
+        for meta in _parents_first(metas):
+            with self._lock:
+                if meta.key in self._sizes:
+                    self.events.stored([meta.key], meta.parent_key, [meta.tokens], meta.priority,
+                                       tier=self.name, extra=meta.extra)
+
     def _write_loop(self) -> None:
         while True:
             item = self._queue.get()
@@ -470,3 +490,17 @@ class DiskTier(KVTier):
 
     def _path(self, key: bytes) -> Path:
         return self.directory / (key.hex() + SUFFIX)
+
+
+def _parents_first(metas: dict[bytes, BlockMeta]) -> list[BlockMeta]:
+    """`metas` ordered so that a block whose parent is among them comes after it."""
+    ordered: list[BlockMeta] = []
+    placed: set[bytes] = set()
+    for key in metas:
+        path = []
+        while key in metas and key not in placed:
+            placed.add(key)
+            path.append(metas[key])
+            key = metas[key].parent_key
+        ordered.extend(reversed(path))
+    return ordered

@@ -185,6 +185,11 @@ class TierLadder:
         for tier in self.tiers:
             tier.check_integrity()
 
+    def announce(self) -> None:
+        """Each tier reports what it held before events were listened to (see KVTier)."""
+        for tier in self.tiers:
+            tier.announce()
+
     def close(self) -> None:
         """Flush and close every tier (queued disk and Redis writes land first)."""
         for tier in self.tiers:
