@@ -165,6 +165,9 @@ class RuntimeConfig(BaseModel):
     kv_cache_free_gpu_mem_fraction: float = Field(0.9, gt=0, le=1)
     kv_cache_event_buffer_max_size: int = Field(0, ge=0)  # 0: KV cache events off
     reuse_cache: bool = False
+    # reuse past the last whole cached block: copy the k matching tokens of a cached block
+    # (or a finished request's partly filled last block) into a fresh one (rtpkv.cache.manager)
+    enable_partial_reuse: bool = False
     multi_task_prompt: Optional[str] = None
     multi_task_prompt_str: Optional[str] = None
     capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
@@ -198,7 +201,7 @@ class RuntimeConfig(BaseModel):
     kv_events_topic: str = Field("", max_length=256)
     kv_events_buffer_steps: int = Field(10000, ge=1, le=1000000)  # batches kept for replay
 
-    @field_validator("reuse_cache", "enable_memory_cache", "enable_memory_cache_disk",
+    @field_validator("reuse_cache", "enable_partial_reuse", "enable_memory_cache", "enable_memory_cache_disk",
                      "write_cache_sync", "enable_remote_cache", mode="before")
     @classmethod
     def _switch(cls, value: Any) -> Any:

@@ -9,10 +9,13 @@ speaks in requests. Every write to a `Block` is a method here, so each rule has 
   disagree;
 - one way out of the index (`_unindex`), one way back to the free list (`_put_free`);
 - events are emitted where the state changes: `stored` on insertion, `removed` on removal,
-  `updated` when an indexed block's priority changes.
+  `updated` when an indexed block's priority changes;
+- the `PartialIndex` (partial-block hit candidates) follows the index, plus the kept tails
+  (`keep_tail`), which are never indexed, offloaded or announced.
 
-A block is in exactly one state: free (in `free_ids`), cached (unreferenced, indexed, ordered
-by the eviction policy) or in use (ref_count > 0; a pinned block holds a reference too).
+A block is in exactly one state: free (in `free_ids`), cached (unreferenced, indexed or a kept
+tail, ordered by the eviction policy) or in use (ref_count > 0; a pinned block holds a
+reference too).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Callable, Optional
 from rtpkv.cache.block import DEFAULT_PRIORITY, Block
 from rtpkv.cache.eviction import EvictionPolicy, PriorityEvictionPolicy
 from rtpkv.cache.events import KVEventBuffer
+from rtpkv.cache.partial_index import PartialIndex
 from rtpkv.cache.prefix_index import PrefixIndex
 
 
@@ -41,6 +45,7 @@ class BlockPool:
         self.on_evict = on_evict          # sees a victim (read-only) before it is cleared
         self.clock = clock
         self.blocks = [Block(i) for i in range(num_blocks)]
+        self.children = PartialIndex()    # partial-hit candidates: indexed blocks and tails
         self.free_ids: deque[int] = deque(range(num_blocks))
         self._next_serial = 1
         self.num_pinned = 0               # blocks with pin_count > 0
@@ -55,6 +60,10 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         return len(self.policy)
+
+    @property
+    def num_tails(self) -> int:
+        return sum(1 for b in self.blocks if b.tail)
 
     def num_allocatable(self) -> int:
         """Blocks an allocation can take now: free ones, then evictable cached ones."""
@@ -77,9 +86,10 @@ class BlockPool:
             block = self.blocks[block_id]
             self.evictions += 1
             self.evictions_by_priority[block.priority] += 1
-            if self.on_evict is not None:
+            if self.on_evict is not None and block.indexed:
                 self.on_evict(block)
             self._unindex(block)
+            self._drop_tail(block)
             self.blocks[block_id] = Block(block_id)
         self.blocks[block_id].ref_count = 1
         return block_id
@@ -100,7 +110,7 @@ class BlockPool:
             return
         if block.full and not block.indexed and self.index.get(block.key) is None:
             self._index(block)
-        if block.indexed:
+        if block.indexed or block.tail:
             self.policy.add(block, self.clock())
         else:
             self._put_free(block)
@@ -131,6 +141,21 @@ class BlockPool:
         block = self.blocks[block_id]
         self._fill(block, key, parent_key, parent_serial, tokens, extra)
         self._index(block)
+
+    def keep_tail(self, block_id: int, parent_key: bytes, parent_serial: int,
+                  tokens: tuple[int, ...], extra: bytes) -> bool:
+        """The partly filled last block of a request about to release it: keep it as a
+        partial-hit source (cached once released, device only), unless a candidate of the same
+        lineage already starts with the same tokens. Returns whether it was kept."""
+        for other in self.children.candidates(parent_key, extra):
+            held = self.blocks[other]
+            if held.parent_serial == parent_serial and held.tokens[:len(tokens)] == tokens:
+                return False
+        block = self.blocks[block_id]
+        block.parent_key, block.parent_serial = parent_key, parent_serial
+        block.tokens, block.extra, block.tail = tokens, extra, True
+        self.children.add(parent_key, extra, block_id)
+        return True
 
     def stamp(self, block_id: int, priority: int, duration_s: Optional[float],
               tiers: frozenset[str]) -> None:
@@ -180,6 +205,7 @@ class BlockPool:
                 self.policy.remove(held)
                 self._put_free(held)
         self.index.insert(block.key, block.block_id)
+        self.children.add(block.parent_key, block.extra, block.block_id)
         block.indexed = True
         self.events.stored([block.key], block.parent_key, [block.tokens], block.priority,
                            extra=block.extra)
@@ -187,10 +213,17 @@ class BlockPool:
     def _unindex(self, block: Block) -> None:
         if block.indexed:
             self.index.remove(block.key)
+            self.children.discard(block.parent_key, block.extra, block.block_id)
             block.indexed = False
             self.events.removed([block.key])
 
+    def _drop_tail(self, block: Block) -> None:
+        if block.tail:
+            self.children.discard(block.parent_key, block.extra, block.block_id)
+            block.tail = False
+
     def _put_free(self, block: Block) -> None:
+        self._drop_tail(block)
         self.blocks[block.block_id] = Block(block.block_id)
         self.free_ids.append(block.block_id)
 
@@ -216,8 +249,22 @@ class BlockPool:
             f"free {len(free)} + cached {len(cached)} + in use {len(in_use)} != total {self.num_blocks}"
         for block_id in free:
             assert not blocks[block_id].indexed and not blocks[block_id].full
+            assert not blocks[block_id].tail, f"free block {block_id} is a kept tail"
         for block_id in cached:
-            assert blocks[block_id].indexed and blocks[block_id].ref_count == 0
+            block = blocks[block_id]
+            assert (block.indexed or block.tail) and block.ref_count == 0
+        for block in blocks:
+            if block.tail:
+                assert not block.full and not block.indexed, f"tail {block.block_id} is full"
+                assert 0 < len(block.tokens) < self.index.block_size, \
+                    f"tail {block.block_id} holds {len(block.tokens)} tokens"
+        listed = {block_id for _, block_id in self.children.items()}
+        assert len(listed) == len(self.children), "a partial-hit candidate is listed twice"
+        assert listed == {b.block_id for b in blocks if b.indexed or b.tail}, \
+            "partial-hit candidates differ from the indexed blocks and tails"
+        for (parent_key, extra), block_id in self.children.items():
+            assert (blocks[block_id].parent_key, blocks[block_id].extra) == (parent_key, extra), \
+                f"partial-hit candidate {block_id} is listed under another parent"
         for block in blocks:
             assert block.ref_count >= block.pin_count >= 0, f"block {block.block_id} refs"
         assert self.num_pinned == sum(1 for b in blocks if b.pin_count), "pinned count drifted"

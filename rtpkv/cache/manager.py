@@ -11,7 +11,8 @@ A request's life in the cache:
     prefetched(seq)              whether they are done (the request waits until then)
     match = lookup(seq)          which prefix the device pool holds
     can_admit(seq, match, ...)   whether the blocks it needs can be had (device hits decide)
-    admit(seq, match)            share the device hits, then walk the tiers and onboard their hits
+    admit(seq, match)            share the device hits, then walk the tiers and onboard their hits,
+                                 then (ENABLE_PARTIAL_REUSE) copy a partial-block hit
     grow(seq, tokens)            append fresh blocks for the next chunk (never rewrites a table)
     commit(seq)                  blocks that filled become hittable (and written through)
     release_out_of_window(seq)   with an attention window: drop blocks no future query reads
@@ -25,6 +26,14 @@ position is older than what the next query attends to is released during the req
 table keeps its length; attention backends read only inside the window, never such an entry.
 A released block is released as at the end of a request: a full, indexed one stays cached
 (evictable) and findable, the rest go back to the free list.
+
+Partial-block reuse (`partial_reuse`, off by default: rtp-llm's reuse length is a multiple of
+the block size): where the chain of whole blocks ends, a device block computed right after the
+same block (an indexed one, or a finished request's kept tail) whose first k token ids equal
+the prompt's next k gives those k tokens' K/V: they are copied into a fresh block the request
+owns, with the source held by a reference while it is copied, so nothing can evict or rewrite it
+meanwhile (the copy happens in `admit`, on the engine thread, before the step's forward). A
+shared or indexed block is never written.
 
 Only the engine thread calls it (under the engine lock).
 """
@@ -99,12 +108,31 @@ class PinnedPrefix:
     num_tokens: int
 
 
+@dataclass(frozen=True)
+class PartialHit:
+    """A device block whose first `num_tokens` tokens continue a request's cached chain."""
+
+    block_id: int
+    num_tokens: int
+
+
 @dataclass
 class PrefixMatch:
-    """What lookup found in the device pool: blocks to share."""
+    """What lookup found in the device pool: blocks to share, and a partial-block hit."""
 
     device: list[int] = field(default_factory=list)
     revived: int = 0                     # device hits that are cached (unreferenced) now
+    partial: Optional[PartialHit] = None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def cdiv(a: int, b: int) -> int:
@@ -141,6 +169,7 @@ def pool_blocks(model: "Model", config: "RuntimeConfig") -> int:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, index: PrefixIndex, *,
                  memory: Optional[KVMemory] = None, reuse_enabled: bool = False,
+                 partial_reuse: bool = False,
                  policy: Optional[EvictionPolicy] = None,
                  events: Optional[KVEventBuffer] = None,
                  tiers: Sequence["KVTier"] = (), offload_min_priority: int = DEFAULT_PRIORITY,
@@ -148,10 +177,13 @@ class KVCacheManager:
                  clock: Callable[[], float] = time.monotonic):
         if tiers and memory is None:
             raise ValueError("tiers need the KV memory to copy blocks from and to")
+        if partial_reuse and memory is None:
+            raise ValueError("partial reuse needs the KV memory to copy tokens in")
         self.block_size = block_size
         self.index = index
         self.memory = memory
         self.reuse_enabled = reuse_enabled
+        self.partial_reuse = partial_reuse
         events = events or KVEventBuffer(0)
         self.ladder = TierLadder(tiers, offload_min_priority, events)
         self.pool = BlockPool(num_blocks, index, events, policy=policy, clock=clock,
@@ -159,6 +191,7 @@ class KVCacheManager:
         self.window = window              # tokens each query attends to; None: all
         self.query_tokens = 0
         self.hit_tokens = 0
+        self.partial_hit_tokens = 0
 
     @classmethod
     def build(cls, model: "Model", config: "RuntimeConfig", window: Optional[int],
@@ -176,10 +209,12 @@ class KVCacheManager:
                               model.dtype, model.device)
         cache = cls(num_blocks, B, PrefixIndex(model.fingerprint, B, hash_fn), memory=memory,
                     reuse_enabled=config.reuse_cache,
+                    partial_reuse=config.enable_partial_reuse,
                     events=KVEventBuffer(config.kv_cache_event_buffer_max_size),
                     tiers=build_tiers(config, model, B) if tiers is None else tiers,
                     offload_min_priority=config.secondary_offload_min_priority, window=window)
-        log.info("reuse_cache: %s", config.reuse_cache)
+        log.info("reuse_cache: %s, partial reuse: %s", config.reuse_cache,
+                 config.enable_partial_reuse)
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB)", num_blocks, B,
                  memory.nbytes / 2**20)
         return cache
@@ -258,10 +293,12 @@ class KVCacheManager:
                 f"{self.block_size} tokens)")
 
     # ------------------------------------------------------------------ lookup and admission
-    def lookup(self, seq: CacheSequence) -> PrefixMatch:
-        """The longest cached prefix of `seq` in the device pool (at most all but its last
-        token, whose logits are needed): the pinned task prefix, then device hits. Read-only."""
-        limit = (seq.num_tokens - 1) // self.block_size
+    def lookup(self, seq: CacheSequence, cap: Optional[int] = None) -> PrefixMatch:
+        """The longest cached prefix of `seq`'s first `cap` tokens in the device pool (by
+        default all but its last token, whose logits are needed): the pinned task prefix, then
+        device hits, then (partial reuse) a partial-block hit. Read-only."""
+        cap = seq.num_tokens - 1 if cap is None else cap
+        limit = cap // self.block_size
         chain = self._chain(seq)
         blocks = self.pool.blocks
         match = PrefixMatch()
@@ -285,7 +322,32 @@ class KVCacheManager:
             match.device.append(block.block_id)
             match.revived += block.ref_count == 0
             parent_serial = block.serial
+        if self.partial_reuse:
+            match.partial = self._partial_hit(seq, len(match.device), parent_serial, cap)
+            # held while it is copied, so it is not among the blocks an allocation may take
+            match.revived += match.partial is not None and \
+                blocks[match.partial.block_id].ref_count == 0
         return match
+
+    def _partial_hit(self, seq: CacheSequence, i: int, parent_serial: int,
+                     cap: int) -> Optional[PartialHit]:
+        """The device block that continues `seq`'s chain of i blocks with the most of its
+        next tokens (up to `cap`): listed under the chain's key and extra bytes (the salt), of
+        the same lineage (`parent_serial`), token ids compared."""
+        B = self.block_size
+        want = seq.token_ids[i * B:min((i + 1) * B, cap)]
+        if not want:
+            return None
+        chain = self._chain(seq)
+        best = None
+        for block_id in self.pool.children.candidates(chain.parent(i), chain.extra(i)):
+            block = self.pool.blocks[block_id]
+            if block.parent_serial != parent_serial:
+                continue
+            k = common_prefix(block.tokens, want)
+            if k and (best is None or k > best.num_tokens):
+                best = PartialHit(block_id, k)
+        return best
 
     def _metas(self, seq: CacheSequence, start: int) -> list[BlockMeta]:
         """The BlockMeta of `seq`'s full blocks from `start` on (the last token is always
@@ -311,9 +373,11 @@ class KVCacheManager:
         """Give `seq` its cached prefix: share the device hits, then walk the tiers (once per
         request) and onboard their hits into fresh blocks (a block that fails verification
         ends the prefix there). Returns the tokens reused from each source: "local" (the device
-        pool) and each tier's name. On any exception `seq` holds no block afterwards."""
+        pool, a partial-block hit included), "partial" (that hit alone, if any) and each tier's name.
+        On any exception `seq` holds no block afterwards."""
         assert not seq.block_table, "admit a request once, or again after free"
         B = self.block_size
+        partial = 0
         try:
             for block_id in match.device:
                 self.pool.acquire(block_id)
@@ -331,11 +395,33 @@ class KVCacheManager:
                     if loaded < len(hit.metas):
                         break
             seq.tier_plan = None
+            if self.partial_reuse and self.reuse_applies(seq):
+                partial = self._copy_partial(seq)
         except BaseException:
             self.free(seq)
             raise
-        seq.num_computed = len(seq.block_table) * B
+        if partial:
+            reused["local"] += partial
+            reused["partial"] = partial
+        seq.num_computed = len(seq.block_keys) * B + partial
         return reused
+
+    def _copy_partial(self, seq: CacheSequence) -> int:
+        """Copy the partial-block hit at the end of `seq`'s table (found again: tiers may
+        have extended the chain since `lookup`) into a fresh block. Returns its tokens."""
+        table = seq.block_table
+        parent_serial = self.pool.blocks[table[-1]].serial if table else 0
+        hit = self._partial_hit(seq, len(table), parent_serial, seq.num_tokens - 1)
+        if hit is None:
+            return 0
+        self.pool.acquire(hit.block_id)      # the allocation below cannot evict the source
+        try:
+            block_id = self.pool.allocate()
+            table.append(block_id)
+            self.memory.copy_tokens(hit.block_id, block_id, hit.num_tokens)
+        finally:
+            self.pool.release(hit.block_id)
+        return hit.num_tokens
 
     def _onboard(self, seq: CacheSequence, hit: TierHit) -> int:
         loaded = 0
@@ -358,6 +444,7 @@ class KVCacheManager:
         if self.reuse_applies(seq):
             self.query_tokens += seq.num_prompt
             self.hit_tokens += seq.num_computed
+            self.partial_hit_tokens += seq.num_computed % self.block_size
 
     # ------------------------------------------------------------------ growth
     def grow(self, seq: CacheSequence, num_tokens: int) -> bool:
@@ -433,11 +520,28 @@ class KVCacheManager:
         stay cached (evictable); the rest go back to the free list."""
         retention = seq.retention or _DEFAULT_RETENTION
         tiers = self.ladder.allowed(seq.allows_tier)
+        if self.partial_reuse and self.reuse_applies(seq):
+            self._keep_tail(seq)
         for i in reversed(range(len(seq.block_table))):
             if seq.block_table[i] != RELEASED:
                 self._release_entry(seq, i, retention, tiers)
         seq.block_table.clear()
         seq.block_keys.clear()
+
+    def _keep_tail(self, seq: CacheSequence) -> None:
+        """Keep `seq`'s partly filled last block as a partial-hit source when its computed
+        tokens follow a full block of its chain (the pool may decline a duplicate)."""
+        B = self.block_size
+        t, k = divmod(seq.num_computed, B)
+        table = seq.block_table
+        if not k or t >= len(table) or table[t] == RELEASED or (t and table[t - 1] == RELEASED):
+            return
+        parent_serial = self.pool.blocks[table[t - 1]].serial if t else 0
+        if t and not parent_serial:
+            return                           # its parent was never committed (a failed step)
+        chain = self._chain(seq)
+        self.pool.keep_tail(table[t], chain.parent(t), parent_serial,
+                            tuple(seq.token_ids[t * B:seq.num_computed]), chain.extra(t))
 
     def _release_entry(self, seq: CacheSequence, i: int, retention: KvCacheRetentionConfig,
                        tiers: frozenset[str]) -> None:
@@ -477,6 +581,8 @@ class KVCacheManager:
             "blocks_cached": pool.num_cached,
             "blocks_in_use": sum(1 for b in pool.blocks if b.ref_count),
             "blocks_pinned": pool.num_pinned,
+            "blocks_tail": pool.num_tails,
+            "partial_hit_tokens": self.partial_hit_tokens,
             "blocks_cached_by_priority": pool.cached_by_priority(),
             "evictions": pool.evictions,
             "evictions_by_priority": dict(sorted(pool.evictions_by_priority.items())),

@@ -70,6 +70,7 @@ class Request:
     pinned: Optional["PinnedPrefix"] = None   # what a prefill_only request pinned
     # reporting: tokens reused from the device pool and from each tier, at first admission
     local_reuse_len: Optional[int] = None
+    partial_reuse_len: int = 0               # of local_reuse_len: copied from a partial block
     reuse_by_tier: dict[str, int] = field(default_factory=dict)
     iter_count: int = 0
     num_preemptions: int = 0
@@ -146,6 +147,7 @@ class Request:
         return {
             "reuse_len": local + sum(tiers.values()),
             "local_reuse_len": local,
+            "partial_reuse_len": self.partial_reuse_len,
             **tiers,
             "output_len": self.num_output,
             "iter_count": self.iter_count,

@@ -310,6 +310,7 @@ class Scheduler:
         self.waiting.remove(req)
         if req.local_reuse_len is None:
             req.local_reuse_len = reused.pop("local")
+            req.partial_reuse_len = reused.pop("partial", 0)
             req.reuse_by_tier = reused
             self.cache.record_lookup(req)
         if req.admitted_at is None:

@@ -24,6 +24,7 @@ NON_DEFAULT = {
     "kv_cache_free_gpu_mem_fraction": ("0.5", 0.5),
     "kv_cache_event_buffer_max_size": ("1000", 1000),
     "reuse_cache": ("on", True),
+    "enable_partial_reuse": ("1", True),
     "multi_task_prompt": ("/tmp/tasks.json", "/tmp/tasks.json"),
     "multi_task_prompt_str": ("[]", "[]"),
     "capacity_scheduler_policy": ("max_utilization", CapacitySchedulerPolicy.MAX_UTILIZATION),
