@@ -168,6 +168,9 @@ class RuntimeConfig(BaseModel):
     # reuse past the last whole cached block: copy the k matching tokens of a cached block
     # (or a finished request's partly filled last block) into a fresh one (rtpkv.cache.manager)
     enable_partial_reuse: bool = False
+    # keys of recently evicted blocks remembered to explain misses (reuse_stop "evicted",
+    # cache_stats' ghost hits); None: as many as the pool has blocks, 0: none
+    kv_cache_ghost_blocks: Optional[int] = Field(None, ge=0)
     multi_task_prompt: Optional[str] = None
     multi_task_prompt_str: Optional[str] = None
     capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT

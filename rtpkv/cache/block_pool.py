@@ -27,6 +27,7 @@ from typing import Callable, Optional
 from rtpkv.cache.block import DEFAULT_PRIORITY, Block
 from rtpkv.cache.eviction import EvictionPolicy, PriorityEvictionPolicy
 from rtpkv.cache.events import KVEventBuffer
+from rtpkv.cache.ghost_list import GhostList
 from rtpkv.cache.partial_index import PartialIndex
 from rtpkv.cache.prefix_index import PrefixIndex
 
@@ -35,7 +36,7 @@ class BlockPool:
     def __init__(self, num_blocks: int, index: PrefixIndex, events: KVEventBuffer, *,
                  policy: Optional[EvictionPolicy] = None,
                  on_evict: Optional[Callable[[Block], None]] = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, ghosts: Optional[int] = None):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
@@ -46,6 +47,7 @@ class BlockPool:
         self.clock = clock
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.children = PartialIndex()    # partial-hit candidates: indexed blocks and tails
+        self.ghosts = GhostList(num_blocks if ghosts is None else ghosts)   # evicted keys
         self.free_ids: deque[int] = deque(range(num_blocks))
         self._next_serial = 1
         self.num_pinned = 0               # blocks with pin_count > 0
@@ -86,8 +88,10 @@ class BlockPool:
             block = self.blocks[block_id]
             self.evictions += 1
             self.evictions_by_priority[block.priority] += 1
-            if self.on_evict is not None and block.indexed:
-                self.on_evict(block)
+            if block.indexed:
+                self.ghosts.add(block.key)
+                if self.on_evict is not None:
+                    self.on_evict(block)
             self._unindex(block)
             self._drop_tail(block)
             self.blocks[block_id] = Block(block_id)
@@ -205,6 +209,7 @@ class BlockPool:
                 self.policy.remove(held)
                 self._put_free(held)
         self.index.insert(block.key, block.block_id)
+        self.ghosts.discard(block.key)
         self.children.add(block.parent_key, block.extra, block.block_id)
         block.indexed = True
         self.events.stored([block.key], block.parent_key, [block.tokens], block.priority,

@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Optional, Protocol, Sequence
 
@@ -106,6 +107,21 @@ class PinnedPrefix:
 
     block_ids: tuple[int, ...]
     num_tokens: int
+
+
+# Why a request's reuse stopped where it did (aux_info["reuse_stop"]), in the order checked.
+REUSE_STOPS = ("reuse_off", "prompt_end", "partial_block", "window", "tier_disabled", "evicted",
+               "not_cached")
+
+
+@dataclass(frozen=True)
+class ReuseStop:
+    """Why reuse stopped where it did. `tokens`: for partial_block, the tokens partial reuse
+    would have taken; for evicted, the prompt tokens that missed only because their blocks had
+    been evicted (ghost hits)."""
+
+    reason: str
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -173,7 +189,7 @@ class KVCacheManager:
                  policy: Optional[EvictionPolicy] = None,
                  events: Optional[KVEventBuffer] = None,
                  tiers: Sequence["KVTier"] = (), offload_min_priority: int = DEFAULT_PRIORITY,
-                 window: Optional[int] = None,
+                 window: Optional[int] = None, ghosts: Optional[int] = None,
                  clock: Callable[[], float] = time.monotonic):
         if tiers and memory is None:
             raise ValueError("tiers need the KV memory to copy blocks from and to")
@@ -187,11 +203,13 @@ class KVCacheManager:
         events = events or KVEventBuffer(0)
         self.ladder = TierLadder(tiers, offload_min_priority, events)
         self.pool = BlockPool(num_blocks, index, events, policy=policy, clock=clock,
-                              on_evict=self._offload if self.ladder else None)
+                              on_evict=self._offload if self.ladder else None, ghosts=ghosts)
         self.window = window              # tokens each query attends to; None: all
         self.query_tokens = 0
         self.hit_tokens = 0
         self.partial_hit_tokens = 0
+        self.ghost_hit_tokens = 0
+        self.reuse_stops: Counter[str] = Counter()
 
     @classmethod
     def build(cls, model: "Model", config: "RuntimeConfig", window: Optional[int],
@@ -212,7 +230,8 @@ class KVCacheManager:
                     partial_reuse=config.enable_partial_reuse,
                     events=KVEventBuffer(config.kv_cache_event_buffer_max_size),
                     tiers=build_tiers(config, model, B) if tiers is None else tiers,
-                    offload_min_priority=config.secondary_offload_min_priority, window=window)
+                    offload_min_priority=config.secondary_offload_min_priority, window=window,
+                    ghosts=config.kv_cache_ghost_blocks)
         log.info("reuse_cache: %s, partial reuse: %s", config.reuse_cache,
                  config.enable_partial_reuse)
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB)", num_blocks, B,
@@ -439,12 +458,54 @@ class KVCacheManager:
             loaded += 1
         return loaded
 
-    def record_lookup(self, seq: CacheSequence) -> None:
-        """Count a request's first admission in the token-weighted hit statistics."""
+    def record_lookup(self, seq: CacheSequence) -> ReuseStop:
+        """Count a request's first admission in the token-weighted hit statistics, and say why
+        its reuse stopped where it did."""
+        stop = self._reuse_stop(seq)
+        self.reuse_stops[stop.reason] += 1
         if self.reuse_applies(seq):
             self.query_tokens += seq.num_prompt
             self.hit_tokens += seq.num_computed
             self.partial_hit_tokens += seq.num_computed % self.block_size
+            if stop.reason == "evicted":
+                self.ghost_hit_tokens += stop.tokens
+        return stop
+
+    def _reuse_stop(self, seq: CacheSequence) -> ReuseStop:
+        """Why the reuse of `seq` (just admitted) ends at `seq.num_computed`. Everything asked
+        is `seq`'s own chain (salted keys, salt-scoped candidates), so the answer never tells
+        anything about another tenant's cache."""
+        if not self.reuse_applies(seq):
+            return ReuseStop("reuse_off")
+        B, cap, reused = self.block_size, seq.num_tokens - 1, seq.num_computed
+        i = reused // B                          # the block where reuse stopped
+        if not self.partial_reuse:
+            parent_serial = self.pool.blocks[seq.block_table[i - 1]].serial if i else 0
+            hit = self._partial_hit(seq, i, parent_serial, cap)
+            if hit is not None:
+                return ReuseStop("partial_block", hit.num_tokens)
+        last = cap // B                          # whole blocks the prompt may reuse
+        if i >= last:
+            return ReuseStop("prompt_end" if reused == cap or not self.partial_reuse
+                             else "not_cached")
+        chain = self._chain(seq)
+        if self.window is not None and any(self._holds(chain, j) for j in range(i + 1, last)):
+            return ReuseStop("window")
+        key = chain.key(i)
+        if self.ladder.held_by_skipped(key, seq.allows_tier):
+            return ReuseStop("tier_disabled")
+        if key in self.pool.ghosts:
+            j = i
+            while j < last and (chain.key(j) in self.pool.ghosts or self._holds(chain, j)):
+                j += 1
+            return ReuseStop("evicted", j * B - reused)
+        return ReuseStop("not_cached")
+
+    def _holds(self, chain: KeyChain, i: int) -> bool:
+        """Whether the device pool holds block i of `chain` (key, tokens, extra bytes)."""
+        block = self.pool.cached(chain.key(i))
+        return block is not None and block.tokens == chain.tokens(i) \
+            and block.extra == chain.extra(i)
 
     # ------------------------------------------------------------------ growth
     def grow(self, seq: CacheSequence, num_tokens: int) -> bool:
@@ -587,6 +648,12 @@ class KVCacheManager:
             "evictions": pool.evictions,
             "evictions_by_priority": dict(sorted(pool.evictions_by_priority.items())),
             "block_size": self.block_size,
+            "reuse_stops": {r: self.reuse_stops[r] for r in REUSE_STOPS},
+            "ghost_blocks": len(pool.ghosts),
+            "ghost_capacity": pool.ghosts.capacity,
+            "ghost_hit_tokens": self.ghost_hit_tokens,
+            "hit_rate_with_ghosts": ((self.hit_tokens + self.ghost_hit_tokens) / self.query_tokens
+                                     if self.query_tokens else 0.0),
             "events_dropped": pool.events.dropped,
         }
         stats.update(self.ladder.stats())

@@ -71,6 +71,8 @@ class Request:
     # reporting: tokens reused from the device pool and from each tier, at first admission
     local_reuse_len: Optional[int] = None
     partial_reuse_len: int = 0               # of local_reuse_len: copied from a partial block
+    reuse_stop: Optional[str] = None         # why reuse stopped there (manager.REUSE_STOPS)
+    reuse_stop_tokens: int = 0
     reuse_by_tier: dict[str, int] = field(default_factory=dict)
     iter_count: int = 0
     num_preemptions: int = 0
@@ -148,6 +150,8 @@ class Request:
             "reuse_len": local + sum(tiers.values()),
             "local_reuse_len": local,
             "partial_reuse_len": self.partial_reuse_len,
+            "reuse_stop": self.reuse_stop,
+            "reuse_stop_tokens": self.reuse_stop_tokens,
             **tiers,
             "output_len": self.num_output,
             "iter_count": self.iter_count,

@@ -312,7 +312,8 @@ class Scheduler:
             req.local_reuse_len = reused.pop("local")
             req.partial_reuse_len = reused.pop("partial", 0)
             req.reuse_by_tier = reused
-            self.cache.record_lookup(req)
+            stop = self.cache.record_lookup(req)
+            req.reuse_stop, req.reuse_stop_tokens = stop.reason, stop.tokens
         if req.admitted_at is None:
             req.admitted_at = time.monotonic()
         self.running.append(req)

@@ -25,6 +25,7 @@ NON_DEFAULT = {
     "kv_cache_event_buffer_max_size": ("1000", 1000),
     "reuse_cache": ("on", True),
     "enable_partial_reuse": ("1", True),
+    "kv_cache_ghost_blocks": ("100", 100),
     "multi_task_prompt": ("/tmp/tasks.json", "/tmp/tasks.json"),
     "multi_task_prompt_str": ("[]", "[]"),
     "capacity_scheduler_policy": ("max_utilization", CapacitySchedulerPolicy.MAX_UTILIZATION),

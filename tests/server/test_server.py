@@ -422,6 +422,19 @@ def test_health_cache_status_metrics(client):
     assert float(pinned[0].split()[-1]) == stats["blocks_pinned"] > 0
 
 
+def test_metrics_say_why_reuse_stopped(client):
+    ids = list(range(600, 613))          # 12 reusable tokens: 3 whole blocks
+    first = client.post("/", json={"prompt": ids, "max_new_tokens": 2, "top_k": 1}).json()
+    again = client.post("/", json={"prompt": ids, "max_new_tokens": 2, "top_k": 1}).json()
+    assert first["aux_info"]["reuse_stop"] == "not_cached"
+    assert again["aux_info"]["reuse_stop"] == "prompt_end"
+    stops = client.get("/cache_status").json()["reuse_stops"]
+    for reason in ("not_cached", "prompt_end"):
+        assert metric(client, f'rtpkv_cache_reuse_stops_total{{reason="{reason}"}}') \
+            == stops[reason] > 0
+    assert "rtpkv_cache_ghost_hit_tokens_total" in client.get("/metrics").text
+
+
 # ---------------------------------------------------------------------- lifecycle
 def test_engine_stopped_gives_503(llama_path):
     model = load(llama_path, kv_cache_max_tokens=4096)
