@@ -368,6 +368,13 @@ class KVCacheManager:
                 best = PartialHit(block_id, k)
         return best
 
+    def cached_tokens(self, seq: CacheSequence) -> int:
+        """How many of `seq`'s tokens the device pool holds, as a prefix (all of them may
+        count: what a request extending `seq` would reuse). Read-only."""
+        match = self.lookup(seq, cap=seq.num_tokens)
+        return len(match.device) * self.block_size + (match.partial.num_tokens
+                                                      if match.partial is not None else 0)
+
     def _metas(self, seq: CacheSequence, start: int) -> list[BlockMeta]:
         """The BlockMeta of `seq`'s full blocks from `start` on (the last token is always
         computed): what the tiers are asked for."""

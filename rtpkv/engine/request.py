@@ -56,6 +56,7 @@ class Request:
     max_new_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     prefill_only: bool = False              # a task prompt: prefill, pin, finish
+    prewarm: bool = False                   # with prefill_only: prefill, finish (nothing pinned)
     prefix_handle: Optional["PinnedPrefix"] = None   # the task prompt this request starts from
     stop_text: Optional[Callable[[list[int]], bool]] = None  # stop_words_str check on output
     request_id: int = field(default_factory=lambda: next(_ids))

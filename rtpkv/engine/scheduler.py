@@ -220,7 +220,8 @@ class Scheduler:
                 if req.finish_reason != FinishReason.ERROR:
                     self.cache.commit(req)
                 if req.prefill_only and req.num_computed == req.num_tokens:
-                    req.pinned = self.cache.pin(req)
+                    if not req.prewarm:
+                        req.pinned = self.cache.pin(req)
                     req.finish_reason = FinishReason.PREFILLED
                 if req.finish_reason is None:
                     self.cache.release_out_of_window(req)

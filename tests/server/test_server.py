@@ -435,6 +435,18 @@ def test_metrics_say_why_reuse_stopped(client):
     assert "rtpkv_cache_ghost_hit_tokens_total" in client.get("/metrics").text
 
 
+def test_prewarm_route_caches_without_generating(client):
+    prefix = list(range(700, 714))                 # 14 tokens: 3 whole blocks of 4
+    res = client.post("/prewarm", json={"prompt": prefix, "generate_config": {"cache_salt": "p"}})
+    assert res.status_code == 200 and res.json() == {"cached_tokens": 12}
+    body = {"prompt": prefix + [5, 6, 7], "max_new_tokens": 2, "top_k": 1, "cache_salt": "p"}
+    assert client.post("/", json=body).json()["aux_info"]["reuse_len"] == 12
+    batch = client.post("/prewarm", json={"prompt_batch": ["a", "b"]})
+    assert batch.status_code == 400 and "prompt_batch" in batch.json()["message"]
+    off = client.post("/prewarm", json={"prompt": prefix, "reuse_cache": False})
+    assert off.status_code == 400 and "reuse is off" in off.json()["message"]
+
+
 # ---------------------------------------------------------------------- lifecycle
 def test_engine_stopped_gives_503(llama_path):
     model = load(llama_path, kv_cache_max_tokens=4096)
