@@ -171,6 +171,10 @@ class RuntimeConfig(BaseModel):
     # keys of recently evicted blocks remembered to explain misses (reuse_stop "evicted",
     # cache_stats' ghost hits); None: as many as the pool has blocks, 0: none
     kv_cache_ghost_blocks: Optional[int] = Field(None, ge=0)
+    # per-tenant bound on cached blocks (rtpkv.cache.block_pool): a salted tenant past it has
+    # its own cached blocks evicted first; cache_salt_quotas overrides it per salt ("" = no salt)
+    cache_salt_quota_blocks: Optional[int] = Field(None, ge=0)
+    cache_salt_quotas: Optional[dict[str, int]] = None
     multi_task_prompt: Optional[str] = None
     multi_task_prompt_str: Optional[str] = None
     capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
@@ -232,6 +236,15 @@ class RuntimeConfig(BaseModel):
     def _redis_url(cls, value: Optional[str]) -> Optional[str]:
         if value is not None:
             check_redis_url(value)
+        return value
+
+    @field_validator("cache_salt_quotas")
+    @classmethod
+    def _quotas(cls, value: Optional[dict[str, int]]) -> Optional[dict[str, int]]:
+        for salt, blocks in (value or {}).items():
+            if blocks < 0:
+                raise ValueError(f"the quota of cache_salt {salt!r} is {blocks}; quotas are "
+                                 "numbers of KV blocks, 0 or more")
         return value
 
     @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")

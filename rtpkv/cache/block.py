@@ -32,6 +32,7 @@ class Block:
     duration_s: Optional[float] = None    # priority lapses this long after the last release
     tiers: frozenset[str] = field(default_factory=frozenset)  # tiers it may be offloaded to
     tail: bool = False              # a kept, partly filled last block (partial-reuse source)
+    tenant: bytes = b""             # the cache_salt it was computed under (b"": none, task prompts)
 
     @property
     def full(self) -> bool:

@@ -40,6 +40,7 @@ Only the engine thread calls it (under the engine lock).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -151,6 +152,22 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def salt_quota(config: "RuntimeConfig") -> Optional[Callable[[bytes], Optional[int]]]:
+    """Each tenant's bound on cached blocks: its `cache_salt_quotas` entry, else
+    `cache_salt_quota_blocks` for a salted tenant (requests without a salt are bounded only by
+    an entry for ""). None when no quota is configured."""
+    overrides = {salt.encode(): n for salt, n in (config.cache_salt_quotas or {}).items()}
+    default = config.cache_salt_quota_blocks
+    if default is None and not overrides:
+        return None
+    return lambda salt: overrides.get(salt, default if salt else None)
+
+
+def tenant_label(salt: bytes) -> str:
+    """How stats name a tenant: a digest of its salt, never the salt (a tenant's secret)."""
+    return hashlib.sha256(salt).hexdigest()[:12] if salt else "(no salt)"
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -190,6 +207,7 @@ class KVCacheManager:
                  events: Optional[KVEventBuffer] = None,
                  tiers: Sequence["KVTier"] = (), offload_min_priority: int = DEFAULT_PRIORITY,
                  window: Optional[int] = None, ghosts: Optional[int] = None,
+                 quota: Optional[Callable[[bytes], Optional[int]]] = None,
                  clock: Callable[[], float] = time.monotonic):
         if tiers and memory is None:
             raise ValueError("tiers need the KV memory to copy blocks from and to")
@@ -203,7 +221,8 @@ class KVCacheManager:
         events = events or KVEventBuffer(0)
         self.ladder = TierLadder(tiers, offload_min_priority, events)
         self.pool = BlockPool(num_blocks, index, events, policy=policy, clock=clock,
-                              on_evict=self._offload if self.ladder else None, ghosts=ghosts)
+                              on_evict=self._offload if self.ladder else None, ghosts=ghosts,
+                              quota=quota)
         self.window = window              # tokens each query attends to; None: all
         self.query_tokens = 0
         self.hit_tokens = 0
@@ -231,7 +250,7 @@ class KVCacheManager:
                     events=KVEventBuffer(config.kv_cache_event_buffer_max_size),
                     tiers=build_tiers(config, model, B) if tiers is None else tiers,
                     offload_min_priority=config.secondary_offload_min_priority, window=window,
-                    ghosts=config.kv_cache_ghost_blocks)
+                    ghosts=config.kv_cache_ghost_blocks, quota=salt_quota(config))
         log.info("reuse_cache: %s, partial reuse: %s", config.reuse_cache,
                  config.enable_partial_reuse)
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB)", num_blocks, B,
@@ -460,7 +479,7 @@ class KVCacheManager:
             seq.block_table.append(block_id)
             self.memory.write_block(block_id, payload)
             self.pool.onboard(block_id, meta.key, meta.parent_key, parent_serial, meta.tokens,
-                              meta.extra)
+                              meta.extra, self._chain(seq).tenant(len(seq.block_table) - 1))
             seq.block_keys.append(meta.key)
             loaded += 1
         return loaded
@@ -556,7 +575,8 @@ class KVCacheManager:
             meta = BlockMeta(key=key, parent_key=chain.parent(i), tokens=chain.tokens(i),
                              extra=chain.extra(i), priority=priority)
             if (self.pool.commit(block_id, key, meta.parent_key, parent_serial, meta.tokens,
-                                 meta.extra, priority, duration) and self.ladder):
+                                 meta.extra, priority, duration, chain.tenant(i))
+                    and self.ladder):
                 self.ladder.write_through(meta, seq.allows_tier,
                                           lambda: self.memory.read_block(block_id))
 
@@ -609,7 +629,8 @@ class KVCacheManager:
             return                           # its parent was never committed (a failed step)
         chain = self._chain(seq)
         self.pool.keep_tail(table[t], chain.parent(t), parent_serial,
-                            tuple(seq.token_ids[t * B:seq.num_computed]), chain.extra(t))
+                            tuple(seq.token_ids[t * B:seq.num_computed]), chain.extra(t),
+                            chain.tenant(t))
 
     def _release_entry(self, seq: CacheSequence, i: int, retention: KvCacheRetentionConfig,
                        tiers: frozenset[str]) -> None:
@@ -663,8 +684,23 @@ class KVCacheManager:
                                      if self.query_tokens else 0.0),
             "events_dropped": pool.events.dropped,
         }
+        stats.update(self._tenant_stats())
         stats.update(self.ladder.stats())
         return stats
+
+    def _tenant_stats(self) -> dict[str, object]:
+        """Per-tenant counts (cached blocks, quota, quota evictions), each tenant named by a
+        digest of its salt: counts only, never a key, a token or a salt."""
+        pool = self.pool
+        tenants = set(pool.tenant_blocks) | set(pool.quota_evictions)
+        return {
+            "tenants_over_quota": pool.num_over_quota,
+            "quota_evictions": sum(pool.quota_evictions.values()),
+            "tenants": {tenant_label(t): {
+                "blocks": pool.tenant_blocks[t],
+                "quota": pool.quota(t) if pool.quota is not None else None,
+                "quota_evictions": pool.quota_evictions[t]} for t in sorted(tenants)},
+        }
 
     def check_integrity(self, live: Optional[Iterable[CacheSequence]] = None) -> None:
         """Assert the pool's invariant (`BlockPool.check_integrity`), every tier's, and (given

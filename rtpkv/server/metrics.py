@@ -50,6 +50,12 @@ class _CacheCollector(Collector):
                                 "(hit + ghost-hit tokens) / prompt tokens looked up: about the "
                                 "hit rate of a pool larger by the ghost list's capacity",
                                 value=stats["hit_rate_with_ghosts"])
+        yield CounterMetricFamily("rtpkv_cache_quota_evictions",
+                                  "blocks evicted first because their tenant was past its quota",
+                                  value=stats["quota_evictions"])
+        yield GaugeMetricFamily("rtpkv_cache_tenants_over_quota",
+                                "tenants (cache_salt) holding more cached blocks than their quota",
+                                value=stats["tenants_over_quota"])
         yield GaugeMetricFamily("rtpkv_requests_running", "requests in the running batch",
                                 value=stats["requests_running"])
         yield GaugeMetricFamily("rtpkv_requests_waiting", "requests waiting for admission",

@@ -432,7 +432,10 @@ def test_metrics_say_why_reuse_stopped(client):
     for reason in ("not_cached", "prompt_end"):
         assert metric(client, f'rtpkv_cache_reuse_stops_total{{reason="{reason}"}}') \
             == stops[reason] > 0
-    assert "rtpkv_cache_ghost_hit_tokens_total" in client.get("/metrics").text
+    text = client.get("/metrics").text
+    for name in ("rtpkv_cache_ghost_hit_tokens_total", "rtpkv_cache_hit_rate_with_ghosts",
+                 "rtpkv_cache_quota_evictions_total", "rtpkv_cache_tenants_over_quota"):
+        assert name in text, name
 
 
 def test_prewarm_route_caches_without_generating(client):
