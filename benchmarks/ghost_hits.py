@@ -7,6 +7,7 @@ Workload (docs/BENCHMARKS.md): `--prefixes` shared prefixes of 4 blocks each, as
 seeded random order, each request with a unique 8-token question and 8 new tokens; the prefixes
 alone are twice the pool of the first run (P = 2 blocks a prefix), so about half of them are
 evicted at any time. The ghost list holds as many keys as the pool has blocks (the default).
+The model is benchmarks/common.py's small counting model: hit rates do not depend on it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from common import bench_parser, pipeline, random_ids, setup_threads, table
 def run(prefixes: int, requests: int, block: int, pool_blocks: int) -> dict:
     heads = [random_ids(4 * block, seed=1000 + i) for i in range(prefixes)]
     order = random.Random(7)
-    with pipeline(reuse_cache=True, seq_size_per_block=block,
+    with pipeline(counts=True, reuse_cache=True, seq_size_per_block=block,
                   kv_cache_max_tokens=pool_blocks * block) as pipe:
         for r in range(requests):
             prompt = heads[order.randrange(prefixes)] + random_ids(8, seed=5000 + r)
