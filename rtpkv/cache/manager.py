@@ -634,10 +634,10 @@ class KVCacheManager:
 
     def _release_entry(self, seq: CacheSequence, i: int, retention: KvCacheRetentionConfig,
                        tiers: frozenset[str]) -> None:
-        """Drop `seq`'s reference on its i-th block, stamping a full block with the
-        retention priority of its position."""
+        """Drop `seq`'s reference on its i-th block, stamping a full block (or a kept tail)
+        with the retention priority of its position."""
         block_id = seq.block_table[i]
-        if self.pool.blocks[block_id].full:
+        if self.pool.blocks[block_id].full or self.pool.blocks[block_id].tail:
             priority, duration = retention.block_retention(i * self.block_size, seq.num_prompt)
             self.pool.stamp(block_id, priority, duration, tiers)
         self.pool.release(block_id)

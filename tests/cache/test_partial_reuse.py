@@ -140,6 +140,25 @@ def test_partial_reuse_after_a_tier_onboard(make_pipeline):
     same(got, ref)
 
 
+def test_a_kept_tail_takes_the_retention_priority_of_its_position(make_pipeline):
+    """A high-priority prompt's partly filled last block outlives a flood of default-priority
+    requests, as its whole blocks do."""
+    small = dict(kv_cache_max_tokens=40)                   # 10 blocks
+    on, off = make_pipeline(**ON, **small), make_pipeline(**OFF, **small)
+    high = {"token_range_retention_configs": [{"token_start": 0, "token_end": 14,
+                                                "priority": 90}],
+            "decode_retention_priority": 90}
+    for pipe in (on, off):
+        run(pipe, BASE, max_new_tokens=1, kv_cache_retention_config=high)   # 14 computed
+    assert on.cache_stats()["blocks_cached_by_priority"] == {90: 4}
+    for i in range(3):
+        answer(on, list(range(300 + 20 * i, 314 + 20 * i)))
+    probe = BASE + [5]
+    got, ref = answer(on, probe), answer(off, probe)
+    assert got.aux_info["reuse_len"] == 14 and got.aux_info["partial_reuse_len"] == 2
+    same(got, ref)
+
+
 def test_two_requests_copy_the_same_block_at_once(make_pipeline):
     on, off = make_pipeline(**ON), make_pipeline(**OFF)
     for pipe in (on, off):
@@ -180,7 +199,6 @@ def test_the_source_is_held_while_it_is_copied_when_it_is_the_next_victim():
     probe = Seq(list(range(1, 10)) + [77, 78])   # 2 full hits + 1 token of the tail
     match = cache.lookup(probe)
     assert len(match.device) == 2 and match.partial.num_tokens == 1
-    source = match.partial.block_id
     # the source is the next victim; it is counted as taken, so the last block needs a 4th
     assert not cache.can_admit(probe, match, probe.num_tokens)
     cache = _manager(4)
