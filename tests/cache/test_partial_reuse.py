@@ -10,6 +10,7 @@ from cache_sequence import Seq
 from conftest import hf_reference, run
 
 from rtpkv.cache import KVCacheManager, KVEventBuffer, KVMemory, PrefixIndex
+from rtpkv.report import reuse_arithmetic
 
 B = 4
 ON = dict(reuse_cache=True, enable_partial_reuse=True, seq_size_per_block=B)
@@ -242,3 +243,9 @@ def test_a_partial_block_is_never_a_stored_event():
     stored = [e for e in cache.events.drain() if e["type"] == "stored"]
     assert len(stored) == 2 and cache.stats()["blocks_tail"] == 1
     cache.check_integrity([])
+
+
+def test_the_cli_spells_out_the_partial_block():
+    aux = {"reuse_len": 11, "partial_reuse_len": 3, "input_len": 13, "prefix_len": 0}
+    assert reuse_arithmetic(aux, 4) == \
+        "reuse_len 11 = 2 blocks of 4 + 3 tokens of a partial block of 13 prompt tokens"
