@@ -52,7 +52,7 @@ def workload_b(partial: bool, block: int, sizes: Sizes):
             ttft, res = _run(pipe, history, sizes.answer)
             if turn:
                 ttfts.append(ttft)
-            reuse.append((res.aux_info["reuse_len"], min(cached, len(history) - 1)))
+            reuse.append((res.aux_info["reuse_len"], min(cached, len(history) - 1), len(history)))
             outs.append(res.output_ids)
             logits.append(res.logits)
             cached = len(history) + len(res.output_ids) - 1
@@ -93,14 +93,16 @@ def main() -> None:
     on, off = statistics.median(r[0] for r in b_on), statistics.median(r[0] for r in b_off)
     print(f"Workload b: {sizes.turns}-turn chat, mean TTFT of turns 2-{sizes.turns} (seconds; "
           f"SEQ_SIZE_PER_BLOCK={B}); tokens and logits identical on and off")
-    print(table(["partial on", "partial off", "on/off - 1"],
-                [(on, off, f"{(on / off - 1) * 100:+.1f}%")]))
+    computed = [statistics.mean(n - got for got, _, n in r[0][1][1:]) for r in (b_on, b_off)]
+    print(table(["partial on", "partial off", "on/off - 1", "prompt tokens computed a turn, on",
+                 "off"], [(on, off, f"{(on / off - 1) * 100:+.1f}%", *computed)]))
     rows = []
-    for turn, ((got, exact), (got_off, _)) in enumerate(zip(b_on[0][1], b_off[0][1]), 1):
+    for turn, ((got, exact, n), (got_off, _, _)) in enumerate(zip(b_on[0][1], b_off[0][1]), 1):
         assert got == exact, f"turn {turn}: reuse_len {got} != exact common prefix {exact}"
         assert got_off == exact // B * B
-        rows.append((turn, exact, got, got_off))
-    print(table(["turn", "exact common prefix", "reuse_len, partial on", "reuse_len, off"], rows))
+        rows.append((turn, n, exact, got, got_off))
+    print(table(["turn", "prompt", "exact common prefix", "reuse_len, partial on",
+                 "reuse_len, off"], rows))
 
     a_on, a_off = interleaved(lambda p: workload_a(p, B, sizes), args.runs)
     _identical(a_on[0], a_off[0], "a")
