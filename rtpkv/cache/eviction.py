@@ -159,13 +159,14 @@ class TenantEvictionPolicy(EvictionPolicy):
         self._all.remove(block)
         self._forget(block.block_id)
 
-    def _forget(self, block_id: int) -> Block:
-        block = self._blocks.pop(block_id)
+    def _forget(self, block_id: int) -> None:
+        block = self._blocks.pop(block_id, None)
+        if block is None:                   # not queued: as PriorityEvictionPolicy.remove
+            return
         own = self._tenants[block.tenant]
         own.remove(block)
         if not len(own):
             del self._tenants[block.tenant]
-        return block
 
     def pop(self) -> int:
         block_id = self._all.pop()

@@ -11,6 +11,8 @@ from cache_sequence import Seq
 from conftest import run
 
 from rtpkv.cache import KVCacheManager, KVEventBuffer, PrefixIndex
+from rtpkv.cache.block import DEFAULT_PRIORITY, Block
+from rtpkv.cache.eviction import TenantEvictionPolicy
 from rtpkv.cache.manager import tenant_label
 from rtpkv.config import Settings
 from rtpkv.errors import ConfigError
@@ -126,3 +128,23 @@ def test_bad_quota_in_code_names_the_field_and_the_salt():
         ModelConfig(cache_salt_quotas={"a": -2})
     with pytest.raises(ConfigError, match=r"^cache_salt_quota_blocks=-3 is invalid"):
         ModelConfig(cache_salt_quota_blocks=-3)
+
+
+def test_tenant_queues_follow_the_global_one_through_lapses_and_removals():
+    policy = TenantEvictionPolicy()
+    blocks = [Block(i, priority=p, duration_s=d, tenant=t) for i, (p, d, t) in enumerate(
+        [(90, 5.0, b"x"), (35, None, b"y"), (10, None, b"x"), (90, None, b"y")])]
+    for block in blocks:
+        policy.add(block, now=0.0)
+    lapsed = policy.lapse(now=10.0)
+    assert lapsed == [blocks[0]]
+    blocks[0].priority = DEFAULT_PRIORITY         # as the pool does with what lapse returns
+    policy.check()
+    assert policy.pop_tenant(b"x") == 2           # x's lowest priority: 10
+    assert policy.pop_tenant(b"x") == 0           # then its lapsed block, now at 35
+    assert policy.pop_tenant(b"x") is None
+    policy.remove(blocks[1])
+    policy.remove(blocks[1])                      # not queued any more: nothing happens
+    policy.check()
+    assert len(policy) == 1 and policy.pop() == 3 and len(policy) == 0
+    policy.check()
