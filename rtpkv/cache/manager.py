@@ -385,6 +385,8 @@ class KVCacheManager:
             k = common_prefix(block.tokens, want)
             if k and (best is None or k > best.num_tokens):
                 best = PartialHit(block_id, k)
+                if k == len(want):               # nothing can match more
+                    break
         return best
 
     def cached_tokens(self, seq: CacheSequence) -> int:
