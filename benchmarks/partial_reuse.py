@@ -20,7 +20,8 @@ import statistics
 from dataclasses import dataclass
 
 import torch
-from common import bench_parser, interleaved, pipeline, random_ids, setup_threads, table, timed_request
+from common import (bench_parser, interleaved, pipeline, random_ids, setup_threads, table,
+                    timed_request)
 
 
 @dataclass(frozen=True)

@@ -420,8 +420,8 @@ class KVCacheManager:
         """Give `seq` its cached prefix: share the device hits, then walk the tiers (once per
         request) and onboard their hits into fresh blocks (a block that fails verification
         ends the prefix there). Returns the tokens reused from each source: "local" (the device
-        pool, a partial-block hit included), "partial" (that hit alone, if any) and each tier's name.
-        On any exception `seq` holds no block afterwards."""
+        pool, a partial-block hit included), "partial" (that hit alone, if any) and each tier's
+        name. On any exception `seq` holds no block afterwards."""
         assert not seq.block_table, "admit a request once, or again after free"
         B = self.block_size
         partial = 0
