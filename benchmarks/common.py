@@ -20,6 +20,12 @@ BENCH_CHECKPOINT = dict(architecture="LlamaForCausalLM", vocab_size=8000, hidden
                         max_position_embeddings=4096, tokenizer_vocab_size=2000)
 
 
+# For benchmarks that count (hit rates, evictions) rather than time: what a cache does with a
+# request does not depend on the model, so a much smaller one answers in a fraction of the time.
+COUNTS_CHECKPOINT = dict(BENCH_CHECKPOINT, hidden_size=64, intermediate_size=128, num_layers=2,
+                         num_heads=2, num_kv_heads=1)
+
+
 def bench_parser(doc: str, *, block: int | None = 64) -> argparse.ArgumentParser:
     """The options every benchmark takes: `--runs` (medians over that many) and, for the cache
     benchmarks, `--block` (SEQ_SIZE_PER_BLOCK)."""
@@ -35,9 +41,12 @@ def setup_threads(threads: int = 2) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
-def bench_checkpoint() -> Path:
+def bench_checkpoint(counts: bool = False) -> Path:
+    """The BENCHMARKS.md model, or with `counts` the small one for counting benchmarks."""
     from rtpkv.model_factory.tiny import cached_tiny_checkpoint
 
+    if counts:
+        return cached_tiny_checkpoint("counts", show_progress=False, **COUNTS_CHECKPOINT)
     return cached_tiny_checkpoint("bench", show_progress=False, **BENCH_CHECKPOINT)
 
 
@@ -46,12 +55,12 @@ def random_ids(n: int, seed: int, vocab: int = 8000) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
-def pipeline(**options: Any):
+def pipeline(counts: bool = False, **options: Any):
     from rtpkv.model_factory import ModelConfig, ModelFactory
     from rtpkv.pipeline import Pipeline
 
     options.setdefault("kv_cache_mem_mb", 2048)
-    model = ModelFactory.from_huggingface(bench_checkpoint(), ModelConfig(**options),
+    model = ModelFactory.from_huggingface(bench_checkpoint(counts), ModelConfig(**options),
                                           show_progress=False)
     return Pipeline(model, model.tokenizer)
 

@@ -165,6 +165,16 @@ class RuntimeConfig(BaseModel):
     kv_cache_free_gpu_mem_fraction: float = Field(0.9, gt=0, le=1)
     kv_cache_event_buffer_max_size: int = Field(0, ge=0)  # 0: KV cache events off
     reuse_cache: bool = False
+    # reuse past the last whole cached block: copy the k matching tokens of a cached block
+    # (or a finished request's partly filled last block) into a fresh one (rtpkv.cache.manager)
+    enable_partial_reuse: bool = False
+    # keys of recently evicted blocks remembered to explain misses (reuse_stop "evicted",
+    # cache_stats' ghost hits); None: as many as the pool has blocks, 0: none
+    kv_cache_ghost_blocks: Optional[int] = Field(None, ge=0)
+    # per-tenant bound on cached blocks (rtpkv.cache.block_pool): a salted tenant past it has
+    # its own cached blocks evicted first; cache_salt_quotas overrides it per salt ("" = no salt)
+    cache_salt_quota_blocks: Optional[int] = Field(None, ge=0)
+    cache_salt_quotas: Optional[dict[str, int]] = None
     multi_task_prompt: Optional[str] = None
     multi_task_prompt_str: Optional[str] = None
     capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
@@ -198,7 +208,7 @@ class RuntimeConfig(BaseModel):
     kv_events_topic: str = Field("", max_length=256)
     kv_events_buffer_steps: int = Field(10000, ge=1, le=1000000)  # batches kept for replay
 
-    @field_validator("reuse_cache", "enable_memory_cache", "enable_memory_cache_disk",
+    @field_validator("reuse_cache", "enable_partial_reuse", "enable_memory_cache", "enable_memory_cache_disk",
                      "write_cache_sync", "enable_remote_cache", mode="before")
     @classmethod
     def _switch(cls, value: Any) -> Any:
@@ -226,6 +236,15 @@ class RuntimeConfig(BaseModel):
     def _redis_url(cls, value: Optional[str]) -> Optional[str]:
         if value is not None:
             check_redis_url(value)
+        return value
+
+    @field_validator("cache_salt_quotas")
+    @classmethod
+    def _quotas(cls, value: Optional[dict[str, int]]) -> Optional[dict[str, int]]:
+        for salt, blocks in (value or {}).items():
+            if blocks < 0:
+                raise ValueError(f"the quota of cache_salt {salt!r} is {blocks}; quotas are "
+                                 "numbers of KV blocks, 0 or more")
         return value
 
     @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")

@@ -355,7 +355,8 @@ class Pipeline:
 
     # ------------------------------------------------------------------ requests
     def _prepare(self, prompt: Prompt, generate_config: Optional[dict[str, Any]],
-                 kwargs: dict[str, Any]) -> tuple[Request, _ResponseBuilder]:
+                 kwargs: dict[str, Any], prewarm: bool = False
+                 ) -> tuple[Request, _ResponseBuilder]:
         if self.engine.stopped:
             raise RequestError("the pipeline has been stopped")
         cfg = GenerateConfig.build(generate_config, kwargs)
@@ -373,14 +374,15 @@ class Pipeline:
             raise PromptTooLongError(f"prompt is {_tokens(len(ids))} ({len(prefix)} of them the "
                                      f"task prompt); max_seq_len is {limit}, leaving no room to "
                                      "generate")
-        max_new = cfg.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, room)
+        max_new = 0 if prewarm else cfg.max_new_tokens or min(DEFAULT_MAX_NEW_TOKENS, room)
         if max_new > room:
             raise PromptTooLongError(f"prompt of {_tokens(len(ids))} + max_new_tokens {max_new} "
                                      f"exceeds max_seq_len {limit}")
         stream = TextStream(self.tokenizer, cfg.stop_words_str, cfg.min_new_tokens,
                             cfg.skip_special_tokens)
         req = Request(ids, cfg, max_new_tokens=max_new, eos_token_ids=self.eos_token_ids,
-                      stop_text=stream.stop_check(), prefix_handle=task.pinned if task else None)
+                      stop_text=stream.stop_check(), prefix_handle=task.pinned if task else None,
+                      prefill_only=prewarm, prewarm=prewarm)
         if cfg.kv_cache_retention_config is not None and not self.config.reuse_cache:
             self._note_retention_without_reuse()
         aux = {"input_len": len(own), "prefix_len": len(prefix)}
@@ -476,6 +478,23 @@ class Pipeline:
         """rtp-llm's name for the same stream, for asyncio callers:
         `async for res in pipeline.pipeline_async(...)`."""
         return self(prompt, generate_config, messages=messages, **kwargs)
+
+    def prewarm(self, prompt: Prompt, generate_config: Optional[dict[str, Any]] = None,
+                **kwargs: Any) -> int:
+        """Compute and cache `prompt`'s K/V without generating (its `task_id`, `cache_salt`
+        and `kv_cache_retention_config` act as in a request) and return how many of its tokens
+        are now cached: a request that extends the prompt reuses that many (one equal to it,
+        all but its last token at most). Blocks until done; refused when reuse is off."""
+        req, _ = self._prepare(prompt, generate_config, kwargs, prewarm=True)
+        if not self.engine.cache.reuse_applies(req):
+            raise RequestError("prewarm would cache nothing: reuse is off (REUSE_CACHE=0, or "
+                               "reuse_cache false for this request)")
+        self.engine.submit(req)
+        req.done.wait()
+        out = req.outputs.get()
+        if out.error is not None:
+            raise out.error
+        return self.engine.cached_tokens(req)
 
     def prompt_token_ids(self, prompt: Prompt) -> list[int]:
         """The token ids a request without a task_id computes for `prompt` (text is tokenized

@@ -9,13 +9,15 @@ from typing import Any, Mapping
 AUX_UNITS = {
     "prefix_len": "tokens (task prompt)", "iter_count": "engine steps",
     "first_token_cost_time": "ms", "cost_time": "ms", "wait_time": "ms",
-    "num_preemptions": "times",
+    "num_preemptions": "times", "reuse_stop_tokens": "tokens",
 }
 STATS_UNITS = {
     "queries": "prompt tokens looked up", "hits": "prompt tokens reused", "hit_rate": "%",
     "block_size": "tokens per block", "evictions": "blocks", "requests_running": "requests",
     "requests_waiting": "requests", "events_dropped": "events",
-    "attention_window": "tokens per query",
+    "attention_window": "tokens per query", "hit_rate_with_ghosts": "%",
+    "ghost_hit_tokens": "prompt tokens", "partial_hit_tokens": "prompt tokens",
+    "quota_evictions": "blocks",
 }
 
 
@@ -34,11 +36,14 @@ def _table(rows: list[tuple[str, str, str]]) -> str:
 
 
 def reuse_arithmetic(aux: Mapping[str, Any], block_size: int) -> str:
-    """`reuse_len 8 = 2 blocks of 4 of 14 prompt tokens`."""
+    """`reuse_len 8 = 2 blocks of 4 of 14 prompt tokens` (`+ 3 tokens of a partial block`
+    with partial reuse)."""
     prompt = aux.get("input_len", 0) + aux.get("prefix_len", 0)
     reused = aux.get("reuse_len", 0)
-    return (f"reuse_len {reused} = {reused // block_size} blocks of {block_size} "
-            f"of {prompt} prompt tokens")
+    partial = aux.get("partial_reuse_len", 0)
+    shown = f" + {partial} tokens of a partial block" if partial else ""
+    return (f"reuse_len {reused} = {(reused - partial) // block_size} blocks of {block_size}"
+            f"{shown} of {prompt} prompt tokens")
 
 
 def aux_table(aux: Mapping[str, Any], block_size: int) -> str:

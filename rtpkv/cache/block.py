@@ -2,8 +2,10 @@
 cache manager, the eviction policy and the scheduler can be tested without a model.
 
 A block is in exactly one state: free (in the BlockPool's free list), cached (unreferenced but
-indexed, so still hittable; the eviction policy orders these) or in use (ref_count > 0; a pinned
-task block holds a reference too).
+indexed, or a kept tail, so still hittable; the eviction policy orders these) or in use
+(ref_count > 0; a pinned task block holds a reference too). A tail is the partly filled last
+block of a finished request, kept on the device only as a source of partial-block hits
+(`ENABLE_PARTIAL_REUSE`): never indexed, never offloaded, never an event.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ class Block:
     parent_key: bytes = b""         # key of the previous block of the chain (root for the first)
     serial: int = 0                 # identity of the content and its lineage; 0 while not full
     parent_serial: int = 0          # serial of the block this one was computed after
-    tokens: tuple[int, ...] = ()    # the token ids whose K/V the block holds, once full
+    tokens: tuple[int, ...] = ()    # the token ids whose K/V the block holds (full, or a tail)
     extra: bytes = b""              # extra key material (cache salt on a first block)
     priority: int = DEFAULT_PRIORITY
     duration_s: Optional[float] = None    # priority lapses this long after the last release
     tiers: frozenset[str] = field(default_factory=frozenset)  # tiers it may be offloaded to
+    tail: bool = False              # a kept, partly filled last block (partial-reuse source)
+    tenant: bytes = b""             # the cache_salt it was computed under (b"": none, task prompts)
 
     @property
     def full(self) -> bool:

@@ -9,10 +9,16 @@ speaks in requests. Every write to a `Block` is a method here, so each rule has 
   disagree;
 - one way out of the index (`_unindex`), one way back to the free list (`_put_free`);
 - events are emitted where the state changes: `stored` on insertion, `removed` on removal,
-  `updated` when an indexed block's priority changes.
+  `updated` when an indexed block's priority changes;
+- the `PartialIndex` (partial-block hit candidates) follows the index, plus the kept tails
+  (`keep_tail`), which are never indexed, offloaded or announced;
+- per-tenant quotas (`quota`: a tenant's bound, or None): each tenant's indexed blocks and
+  tails are counted where they enter and leave; when the pool must evict, a tenant over its
+  bound gives up its own least valuable cached block first (`TenantEvictionPolicy`).
 
-A block is in exactly one state: free (in `free_ids`), cached (unreferenced, indexed, ordered
-by the eviction policy) or in use (ref_count > 0; a pinned block holds a reference too).
+A block is in exactly one state: free (in `free_ids`), cached (unreferenced, indexed or a kept
+tail, ordered by the eviction policy) or in use (ref_count > 0; a pinned block holds a
+reference too).
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from collections import Counter, deque
 from typing import Callable, Optional
 
 from rtpkv.cache.block import DEFAULT_PRIORITY, Block
-from rtpkv.cache.eviction import EvictionPolicy, PriorityEvictionPolicy
+from rtpkv.cache.eviction import EvictionPolicy, PriorityEvictionPolicy, TenantEvictionPolicy
 from rtpkv.cache.events import KVEventBuffer
+from rtpkv.cache.ghost_list import GhostList
+from rtpkv.cache.partial_index import PartialIndex
 from rtpkv.cache.prefix_index import PrefixIndex
 
 
@@ -31,16 +39,25 @@ class BlockPool:
     def __init__(self, num_blocks: int, index: PrefixIndex, events: KVEventBuffer, *,
                  policy: Optional[EvictionPolicy] = None,
                  on_evict: Optional[Callable[[Block], None]] = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, ghosts: Optional[int] = None,
+                 quota: Optional[Callable[[bytes], Optional[int]]] = None):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
         self.index = index
-        self.policy = policy or PriorityEvictionPolicy()
+        if quota is not None and not isinstance(policy, (TenantEvictionPolicy, type(None))):
+            raise ValueError("per-tenant quotas need a TenantEvictionPolicy")
+        self.policy = policy or (TenantEvictionPolicy() if quota else PriorityEvictionPolicy())
+        self.quota = quota
+        self.tenant_blocks: Counter[bytes] = Counter()    # indexed blocks and tails per tenant
+        self.quota_evictions: Counter[bytes] = Counter()
+        self._over: set[bytes] = set()                     # tenants past their quota
         self.events = events
         self.on_evict = on_evict          # sees a victim (read-only) before it is cleared
         self.clock = clock
         self.blocks = [Block(i) for i in range(num_blocks)]
+        self.children = PartialIndex()    # partial-hit candidates: indexed blocks and tails
+        self.ghosts = GhostList(num_blocks if ghosts is None else ghosts)   # evicted keys
         self.free_ids: deque[int] = deque(range(num_blocks))
         self._next_serial = 1
         self.num_pinned = 0               # blocks with pin_count > 0
@@ -55,6 +72,14 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         return len(self.policy)
+
+    @property
+    def num_over_quota(self) -> int:
+        return len(self._over)
+
+    @property
+    def num_tails(self) -> int:
+        return sum(1 for b in self.blocks if b.tail)
 
     def num_allocatable(self) -> int:
         """Blocks an allocation can take now: free ones, then evictable cached ones."""
@@ -73,13 +98,18 @@ class BlockPool:
             block_id = self.free_ids.popleft()
         else:
             self.lapse_priorities()
-            block_id = self.policy.pop()
+            block_id = self._quota_victim()
+            if block_id is None:
+                block_id = self.policy.pop()
             block = self.blocks[block_id]
             self.evictions += 1
             self.evictions_by_priority[block.priority] += 1
-            if self.on_evict is not None:
-                self.on_evict(block)
+            if block.indexed:
+                self.ghosts.add(block.key)
+                if self.on_evict is not None:
+                    self.on_evict(block)
             self._unindex(block)
+            self._drop_tail(block)
             self.blocks[block_id] = Block(block_id)
         self.blocks[block_id].ref_count = 1
         return block_id
@@ -100,7 +130,7 @@ class BlockPool:
             return
         if block.full and not block.indexed and self.index.get(block.key) is None:
             self._index(block)
-        if block.indexed:
+        if block.indexed or block.tail:
             self.policy.add(block, self.clock())
         else:
             self._put_free(block)
@@ -108,7 +138,7 @@ class BlockPool:
     # ------------------------------------------------------------------ content
     def commit(self, block_id: int, key: bytes, parent_key: bytes, parent_serial: int,
                tokens: tuple[int, ...], extra: bytes, priority: int,
-               duration_s: Optional[float]) -> bool:
+               duration_s: Optional[float], tenant: bytes) -> bool:
         """A block of a running request filled with computed tokens: give it its content and
         lineage and make it hittable. When the index already holds the same content with the
         same lineage, the block stays an unindexed copy sharing that serial (so the chain
@@ -117,20 +147,36 @@ class BlockPool:
         held = self.cached(key)
         if (held is not None and held.tokens == tokens and held.extra == extra
                 and held.parent_serial == parent_serial):
-            self._fill(block, key, parent_key, parent_serial, tokens, extra, held.serial)
+            self._fill(block, key, parent_key, parent_serial, tokens, extra, tenant, held.serial)
             return False
-        self._fill(block, key, parent_key, parent_serial, tokens, extra)
+        self._fill(block, key, parent_key, parent_serial, tokens, extra, tenant)
         block.priority, block.duration_s = priority, duration_s
         self._index(block)
         return True
 
     def onboard(self, block_id: int, key: bytes, parent_key: bytes, parent_serial: int,
-                tokens: tuple[int, ...], extra: bytes) -> None:
+                tokens: tuple[int, ...], extra: bytes, tenant: bytes) -> None:
         """A fresh block just loaded from a tier: it takes the content and the lineage of the
         request's chain and is indexed (over any stale holder of the key)."""
         block = self.blocks[block_id]
-        self._fill(block, key, parent_key, parent_serial, tokens, extra)
+        self._fill(block, key, parent_key, parent_serial, tokens, extra, tenant)
         self._index(block)
+
+    def keep_tail(self, block_id: int, parent_key: bytes, parent_serial: int,
+                  tokens: tuple[int, ...], extra: bytes, tenant: bytes) -> bool:
+        """The partly filled last block of a request about to release it: keep it as a
+        partial-hit source (cached once released, device only), unless a candidate of the same
+        lineage already starts with the same tokens. Returns whether it was kept."""
+        for other in self.children.candidates(parent_key, extra):
+            held = self.blocks[other]
+            if held.parent_serial == parent_serial and held.tokens[:len(tokens)] == tokens:
+                return False
+        block = self.blocks[block_id]
+        block.parent_key, block.parent_serial = parent_key, parent_serial
+        block.tokens, block.extra, block.tail, block.tenant = tokens, extra, True, tenant
+        self.children.add(parent_key, extra, block_id)
+        self._count(tenant, 1)
+        return True
 
     def stamp(self, block_id: int, priority: int, duration_s: Optional[float],
               tiers: frozenset[str]) -> None:
@@ -162,12 +208,12 @@ class BlockPool:
 
     # ------------------------------------------------------------------ internals
     def _fill(self, block: Block, key: bytes, parent_key: bytes, parent_serial: int,
-              tokens: tuple[int, ...], extra: bytes, serial: int = 0) -> None:
+              tokens: tuple[int, ...], extra: bytes, tenant: bytes, serial: int = 0) -> None:
         if not serial:
             serial, self._next_serial = self._next_serial, self._next_serial + 1
         block.key, block.parent_key = key, parent_key
         block.serial, block.parent_serial = serial, parent_serial
-        block.tokens, block.extra = tokens, extra
+        block.tokens, block.extra, block.tenant = tokens, extra, tenant
 
     def _index(self, block: Block) -> None:
         """The one insertion into the index. A stale holder of the key (another lineage of the
@@ -180,6 +226,9 @@ class BlockPool:
                 self.policy.remove(held)
                 self._put_free(held)
         self.index.insert(block.key, block.block_id)
+        self.ghosts.discard(block.key)
+        self.children.add(block.parent_key, block.extra, block.block_id)
+        self._count(block.tenant, 1)
         block.indexed = True
         self.events.stored([block.key], block.parent_key, [block.tokens], block.priority,
                            extra=block.extra)
@@ -187,10 +236,46 @@ class BlockPool:
     def _unindex(self, block: Block) -> None:
         if block.indexed:
             self.index.remove(block.key)
+            self.children.discard(block.parent_key, block.extra, block.block_id)
+            self._count(block.tenant, -1)
             block.indexed = False
             self.events.removed([block.key])
 
+    def _drop_tail(self, block: Block) -> None:
+        if block.tail:
+            self.children.discard(block.parent_key, block.extra, block.block_id)
+            self._count(block.tenant, -1)
+            block.tail = False
+
+    def _count(self, tenant: bytes, delta: int) -> None:
+        """A tenant's indexed blocks and tails change by `delta`; track whether it is past its
+        quota."""
+        count = self.tenant_blocks[tenant] + delta
+        if count:
+            self.tenant_blocks[tenant] = count
+        else:
+            del self.tenant_blocks[tenant]
+        if self.quota is None:
+            return
+        bound = self.quota(tenant)
+        if bound is not None and count > bound:
+            self._over.add(tenant)
+        else:
+            self._over.discard(tenant)
+
+    def _quota_victim(self) -> Optional[int]:
+        """A cached block of a tenant past its quota (its own least valuable; the tenant
+        furthest past it first, ties by salt: deterministic), or None."""
+        excess = lambda t: self.tenant_blocks[t] - self.quota(t)  # noqa: E731
+        for tenant in sorted(self._over, key=lambda t: (-excess(t), t)):
+            block_id = self.policy.pop_tenant(tenant)
+            if block_id is not None:
+                self.quota_evictions[tenant] += 1
+                return block_id
+        return None
+
     def _put_free(self, block: Block) -> None:
+        self._drop_tail(block)
         self.blocks[block.block_id] = Block(block.block_id)
         self.free_ids.append(block.block_id)
 
@@ -216,8 +301,28 @@ class BlockPool:
             f"free {len(free)} + cached {len(cached)} + in use {len(in_use)} != total {self.num_blocks}"
         for block_id in free:
             assert not blocks[block_id].indexed and not blocks[block_id].full
+            assert not blocks[block_id].tail, f"free block {block_id} is a kept tail"
         for block_id in cached:
-            assert blocks[block_id].indexed and blocks[block_id].ref_count == 0
+            block = blocks[block_id]
+            assert (block.indexed or block.tail) and block.ref_count == 0
+        for block in blocks:
+            if block.tail:
+                assert not block.full and not block.indexed, f"tail {block.block_id} is full"
+                assert 0 < len(block.tokens) < self.index.block_size, \
+                    f"tail {block.block_id} holds {len(block.tokens)} tokens"
+        listed = {block_id for _, block_id in self.children.items()}
+        assert len(listed) == len(self.children), "a partial-hit candidate is listed twice"
+        assert listed == {b.block_id for b in blocks if b.indexed or b.tail}, \
+            "partial-hit candidates differ from the indexed blocks and tails"
+        held = Counter(b.tenant for b in blocks if b.indexed or b.tail)
+        assert held == self.tenant_blocks, "per-tenant block counts drifted"
+        if self.quota is not None:
+            assert self._over == {t for t, n in held.items()
+                                  if (q := self.quota(t)) is not None and n > q}, \
+                "the over-quota set drifted"
+        for (parent_key, extra), block_id in self.children.items():
+            assert (blocks[block_id].parent_key, blocks[block_id].extra) == (parent_key, extra), \
+                f"partial-hit candidate {block_id} is listed under another parent"
         for block in blocks:
             assert block.ref_count >= block.pin_count >= 0, f"block {block.block_id} refs"
         assert self.num_pinned == sum(1 for b in blocks if b.pin_count), "pinned count drifted"

@@ -7,7 +7,9 @@ survives longest. A block released with a duration keeps its priority only that 
 lapses the block drops to the default priority (DEFAULT_PRIORITY), keeping its place in the LRU order.
 
 Each priority is a heap of (release order, block id) with lazy deletion, so add, remove, pop
-and lapse are O(log n).
+and lapse are O(log n). With per-tenant quotas (`CACHE_SALT_QUOTA_BLOCKS`) the pool uses
+`TenantEvictionPolicy`: the same order, plus one queue per tenant, so the victim can be taken
+from a tenant over its quota first.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import Counter
+from typing import Optional
 
 from rtpkv.cache.block import DEFAULT_PRIORITY, Block
 
@@ -107,9 +110,14 @@ class PriorityEvictionPolicy(EvictionPolicy):
             entry = self._entry.get(block_id)
             if entry is None or entry[1] != order:
                 continue
-            self._push(entry[2], DEFAULT_PRIORITY, order)
+            self.demote(block_id)
             lapsed.append(entry[2])
         return lapsed
+
+    def demote(self, block_id: int) -> None:
+        """Requeue a queued block at the default priority, keeping its place in the LRU order."""
+        _, order, block = self._entry[block_id]
+        self._push(block, DEFAULT_PRIORITY, order)
 
     def counts(self, now: float) -> dict[int, int]:
         lapsed = {block_id for expires, order, block_id in self._expiry
@@ -130,3 +138,74 @@ class PriorityEvictionPolicy(EvictionPolicy):
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._entry
+
+
+class TenantEvictionPolicy(EvictionPolicy):
+    """PriorityEvictionPolicy over every cached block, and one per tenant (the `cache_salt` that
+    computed the block), kept in the same order: `pop` takes the global victim, `pop_tenant` the
+    victim among one tenant's blocks (a tenant over its quota gives way first)."""
+
+    def __init__(self) -> None:
+        self._all = PriorityEvictionPolicy()
+        self._tenants: dict[bytes, PriorityEvictionPolicy] = {}
+        self._blocks: dict[int, Block] = {}
+
+    def add(self, block: Block, now: float) -> None:
+        self._all.add(block, now)
+        self._tenants.setdefault(block.tenant, PriorityEvictionPolicy()).add(block, now)
+        self._blocks[block.block_id] = block
+
+    def remove(self, block: Block) -> None:
+        self._all.remove(block)
+        self._forget(block.block_id)
+
+    def _forget(self, block_id: int) -> None:
+        block = self._blocks.pop(block_id, None)
+        if block is None:                   # not queued: as PriorityEvictionPolicy.remove
+            return
+        own = self._tenants[block.tenant]
+        own.remove(block)
+        if not len(own):
+            del self._tenants[block.tenant]
+
+    def pop(self) -> int:
+        block_id = self._all.pop()
+        self._forget(block_id)
+        return block_id
+
+    def pop_tenant(self, tenant: bytes) -> Optional[int]:
+        """The next victim among `tenant`'s cached blocks (forgotten), or None if it has none."""
+        own = self._tenants.get(tenant)
+        if own is None:
+            return None
+        block_id = own.pop()
+        if not len(own):
+            del self._tenants[tenant]
+        self._all.remove(self._blocks.pop(block_id))
+        return block_id
+
+    def lapse(self, now: float) -> list[Block]:
+        lapsed = self._all.lapse(now)
+        for block in lapsed:
+            self._tenants[block.tenant].demote(block.block_id)
+        return lapsed
+
+    def counts(self, now: float) -> dict[int, int]:
+        return self._all.counts(now)
+
+    def check(self) -> None:
+        self._all.check()
+        for own in self._tenants.values():
+            assert len(own), "an empty tenant queue was kept"
+            own.check()
+        assert sum(len(own) for own in self._tenants.values()) == len(self._all) \
+            == len(self._blocks), "the tenant queues and the global queue disagree"
+        for block_id, block in self._blocks.items():
+            assert block_id in self._all and block_id in self._tenants[block.tenant], \
+                f"block {block_id} missing from a queue"
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._all

@@ -77,3 +77,10 @@ class KVMemory:
         """Fill one block from a payload of that shape (a tier hit); from the host tier's
         pinned slot on CUDA the copy is asynchronous on the engine's stream."""
         self.kv[:, :, :, self._slots(block_id)].copy_(payload, non_blocking=True)
+
+    def copy_tokens(self, src: int, dst: int, num_tokens: int) -> None:
+        """Copy the K/V of the first num_tokens slots of block `src` into block `dst` (a
+        partial-block hit: `dst` is a fresh block the request owns, never a shared one)."""
+        start, B = dst * self.block_size, self.block_size
+        self.kv[:, :, :, start:start + num_tokens].copy_(
+            self.kv[:, :, :, src * B:src * B + num_tokens])

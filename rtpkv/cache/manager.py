@@ -11,7 +11,8 @@ A request's life in the cache:
     prefetched(seq)              whether they are done (the request waits until then)
     match = lookup(seq)          which prefix the device pool holds
     can_admit(seq, match, ...)   whether the blocks it needs can be had (device hits decide)
-    admit(seq, match)            share the device hits, then walk the tiers and onboard their hits
+    admit(seq, match)            share the device hits, then walk the tiers and onboard their hits,
+                                 then (ENABLE_PARTIAL_REUSE) copy a partial-block hit
     grow(seq, tokens)            append fresh blocks for the next chunk (never rewrites a table)
     commit(seq)                  blocks that filled become hittable (and written through)
     release_out_of_window(seq)   with an attention window: drop blocks no future query reads
@@ -26,14 +27,24 @@ table keeps its length; attention backends read only inside the window, never su
 A released block is released as at the end of a request: a full, indexed one stays cached
 (evictable) and findable, the rest go back to the free list.
 
+Partial-block reuse (`partial_reuse`, off by default: rtp-llm's reuse length is a multiple of
+the block size): where the chain of whole blocks ends, a device block computed right after the
+same block (an indexed one, or a finished request's kept tail) whose first k token ids equal
+the prompt's next k gives those k tokens' K/V: they are copied into a fresh block the request
+owns, with the source held by a reference while it is copied, so nothing can evict or rewrite it
+meanwhile (the copy happens in `admit`, on the engine thread, before the step's forward). A
+shared or indexed block is never written.
+
 Only the engine thread calls it (under the engine lock).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Optional, Protocol, Sequence
 
@@ -99,12 +110,62 @@ class PinnedPrefix:
     num_tokens: int
 
 
+# Why a request's reuse stopped where it did (aux_info["reuse_stop"]), in the order checked.
+REUSE_STOPS = ("reuse_off", "prompt_end", "partial_block", "window", "tier_disabled", "evicted",
+               "not_cached")
+
+
+@dataclass(frozen=True)
+class ReuseStop:
+    """Why reuse stopped where it did. `tokens`: for partial_block, the tokens partial reuse
+    would have taken; for evicted, the prompt tokens that missed only because their blocks had
+    been evicted (ghost hits)."""
+
+    reason: str
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PartialHit:
+    """A device block whose first `num_tokens` tokens continue a request's cached chain."""
+
+    block_id: int
+    num_tokens: int
+
+
 @dataclass
 class PrefixMatch:
-    """What lookup found in the device pool: blocks to share."""
+    """What lookup found in the device pool: blocks to share, and a partial-block hit."""
 
     device: list[int] = field(default_factory=list)
     revived: int = 0                     # device hits that are cached (unreferenced) now
+    partial: Optional[PartialHit] = None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def salt_quota(config: "RuntimeConfig") -> Optional[Callable[[bytes], Optional[int]]]:
+    """Each tenant's bound on cached blocks: its `cache_salt_quotas` entry, else
+    `cache_salt_quota_blocks` for a salted tenant (requests without a salt are bounded only by
+    an entry for ""). None when no quota is configured."""
+    overrides = {salt.encode(): n for salt, n in (config.cache_salt_quotas or {}).items()}
+    default = config.cache_salt_quota_blocks
+    if default is None and not overrides:
+        return None
+    return lambda salt: overrides.get(salt, default if salt else None)
+
+
+def tenant_label(salt: bytes) -> str:
+    """How stats name a tenant: a digest of its salt, never the salt (a tenant's secret)."""
+    return hashlib.sha256(salt).hexdigest()[:12] if salt else "(no salt)"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -141,24 +202,33 @@ def pool_blocks(model: "Model", config: "RuntimeConfig") -> int:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, index: PrefixIndex, *,
                  memory: Optional[KVMemory] = None, reuse_enabled: bool = False,
+                 partial_reuse: bool = False,
                  policy: Optional[EvictionPolicy] = None,
                  events: Optional[KVEventBuffer] = None,
                  tiers: Sequence["KVTier"] = (), offload_min_priority: int = DEFAULT_PRIORITY,
-                 window: Optional[int] = None,
+                 window: Optional[int] = None, ghosts: Optional[int] = None,
+                 quota: Optional[Callable[[bytes], Optional[int]]] = None,
                  clock: Callable[[], float] = time.monotonic):
         if tiers and memory is None:
             raise ValueError("tiers need the KV memory to copy blocks from and to")
+        if partial_reuse and memory is None:
+            raise ValueError("partial reuse needs the KV memory to copy tokens in")
         self.block_size = block_size
         self.index = index
         self.memory = memory
         self.reuse_enabled = reuse_enabled
+        self.partial_reuse = partial_reuse
         events = events or KVEventBuffer(0)
         self.ladder = TierLadder(tiers, offload_min_priority, events)
         self.pool = BlockPool(num_blocks, index, events, policy=policy, clock=clock,
-                              on_evict=self._offload if self.ladder else None)
+                              on_evict=self._offload if self.ladder else None, ghosts=ghosts,
+                              quota=quota)
         self.window = window              # tokens each query attends to; None: all
         self.query_tokens = 0
         self.hit_tokens = 0
+        self.partial_hit_tokens = 0
+        self.ghost_hit_tokens = 0
+        self.reuse_stops: Counter[str] = Counter()
 
     @classmethod
     def build(cls, model: "Model", config: "RuntimeConfig", window: Optional[int],
@@ -176,10 +246,13 @@ class KVCacheManager:
                               model.dtype, model.device)
         cache = cls(num_blocks, B, PrefixIndex(model.fingerprint, B, hash_fn), memory=memory,
                     reuse_enabled=config.reuse_cache,
+                    partial_reuse=config.enable_partial_reuse,
                     events=KVEventBuffer(config.kv_cache_event_buffer_max_size),
                     tiers=build_tiers(config, model, B) if tiers is None else tiers,
-                    offload_min_priority=config.secondary_offload_min_priority, window=window)
-        log.info("reuse_cache: %s", config.reuse_cache)
+                    offload_min_priority=config.secondary_offload_min_priority, window=window,
+                    ghosts=config.kv_cache_ghost_blocks, quota=salt_quota(config))
+        log.info("reuse_cache: %s, partial reuse: %s", config.reuse_cache,
+                 config.enable_partial_reuse)
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB)", num_blocks, B,
                  memory.nbytes / 2**20)
         return cache
@@ -263,10 +336,12 @@ class KVCacheManager:
                 f"{self.block_size} tokens)")
 
     # ------------------------------------------------------------------ lookup and admission
-    def lookup(self, seq: CacheSequence) -> PrefixMatch:
-        """The longest cached prefix of `seq` in the device pool (at most all but its last
-        token, whose logits are needed): the pinned task prefix, then device hits. Read-only."""
-        limit = (seq.num_tokens - 1) // self.block_size
+    def lookup(self, seq: CacheSequence, cap: Optional[int] = None) -> PrefixMatch:
+        """The longest cached prefix of `seq`'s first `cap` tokens in the device pool (by
+        default all but its last token, whose logits are needed): the pinned task prefix, then
+        device hits, then (partial reuse) a partial-block hit. Read-only."""
+        cap = seq.num_tokens - 1 if cap is None else cap
+        limit = cap // self.block_size
         chain = self._chain(seq)
         blocks = self.pool.blocks
         match = PrefixMatch()
@@ -290,7 +365,41 @@ class KVCacheManager:
             match.device.append(block.block_id)
             match.revived += block.ref_count == 0
             parent_serial = block.serial
+        if self.partial_reuse:
+            match.partial = self._partial_hit(seq, len(match.device), parent_serial, cap)
+            # held while it is copied, so it is not among the blocks an allocation may take
+            match.revived += match.partial is not None and \
+                blocks[match.partial.block_id].ref_count == 0
         return match
+
+    def _partial_hit(self, seq: CacheSequence, i: int, parent_serial: int,
+                     cap: int) -> Optional[PartialHit]:
+        """The device block that continues `seq`'s chain of i blocks with the most of its
+        next tokens (up to `cap`): listed under the chain's key and extra bytes (the salt), of
+        the same lineage (`parent_serial`), token ids compared."""
+        B = self.block_size
+        want = seq.token_ids[i * B:min((i + 1) * B, cap)]
+        if not want:
+            return None
+        chain = self._chain(seq)
+        best = None
+        for block_id in self.pool.children.candidates(chain.parent(i), chain.extra(i)):
+            block = self.pool.blocks[block_id]
+            if block.parent_serial != parent_serial:
+                continue
+            k = common_prefix(block.tokens, want)
+            if k and (best is None or k > best.num_tokens):
+                best = PartialHit(block_id, k)
+                if k == len(want):               # nothing can match more
+                    break
+        return best
+
+    def cached_tokens(self, seq: CacheSequence) -> int:
+        """How many of `seq`'s tokens the device pool holds, as a prefix (all of them may
+        count: what a request extending `seq` would reuse). Read-only."""
+        match = self.lookup(seq, cap=seq.num_tokens)
+        return len(match.device) * self.block_size + (match.partial.num_tokens
+                                                      if match.partial is not None else 0)
 
     def _metas(self, seq: CacheSequence, start: int) -> list[BlockMeta]:
         """The BlockMeta of `seq`'s full blocks from `start` on (the last token is always
@@ -316,9 +425,11 @@ class KVCacheManager:
         """Give `seq` its cached prefix: share the device hits, then walk the tiers (once per
         request) and onboard their hits into fresh blocks (a block that fails verification
         ends the prefix there). Returns the tokens reused from each source: "local" (the device
-        pool) and each tier's name. On any exception `seq` holds no block afterwards."""
+        pool, a partial-block hit included), "partial" (that hit alone, if any) and each tier's
+        name. On any exception `seq` holds no block afterwards."""
         assert not seq.block_table, "admit a request once, or again after free"
         B = self.block_size
+        partial = 0
         try:
             for block_id in match.device:
                 self.pool.acquire(block_id)
@@ -336,11 +447,33 @@ class KVCacheManager:
                     if loaded < len(hit.metas):
                         break
             seq.tier_plan = None
+            if self.partial_reuse and self.reuse_applies(seq):
+                partial = self._copy_partial(seq)
         except BaseException:
             self.free(seq)
             raise
-        seq.num_computed = len(seq.block_table) * B
+        if partial:
+            reused["local"] += partial
+            reused["partial"] = partial
+        seq.num_computed = len(seq.block_keys) * B + partial
         return reused
+
+    def _copy_partial(self, seq: CacheSequence) -> int:
+        """Copy the partial-block hit at the end of `seq`'s table (found again: tiers may
+        have extended the chain since `lookup`) into a fresh block. Returns its tokens."""
+        table = seq.block_table
+        parent_serial = self.pool.blocks[table[-1]].serial if table else 0
+        hit = self._partial_hit(seq, len(table), parent_serial, seq.num_tokens - 1)
+        if hit is None:
+            return 0
+        self.pool.acquire(hit.block_id)      # the allocation below cannot evict the source
+        try:
+            block_id = self.pool.allocate()
+            table.append(block_id)
+            self.memory.copy_tokens(hit.block_id, block_id, hit.num_tokens)
+        finally:
+            self.pool.release(hit.block_id)
+        return hit.num_tokens
 
     def _onboard(self, seq: CacheSequence, hit: TierHit) -> int:
         loaded = 0
@@ -353,16 +486,59 @@ class KVCacheManager:
             seq.block_table.append(block_id)
             self.memory.write_block(block_id, payload)
             self.pool.onboard(block_id, meta.key, meta.parent_key, parent_serial, meta.tokens,
-                              meta.extra)
+                              meta.extra, self._chain(seq).tenant(len(seq.block_table) - 1))
             seq.block_keys.append(meta.key)
             loaded += 1
         return loaded
 
-    def record_lookup(self, seq: CacheSequence) -> None:
-        """Count a request's first admission in the token-weighted hit statistics."""
+    def record_lookup(self, seq: CacheSequence) -> ReuseStop:
+        """Count a request's first admission in the token-weighted hit statistics, and say why
+        its reuse stopped where it did."""
+        stop = self._reuse_stop(seq)
+        self.reuse_stops[stop.reason] += 1
         if self.reuse_applies(seq):
             self.query_tokens += seq.num_prompt
             self.hit_tokens += seq.num_computed
+            self.partial_hit_tokens += seq.num_computed % self.block_size
+            if stop.reason == "evicted":
+                self.ghost_hit_tokens += stop.tokens
+        return stop
+
+    def _reuse_stop(self, seq: CacheSequence) -> ReuseStop:
+        """Why the reuse of `seq` (just admitted) ends at `seq.num_computed`. Everything asked
+        is `seq`'s own chain (salted keys, salt-scoped candidates), so the answer never tells
+        anything about another tenant's cache."""
+        if not self.reuse_applies(seq):
+            return ReuseStop("reuse_off")
+        B, cap, reused = self.block_size, seq.num_tokens - 1, seq.num_computed
+        i = reused // B                          # the block where reuse stopped
+        if not self.partial_reuse:
+            parent_serial = self.pool.blocks[seq.block_table[i - 1]].serial if i else 0
+            hit = self._partial_hit(seq, i, parent_serial, cap)
+            if hit is not None:
+                return ReuseStop("partial_block", hit.num_tokens)
+        last = cap // B                          # whole blocks the prompt may reuse
+        if i >= last:
+            return ReuseStop("prompt_end" if reused == cap or not self.partial_reuse
+                             else "not_cached")
+        chain = self._chain(seq)
+        if self.window is not None and any(self._holds(chain, j) for j in range(i + 1, last)):
+            return ReuseStop("window")
+        key = chain.key(i)
+        if self.ladder.held_by_skipped(key, seq.allows_tier):
+            return ReuseStop("tier_disabled")
+        if key in self.pool.ghosts:
+            j = i
+            while j < last and (chain.key(j) in self.pool.ghosts or self._holds(chain, j)):
+                j += 1
+            return ReuseStop("evicted", j * B - reused)
+        return ReuseStop("not_cached")
+
+    def _holds(self, chain: KeyChain, i: int) -> bool:
+        """Whether the device pool holds block i of `chain` (key, tokens, extra bytes)."""
+        block = self.pool.cached(chain.key(i))
+        return block is not None and block.tokens == chain.tokens(i) \
+            and block.extra == chain.extra(i)
 
     # ------------------------------------------------------------------ growth
     def grow(self, seq: CacheSequence, num_tokens: int) -> bool:
@@ -406,7 +582,8 @@ class KVCacheManager:
             meta = BlockMeta(key=key, parent_key=chain.parent(i), tokens=chain.tokens(i),
                              extra=chain.extra(i), priority=priority)
             if (self.pool.commit(block_id, key, meta.parent_key, parent_serial, meta.tokens,
-                                 meta.extra, priority, duration) and self.ladder):
+                                 meta.extra, priority, duration, chain.tenant(i))
+                    and self.ladder):
                 self.ladder.write_through(meta, seq.allows_tier,
                                           lambda: self.memory.read_block(block_id))
 
@@ -438,18 +615,36 @@ class KVCacheManager:
         stay cached (evictable); the rest go back to the free list."""
         retention = seq.retention or _DEFAULT_RETENTION
         tiers = self.ladder.allowed(seq.allows_tier)
+        if self.partial_reuse and self.reuse_applies(seq):
+            self._keep_tail(seq)
         for i in reversed(range(len(seq.block_table))):
             if seq.block_table[i] != RELEASED:
                 self._release_entry(seq, i, retention, tiers)
         seq.block_table.clear()
         seq.block_keys.clear()
 
+    def _keep_tail(self, seq: CacheSequence) -> None:
+        """Keep `seq`'s partly filled last block as a partial-hit source when its computed
+        tokens follow a full block of its chain (the pool may decline a duplicate)."""
+        B = self.block_size
+        t, k = divmod(seq.num_computed, B)
+        table = seq.block_table
+        if not k or t >= len(table) or table[t] == RELEASED or (t and table[t - 1] == RELEASED):
+            return
+        parent_serial = self.pool.blocks[table[t - 1]].serial if t else 0
+        if t and not parent_serial:
+            return                           # its parent was never committed (a failed step)
+        chain = self._chain(seq)
+        self.pool.keep_tail(table[t], chain.parent(t), parent_serial,
+                            tuple(seq.token_ids[t * B:seq.num_computed]), chain.extra(t),
+                            chain.tenant(t))
+
     def _release_entry(self, seq: CacheSequence, i: int, retention: KvCacheRetentionConfig,
                        tiers: frozenset[str]) -> None:
-        """Drop `seq`'s reference on its i-th block, stamping a full block with the
-        retention priority of its position."""
+        """Drop `seq`'s reference on its i-th block, stamping a full block (or a kept tail)
+        with the retention priority of its position."""
         block_id = seq.block_table[i]
-        if self.pool.blocks[block_id].full:
+        if self.pool.blocks[block_id].full or self.pool.blocks[block_id].tail:
             priority, duration = retention.block_retention(i * self.block_size, seq.num_prompt)
             self.pool.stamp(block_id, priority, duration, tiers)
         self.pool.release(block_id)
@@ -482,14 +677,37 @@ class KVCacheManager:
             "blocks_cached": pool.num_cached,
             "blocks_in_use": sum(1 for b in pool.blocks if b.ref_count),
             "blocks_pinned": pool.num_pinned,
+            "blocks_tail": pool.num_tails,
+            "partial_hit_tokens": self.partial_hit_tokens,
             "blocks_cached_by_priority": pool.cached_by_priority(),
             "evictions": pool.evictions,
             "evictions_by_priority": dict(sorted(pool.evictions_by_priority.items())),
             "block_size": self.block_size,
+            "reuse_stops": {r: self.reuse_stops[r] for r in REUSE_STOPS},
+            "ghost_blocks": len(pool.ghosts),
+            "ghost_capacity": pool.ghosts.capacity,
+            "ghost_hit_tokens": self.ghost_hit_tokens,
+            "hit_rate_with_ghosts": ((self.hit_tokens + self.ghost_hit_tokens) / self.query_tokens
+                                     if self.query_tokens else 0.0),
             "events_dropped": pool.events.dropped,
         }
+        stats.update(self._tenant_stats())
         stats.update(self.ladder.stats())
         return stats
+
+    def _tenant_stats(self) -> dict[str, object]:
+        """Per-tenant counts (cached blocks, quota, quota evictions), each tenant named by a
+        digest of its salt: counts only, never a key, a token or a salt."""
+        pool = self.pool
+        tenants = set(pool.tenant_blocks) | set(pool.quota_evictions)
+        return {
+            "tenants_over_quota": pool.num_over_quota,
+            "quota_evictions": sum(pool.quota_evictions.values()),
+            "tenants": {tenant_label(t): {
+                "blocks": pool.tenant_blocks[t],
+                "quota": pool.quota(t) if pool.quota is not None else None,
+                "quota_evictions": pool.quota_evictions[t]} for t in sorted(tenants)},
+        }
 
     def check_integrity(self, live: Optional[Iterable[CacheSequence]] = None) -> None:
         """Assert the pool's invariant (`BlockPool.check_integrity`), every tier's, and (given

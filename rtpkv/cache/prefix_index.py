@@ -79,6 +79,11 @@ class KeyChain:
         """Extra key material of block i: the salt on the first block the sequence owns."""
         return self.salt if i == self.salt_block else b""
 
+    def tenant(self, i: int) -> bytes:
+        """Whose block i is (the salt its key chains through; b"" for a task prompt's blocks,
+        which every tenant shares): what a per-tenant quota counts."""
+        return self.salt if i >= self.salt_block else b""
+
     def tokens(self, i: int) -> tuple[int, ...]:
         B = self.index.block_size
         return tuple(self.token_ids[i * B:(i + 1) * B])

@@ -107,6 +107,11 @@ class Engine:
             stats["attention_window_source"] = self.window.source
             return stats
 
+    def cached_tokens(self, req: Request) -> int:
+        """How many of `req`'s tokens the device pool holds now, as a prefix."""
+        with self.lock:
+            return self.cache.cached_tokens(req)
+
     def check_integrity(self) -> None:
         with self.lock:
             self.scheduler.check_integrity()

@@ -56,6 +56,7 @@ class Request:
     max_new_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     prefill_only: bool = False              # a task prompt: prefill, pin, finish
+    prewarm: bool = False                   # with prefill_only: prefill, finish (nothing pinned)
     prefix_handle: Optional["PinnedPrefix"] = None   # the task prompt this request starts from
     stop_text: Optional[Callable[[list[int]], bool]] = None  # stop_words_str check on output
     request_id: int = field(default_factory=lambda: next(_ids))
@@ -70,6 +71,9 @@ class Request:
     pinned: Optional["PinnedPrefix"] = None   # what a prefill_only request pinned
     # reporting: tokens reused from the device pool and from each tier, at first admission
     local_reuse_len: Optional[int] = None
+    partial_reuse_len: int = 0               # of local_reuse_len: copied from a partial block
+    reuse_stop: Optional[str] = None         # why reuse stopped there (manager.REUSE_STOPS)
+    reuse_stop_tokens: int = 0
     reuse_by_tier: dict[str, int] = field(default_factory=dict)
     iter_count: int = 0
     num_preemptions: int = 0
@@ -146,6 +150,9 @@ class Request:
         return {
             "reuse_len": local + sum(tiers.values()),
             "local_reuse_len": local,
+            "partial_reuse_len": self.partial_reuse_len,
+            "reuse_stop": self.reuse_stop,
+            "reuse_stop_tokens": self.reuse_stop_tokens,
             **tiers,
             "output_len": self.num_output,
             "iter_count": self.iter_count,

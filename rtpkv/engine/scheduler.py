@@ -223,7 +223,8 @@ class Scheduler:
                 if req.finish_reason != FinishReason.ERROR:
                     self.cache.commit(req)
                 if req.prefill_only and req.num_computed == req.num_tokens:
-                    req.pinned = self.cache.pin(req)
+                    if not req.prewarm:
+                        req.pinned = self.cache.pin(req)
                     req.finish_reason = FinishReason.PREFILLED
                 if req.finish_reason is None:
                     self.cache.release_out_of_window(req)
@@ -313,8 +314,10 @@ class Scheduler:
         self.waiting.remove(req)
         if req.local_reuse_len is None:
             req.local_reuse_len = reused.pop("local")
+            req.partial_reuse_len = reused.pop("partial", 0)
             req.reuse_by_tier = reused
-            self.cache.record_lookup(req)
+            stop = self.cache.record_lookup(req)
+            req.reuse_stop, req.reuse_stop_tokens = stop.reason, stop.tokens
         if req.admitted_at is None:
             req.admitted_at = time.monotonic()
         self.running.append(req)

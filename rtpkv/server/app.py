@@ -55,16 +55,20 @@ class ServerState:
             raise ApiError(503, ErrorCode.ENGINE_STOPPED,
                            "the engine is stopped (the server is shutting down)")
 
-    async def start(self, route: str, num_prompts: int,
-                    submit: Callable[[], ResponseStream]) -> AsyncGenerator[Any, None]:
-        """Admit a request under CONCURRENCY_LIMIT (counted in prompts) and submit it off the
-        event loop (tokenizing a long prompt must not stall other clients or /health)."""
+    def reserve(self, num_prompts: int) -> None:
+        """Count `num_prompts` in flight under CONCURRENCY_LIMIT (409 past it)."""
         self.check_available()
         if self.in_flight + num_prompts > self.concurrency_limit:
             raise ApiError(409, ErrorCode.CONCURRENCY_LIMIT_ERROR,
                            f"{self.in_flight} requests in flight + {num_prompts} new > "
                            f"CONCURRENCY_LIMIT={self.concurrency_limit}; retry later")
-        self.in_flight += num_prompts  # held while submitting, so the limit stays exact
+        self.in_flight += num_prompts
+
+    async def start(self, route: str, num_prompts: int,
+                    submit: Callable[[], ResponseStream]) -> AsyncGenerator[Any, None]:
+        """Admit a request under CONCURRENCY_LIMIT (counted in prompts) and submit it off the
+        event loop (tokenizing a long prompt must not stall other clients or /health)."""
+        self.reserve(num_prompts)  # held while submitting, so the limit stays exact
         try:
             stream = await asyncio.to_thread(submit)
         except BaseException:
@@ -205,6 +209,24 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
         if req.stream:
             return EventStreamResponse(native.events(responses))
         return await _respond(request, responses, native.body)
+
+    @app.post("/prewarm")
+    async def prewarm(request: Request) -> dict[str, Any]:
+        """Compute and cache a prompt's K/V without generating (`pipeline.prewarm`): the
+        native route's body, one `prompt`; answers how many of its tokens are now cached."""
+        req = native.parse(await _json_body(request))
+        if req.batch:
+            raise ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                           "prewarm takes one 'prompt', not 'prompt_batch'", "prompt_batch")
+        state.reserve(1)
+        try:
+            cached = await asyncio.to_thread(
+                lambda: pipeline.prewarm(req.prompt, req.generate_config))
+        except Exception as exc:
+            raise api_error(exc) from exc
+        finally:
+            state.in_flight -= 1
+        return {"cached_tokens": cached}
 
     # ------------------------------------------------------------------ OpenAI
     def _check_model(name: Any) -> None:

@@ -36,6 +36,26 @@ class _CacheCollector(Collector):
                                   value=stats["hits"])
         yield CounterMetricFamily("rtpkv_cache_evictions", "blocks evicted",
                                   value=stats["evictions"])
+        stops = CounterMetricFamily("rtpkv_cache_reuse_stops",
+                                    "requests by why their reuse stopped where it did",
+                                    labels=["reason"])
+        for reason, count in stats["reuse_stops"].items():
+            stops.add_metric([reason], count)
+        yield stops
+        yield CounterMetricFamily("rtpkv_cache_ghost_hit_tokens",
+                                  "prompt tokens that missed only because their block had been "
+                                  "evicted (a bigger pool or a host tier would have served them)",
+                                  value=stats["ghost_hit_tokens"])
+        yield GaugeMetricFamily("rtpkv_cache_hit_rate_with_ghosts",
+                                "(hit + ghost-hit tokens) / prompt tokens looked up: about the "
+                                "hit rate of a pool larger by the ghost list's capacity",
+                                value=stats["hit_rate_with_ghosts"])
+        yield CounterMetricFamily("rtpkv_cache_quota_evictions",
+                                  "blocks evicted first because their tenant was past its quota",
+                                  value=stats["quota_evictions"])
+        yield GaugeMetricFamily("rtpkv_cache_tenants_over_quota",
+                                "tenants (cache_salt) holding more cached blocks than their quota",
+                                value=stats["tenants_over_quota"])
         yield GaugeMetricFamily("rtpkv_requests_running", "requests in the running batch",
                                 value=stats["requests_running"])
         yield GaugeMetricFamily("rtpkv_requests_waiting", "requests waiting for admission",

@@ -422,6 +422,34 @@ def test_health_cache_status_metrics(client):
     assert float(pinned[0].split()[-1]) == stats["blocks_pinned"] > 0
 
 
+def test_metrics_say_why_reuse_stopped(client):
+    ids = list(range(600, 613))          # 12 reusable tokens: 3 whole blocks
+    first = client.post("/", json={"prompt": ids, "max_new_tokens": 2, "top_k": 1}).json()
+    again = client.post("/", json={"prompt": ids, "max_new_tokens": 2, "top_k": 1}).json()
+    assert first["aux_info"]["reuse_stop"] == "not_cached"
+    assert again["aux_info"]["reuse_stop"] == "prompt_end"
+    stops = client.get("/cache_status").json()["reuse_stops"]
+    for reason in ("not_cached", "prompt_end"):
+        assert metric(client, f'rtpkv_cache_reuse_stops_total{{reason="{reason}"}}') \
+            == stops[reason] > 0
+    text = client.get("/metrics").text
+    for name in ("rtpkv_cache_ghost_hit_tokens_total", "rtpkv_cache_hit_rate_with_ghosts",
+                 "rtpkv_cache_quota_evictions_total", "rtpkv_cache_tenants_over_quota"):
+        assert name in text, name
+
+
+def test_prewarm_route_caches_without_generating(client):
+    prefix = list(range(700, 714))                 # 14 tokens: 3 whole blocks of 4
+    res = client.post("/prewarm", json={"prompt": prefix, "generate_config": {"cache_salt": "p"}})
+    assert res.status_code == 200 and res.json() == {"cached_tokens": 12}
+    body = {"prompt": prefix + [5, 6, 7], "max_new_tokens": 2, "top_k": 1, "cache_salt": "p"}
+    assert client.post("/", json=body).json()["aux_info"]["reuse_len"] == 12
+    batch = client.post("/prewarm", json={"prompt_batch": ["a", "b"]})
+    assert batch.status_code == 400 and "prompt_batch" in batch.json()["message"]
+    off = client.post("/prewarm", json={"prompt": prefix, "reuse_cache": False})
+    assert off.status_code == 400 and "reuse is off" in off.json()["message"]
+
+
 # ---------------------------------------------------------------------- lifecycle
 def test_engine_stopped_gives_503(llama_path):
     model = load(llama_path, kv_cache_max_tokens=4096)

@@ -104,6 +104,12 @@ class KVTier(ABC):
         chain, are then held; it never raises (a failure is a miss)."""
         raise NotImplementedError(f"the {self.name} tier does not fetch in the background")
 
+    def contains(self, key: bytes) -> bool:
+        """Whether the tier holds `key`, where it can tell without a network call and without
+        touching its order or counters (only to explain a miss: `reuse_stop`); a tier that
+        cannot answers False."""
+        return False
+
     @abstractmethod
     def load(self, meta: BlockMeta) -> Optional[torch.Tensor]:
         """The block's payload (`TierLayout.shape`, `TierLayout.dtype`, on CPU), or None on a

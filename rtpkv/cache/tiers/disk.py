@@ -114,6 +114,10 @@ class DiskTier(KVTier):
             self._writer.start()
 
     # ------------------------------------------------------------------ KVTier
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._sizes or key in self._pending
+
     def lookup(self, keys: Sequence[bytes]) -> int:
         found = 0
         for key in keys:

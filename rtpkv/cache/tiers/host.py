@@ -56,6 +56,10 @@ class HostTier(KVTier):
                              lookup_hits=0, evictions=0, handed_off=0, mismatches=0)
 
     # ------------------------------------------------------------------ KVTier
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._slots
+
     def lookup(self, keys: Sequence[bytes]) -> int:
         with self._lock:
             found = 0

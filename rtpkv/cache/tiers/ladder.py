@@ -135,6 +135,11 @@ class TierLadder:
                 pos += held
         return hits
 
+    def held_by_skipped(self, key: bytes, allows: Allows) -> bool:
+        """Whether a tier the request turned off holds `key` (as far as the tiers can tell
+        without a network call: `KVTier.contains`)."""
+        return any(not allows(t.name) and t.contains(key) for t in self.tiers)
+
     def load(self, tier: KVTier, meta: BlockMeta) -> Optional[torch.Tensor]:
         """A hit's payload, verified by the tier against `meta`; None on a miss."""
         payload = tier.load(meta)
