@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import subprocess
@@ -57,6 +58,15 @@ def start_server(port: int, kv_mb: int) -> subprocess.Popen:
     raise RuntimeError("rtpkv serve did not come up within 300 s")
 
 
+def is_error_event(line: str) -> bool:
+    """An SSE `data:` line carrying an error object (not a completion whose text says "error")."""
+    payload = line[len("data:"):].strip()
+    if payload == "[DONE]":
+        return False
+    event = json.loads(payload)
+    return isinstance(event, dict) and "error" in event
+
+
 class Tally:
     def __init__(self) -> None:
         self.done = self.disconnected = self.refused = 0
@@ -83,7 +93,7 @@ async def client(http: httpx.AsyncClient, rng: random.Random, stop_at: float,
                 async for line in res.aiter_lines():
                     if line.startswith("data:"):
                         chunks += 1
-                        if '"error"' in line:
+                        if is_error_event(line):
                             tally.errors.append(line)
                         if leave_after is not None and chunks >= leave_after:
                             break

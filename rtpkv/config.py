@@ -185,6 +185,9 @@ class RuntimeConfig(BaseModel):
     # kernel choices (rtpkv.kernels): auto = the fastest that builds and supports the dtype
     rtpkv_attention: str = Field("auto", pattern=f"^({'|'.join(ATTENTION_BACKENDS)})$")
     rtpkv_linear: str = Field("auto", pattern=f"^({'|'.join(LINEAR_PATHS)})$")
+    # seconds between malloc_trim(0) calls from the engine thread (rtpkv.engine.heap_trim), which
+    # keep glibc's freed activations from staying resident under load; 0: off
+    rtpkv_malloc_trim_s: float = Field(10.0, ge=0)
     # tiers below the device pool (rtpkv.cache.tiers.factory)
     enable_memory_cache: bool = False
     memory_cache_size_mb: float = Field(0.0, ge=0)

@@ -20,6 +20,7 @@ import torch
 
 from rtpkv.cache.manager import HashFn, KVCacheManager, PinnedPrefix, sha256
 from rtpkv.config import RuntimeConfig
+from rtpkv.engine.heap_trim import HeapTrimmer, libc_malloc_trim
 from rtpkv.engine.model_runner import ModelRunner
 from rtpkv.engine.request import FinishReason, Request, StepOutput
 from rtpkv.engine.sampler import sample_batch
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("rtpkv")
 
 STEP_LOG_SIZE = 4096
+# A failing step is retried after a pause doubling from the first to the second figure, so
+# a step that keeps failing (a bug) cannot spin a core; the first success resets it.
+STEP_RETRY_S = (0.01, 1.0)
 
 
 class Engine:
@@ -55,6 +59,7 @@ class Engine:
         self._stopped = threading.Event()
         self._threads = torch.get_num_threads()
         self._step_failed = RateLimitedLog(log, logging.ERROR)
+        self.heap = HeapTrimmer(config.rtpkv_malloc_trim_s, libc_malloc_trim())
         log.info("attention window: %s, attention backend: %s", self.window.describe(),
                  model.module.attention_name)
         self._thread = threading.Thread(target=self._loop, name="rtpkv-engine", daemon=True)
@@ -124,20 +129,33 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
         torch.set_num_threads(self._threads)  # thread counts are per OS thread
+        failures = 0
         while not self._stopped.is_set():
             try:
-                if not self.scheduler.has_work() or not self.step():
-                    # idle, or every waiting request waits for blocks: sleep until news
-                    item = self._inbox.get(timeout=0.5 if not self.scheduler.has_work() else 0.01)
-                    if item is not None:
-                        self.scheduler.add(item)
-            except queue.Empty:
-                continue
+                self._turn()
+                failures = 0
             except Exception:  # a bug must not kill the loop silently, nor flood the log
+                failures += 1
                 self._step_failed("engine step failed", exc_info=True)
                 with self.lock:
                     for req in list(self.scheduler.running):
                         self._finish(req, FinishReason.ERROR, RuntimeError("engine step failed"))
+                first, most = STEP_RETRY_S
+                self._stopped.wait(min(first * 2 ** min(failures - 1, 16), most))
+
+    def _turn(self) -> None:
+        """One step, or, when idle or when every waiting request waits for blocks, a wait for
+        news; either may give freed heap memory back (HeapTrimmer)."""
+        if self.scheduler.has_work() and self.step():
+            self.heap.stepped()
+            return
+        try:
+            item = self._inbox.get(timeout=0.5 if not self.scheduler.has_work() else 0.01)
+        except queue.Empty:
+            self.heap.maybe_trim()
+            return
+        if item is not None:
+            self.scheduler.add(item)
 
     def step(self) -> bool:
         """One engine step. Returns False when there was nothing to run."""

@@ -69,12 +69,25 @@ class ServerState:
         """Admit a request under CONCURRENCY_LIMIT (counted in prompts) and submit it off the
         event loop (tokenizing a long prompt must not stall other clients or /health)."""
         self.reserve(num_prompts)  # held while submitting, so the limit stays exact
+        submitting = asyncio.ensure_future(asyncio.to_thread(submit))
         try:
-            stream = await asyncio.to_thread(submit)
+            stream = await asyncio.shield(submitting)
+        except asyncio.CancelledError:
+            # the caller went away (its client left): the thread cannot be stopped, so what it
+            # submits is cancelled as soon as it returns, not when its stream is collected
+            submitting.add_done_callback(lambda done: self._abandon(route, num_prompts, done))
+            raise
         except BaseException:
             self.in_flight -= num_prompts
             raise
         return self._run(route, num_prompts, stream)
+
+    def _abandon(self, route: str, num_prompts: int, submitted: "asyncio.Future[Any]") -> None:
+        """Close the stream of a submission whose caller was cancelled, and release it."""
+        self.in_flight -= num_prompts
+        if not submitted.cancelled() and submitted.exception() is None:
+            submitted.result().close()
+            self.metrics.requests.labels(route, "cancelled").inc()
 
     async def _run(self, route: str, num_prompts: int, stream: ResponseStream
                    ) -> AsyncGenerator[Union[Response, BatchResponse], None]:

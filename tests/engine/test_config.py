@@ -53,6 +53,7 @@ NON_DEFAULT = {
     "remote_cache_timeout_ms": ("50", 50),
     "rtpkv_attention": ("torch", "torch"),
     "rtpkv_linear": ("native", "native"),
+    "rtpkv_malloc_trim_s": ("2.5", 2.5),
     "kv_events_endpoint": ("tcp://*:5557", "tcp://*:5557"),
     "kv_events_replay_endpoint": ("tcp://127.0.0.1:5558", "tcp://127.0.0.1:5558"),
     "kv_events_topic": ("kv@", "kv@"),

@@ -98,25 +98,29 @@ def test_infinite_sampling_values_are_refused_by_name(make_pipeline, key):
         pipe("hello", generate_config={key: float("inf")})
 
 
-def test_a_step_that_keeps_failing_is_logged_once_with_a_count(make_pipeline, monkeypatch,
-                                                               caplog):
+def test_a_step_that_keeps_failing_is_logged_once_and_retried_with_back_off(
+        make_pipeline, monkeypatch, caplog):
     pipe = make_pipeline()
     real = pipe.engine.scheduler.schedule
     failing = threading.Event()
     failing.set()
+    tries = []
 
     def schedule():
         if failing.is_set():
+            tries.append(time.monotonic())
             raise RuntimeError("scheduler bug")
         return real()
 
     monkeypatch.setattr(pipe.engine.scheduler, "schedule", schedule)
     with caplog.at_level(logging.ERROR, logger="rtpkv"):
         stream = pipe("hello", top_k=1, max_new_tokens=2)
-        time.sleep(1.0)                                 # the loop retries every iteration
+        time.sleep(2.0)
         failing.clear()
         last = list(stream)[-1]                         # then the waiting request runs
     assert last.finished and len(last.output_ids) == 2
+    # pauses of 0.01, 0.02, ... 1 s: about 8 tries in 2 s where a tight loop made thousands
+    assert 3 <= len(tries) <= 12, len(tries)
     failures = [r for r in caplog.records if "engine step failed" in r.getMessage()]
     assert len(failures) == 1 and failures[0].exc_info
 

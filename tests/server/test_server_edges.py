@@ -3,18 +3,22 @@ request never hurt the other clients; every invalid body is a 4xx in the route's
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import logging
 import socket
 import threading
 import time
 
 import httpx
+import orjson
 import pytest
 
 from conftest import load
 from rtpkv.errors import PromptTooLongError
 from rtpkv.pipeline import Pipeline
 from rtpkv.server import create_app
+from rtpkv.server.app import ServerState
 from server_helpers import ServerThread, wait_until
 
 LIMIT_BYTES = 64 * 1024
@@ -262,3 +266,83 @@ def _swallow(pipe, prompt: str) -> None:
         list(pipe(prompt, max_new_tokens=1))
     except Exception:
         pass
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_during_submission_is_released_at_once(edge_server, client,
+                                                                    monkeypatch, stream):
+    """The request is cancelled and uncounted when its submission returns, not when its
+    stream is garbage-collected."""
+    server, pipe = edge_server
+    real = pipe._tokenize
+    started, release = threading.Event(), threading.Event()
+
+    def slow(prompt, with_special):
+        started.set()
+        release.wait(10)
+        return real(prompt, with_special)
+
+    monkeypatch.setattr(pipe, "_tokenize", slow)
+    cancelled = _cancelled(client)
+    gc.disable()
+    try:
+        body = orjson.dumps({"prompt": "a long story", "max_tokens": 500, "ignore_eos": True,
+                             "stream": stream})
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                         b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            assert started.wait(10)
+        time.sleep(0.3)                                  # the server reads the disconnect
+        release.set()
+
+        def released() -> bool:                          # the engine drops it within one step
+            stats = client.get("/cache_status").json()
+            return (stats["requests_in_flight"] == stats["requests_running"]
+                    == stats["requests_waiting"] == 0
+                    and stats["blocks_in_use"] == stats["blocks_pinned"])
+
+        assert wait_until(released, timeout=5)
+        assert _cancelled(client) == cancelled + 1      # cancelled, not run to max_tokens
+    finally:
+        gc.enable()
+
+
+def _cancelled(client) -> float:
+    sample = 'rtpkv_requests_total{outcome="cancelled",route="/v1/completions"} '
+    lines = [line for line in client.get("/metrics").text.splitlines() if line.startswith(sample)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_a_submission_whose_caller_is_cancelled_is_closed_when_it_returns(edge_server):
+    """Cancelled while its prompt is submitted in a thread, a request is cancelled and released
+    as soon as the thread returns (the test holds the stream: no collection can close it)."""
+    _, pipe = edge_server
+    state = ServerState(pipe, "tiny")
+    entered, release = threading.Event(), threading.Event()
+    streams = []
+
+    def submit():
+        entered.set()
+        release.wait(10)
+        streams.append(pipe.pipeline_async("a long story", max_new_tokens=500, ignore_eos=True))
+        return streams[-1]
+
+    async def main() -> None:
+        task = asyncio.ensure_future(state.start("/", 1, submit))
+        assert await asyncio.to_thread(entered.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert state.in_flight == 1                     # still submitting: still counted
+        release.set()
+        for _ in range(200):
+            if state.in_flight == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert state.in_flight == 0
+
+    asyncio.run(main())
+    (stream,) = streams
+    (req,) = stream.requests
+    assert req.cancelled and req.done.wait(5)
+    assert req.num_output < 500
