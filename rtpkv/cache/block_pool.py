@@ -188,9 +188,11 @@ class BlockPool:
 
     def lapse_priorities(self) -> None:
         """Blocks whose retention duration ran out drop to the default priority (done before
-        every eviction); emits `updated` events."""
+        every eviction); emits `updated` events, for indexed blocks only (a kept tail has no
+        key and is never announced)."""
         for block in self.policy.lapse(self.clock()):
-            self.events.updated(block.key, block.priority, DEFAULT_PRIORITY)
+            if block.indexed:
+                self.events.updated(block.key, block.priority, DEFAULT_PRIORITY)
             block.priority, block.duration_s = DEFAULT_PRIORITY, None
 
     # ------------------------------------------------------------------ pins
