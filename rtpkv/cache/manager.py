@@ -287,7 +287,8 @@ class KVCacheManager:
         if seq.key_chain is None:
             handle = seq.prefix_handle
             seq.key_chain = KeyChain(self.index, seq.token_ids, seq.salt,
-                                     len(handle.block_ids) if handle is not None else 0)
+                                     len(handle.block_ids) if handle is not None else 0,
+                                     task=seq.prefill_only and not seq.prewarm)
         return seq.key_chain
 
     # ------------------------------------------------------------------ capacity
