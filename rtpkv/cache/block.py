@@ -32,7 +32,8 @@ class Block:
     duration_s: Optional[float] = None    # priority lapses this long after the last release
     tiers: frozenset[str] = field(default_factory=frozenset)  # tiers it may be offloaded to
     tail: bool = False              # a kept, partly filled last block (partial-reuse source)
-    tenant: bytes = b""             # the cache_salt it was computed under (b"": none, task prompts)
+    tenant: Optional[bytes] = None  # the cache_salt it was computed under (b"": none; None:
+                                    # a task prompt's, nobody's)
 
     @property
     def full(self) -> bool:

@@ -138,7 +138,7 @@ class BlockPool:
     # ------------------------------------------------------------------ content
     def commit(self, block_id: int, key: bytes, parent_key: bytes, parent_serial: int,
                tokens: tuple[int, ...], extra: bytes, priority: int,
-               duration_s: Optional[float], tenant: bytes) -> bool:
+               duration_s: Optional[float], tenant: Optional[bytes]) -> bool:
         """A block of a running request filled with computed tokens: give it its content and
         lineage and make it hittable. When the index already holds the same content with the
         same lineage, the block stays an unindexed copy sharing that serial (so the chain
@@ -155,7 +155,7 @@ class BlockPool:
         return True
 
     def onboard(self, block_id: int, key: bytes, parent_key: bytes, parent_serial: int,
-                tokens: tuple[int, ...], extra: bytes, tenant: bytes) -> None:
+                tokens: tuple[int, ...], extra: bytes, tenant: Optional[bytes]) -> None:
         """A fresh block just loaded from a tier: it takes the content and the lineage of the
         request's chain and is indexed (over any stale holder of the key)."""
         block = self.blocks[block_id]
@@ -163,7 +163,7 @@ class BlockPool:
         self._index(block)
 
     def keep_tail(self, block_id: int, parent_key: bytes, parent_serial: int,
-                  tokens: tuple[int, ...], extra: bytes, tenant: bytes) -> bool:
+                  tokens: tuple[int, ...], extra: bytes, tenant: Optional[bytes]) -> bool:
         """The partly filled last block of a request about to release it: keep it as a
         partial-hit source (cached once released, device only), unless a candidate of the same
         lineage already starts with the same tokens. Returns whether it was kept."""
@@ -188,9 +188,11 @@ class BlockPool:
 
     def lapse_priorities(self) -> None:
         """Blocks whose retention duration ran out drop to the default priority (done before
-        every eviction); emits `updated` events."""
+        every eviction); emits `updated` events, for indexed blocks only (a kept tail has no
+        key and is never announced)."""
         for block in self.policy.lapse(self.clock()):
-            self.events.updated(block.key, block.priority, DEFAULT_PRIORITY)
+            if block.indexed:
+                self.events.updated(block.key, block.priority, DEFAULT_PRIORITY)
             block.priority, block.duration_s = DEFAULT_PRIORITY, None
 
     # ------------------------------------------------------------------ pins
@@ -208,7 +210,8 @@ class BlockPool:
 
     # ------------------------------------------------------------------ internals
     def _fill(self, block: Block, key: bytes, parent_key: bytes, parent_serial: int,
-              tokens: tuple[int, ...], extra: bytes, tenant: bytes, serial: int = 0) -> None:
+              tokens: tuple[int, ...], extra: bytes, tenant: Optional[bytes],
+              serial: int = 0) -> None:
         if not serial:
             serial, self._next_serial = self._next_serial, self._next_serial + 1
         block.key, block.parent_key = key, parent_key
@@ -247,9 +250,11 @@ class BlockPool:
             self._count(block.tenant, -1)
             block.tail = False
 
-    def _count(self, tenant: bytes, delta: int) -> None:
+    def _count(self, tenant: Optional[bytes], delta: int) -> None:
         """A tenant's indexed blocks and tails change by `delta`; track whether it is past its
-        quota."""
+        quota. A task prompt's blocks (tenant None) are nobody's: not counted."""
+        if tenant is None:
+            return
         count = self.tenant_blocks[tenant] + delta
         if count:
             self.tenant_blocks[tenant] = count
@@ -314,7 +319,8 @@ class BlockPool:
         assert len(listed) == len(self.children), "a partial-hit candidate is listed twice"
         assert listed == {b.block_id for b in blocks if b.indexed or b.tail}, \
             "partial-hit candidates differ from the indexed blocks and tails"
-        held = Counter(b.tenant for b in blocks if b.indexed or b.tail)
+        held = Counter(b.tenant for b in blocks
+                       if (b.indexed or b.tail) and b.tenant is not None)
         assert held == self.tenant_blocks, "per-tenant block counts drifted"
         if self.quota is not None:
             assert self._over == {t for t, n in held.items()

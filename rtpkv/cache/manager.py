@@ -85,6 +85,7 @@ class CacheSequence(Protocol):
     salt: bytes
     num_computed: int
     prefill_only: bool
+    prewarm: bool                # with prefill_only: nothing is pinned
     prefix_handle: Optional["PinnedPrefix"]
 
     @property
@@ -286,7 +287,8 @@ class KVCacheManager:
         if seq.key_chain is None:
             handle = seq.prefix_handle
             seq.key_chain = KeyChain(self.index, seq.token_ids, seq.salt,
-                                     len(handle.block_ids) if handle is not None else 0)
+                                     len(handle.block_ids) if handle is not None else 0,
+                                     task=seq.prefill_only and not seq.prewarm)
         return seq.key_chain
 
     # ------------------------------------------------------------------ capacity
@@ -591,9 +593,10 @@ class KVCacheManager:
     def release_out_of_window(self, seq: CacheSequence) -> int:
         """Release the blocks of `seq` that no future query attends to: those wholly before
         the window of the next query (position num_computed). Their entries become RELEASED.
-        A prompt being pinned keeps every block; a request that commits keeps the parent of
-        its next block to commit (its lineage). Returns the blocks released."""
-        if self.window is None or seq.prefill_only:
+        A prompt being pinned keeps every block (a prewarm pins nothing: it holds what a
+        request holds, as admission assumed); a request that commits keeps the parent of its
+        next block to commit (its lineage). Returns the blocks released."""
+        if self.window is None or (seq.prefill_only and not seq.prewarm):
             return 0
         end = max(0, seq.num_computed - self.window + 1) // self.block_size
         if self.reuse_applies(seq):

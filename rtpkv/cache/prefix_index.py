@@ -68,21 +68,24 @@ class KeyChain:
     list only grows, so a key computed once stays valid (lookups of a waiting request, its
     admission, its commits and a re-admission after preemption all read the same chain)."""
 
-    def __init__(self, index: PrefixIndex, token_ids: list[int], salt: bytes, salt_block: int):
+    def __init__(self, index: PrefixIndex, token_ids: list[int], salt: bytes, salt_block: int,
+                 task: bool = False):
         self.index = index
         self.token_ids = token_ids          # the sequence's own list: it grows as tokens arrive
         self.salt = salt
         self.salt_block = salt_block        # the first block the sequence owns
+        self.task = task                    # a task prompt being computed: it owns no block
         self._keys: list[bytes] = []
 
     def extra(self, i: int) -> bytes:
         """Extra key material of block i: the salt on the first block the sequence owns."""
         return self.salt if i == self.salt_block else b""
 
-    def tenant(self, i: int) -> bytes:
-        """Whose block i is (the salt its key chains through; b"" for a task prompt's blocks,
-        which every tenant shares): what a per-tenant quota counts."""
-        return self.salt if i >= self.salt_block else b""
+    def tenant(self, i: int) -> Optional[bytes]:
+        """Whose block i is: the salt its key chains through (b"": requests without a salt),
+        or None for a task prompt's blocks, which are nobody's (every tenant shares them):
+        what a per-tenant quota counts."""
+        return self.salt if i >= self.salt_block and not self.task else None
 
     def tokens(self, i: int) -> tuple[int, ...]:
         B = self.index.block_size

@@ -19,6 +19,7 @@ class Seq:
     retention: Optional[KvCacheRetentionConfig] = None
     wants_reuse: bool = True
     prefill_only: bool = False
+    prewarm: bool = False
     prefix_handle: Optional[PinnedPrefix] = None
     salt: bytes = b""
     block_table: list[int] = field(default_factory=list)

@@ -9,7 +9,7 @@ import torch
 from cache_sequence import Seq
 from conftest import hf_reference, run
 
-from rtpkv.cache import KVCacheManager, KVEventBuffer, KVMemory, PrefixIndex
+from rtpkv.cache import KVCacheManager, KVEventBuffer, KvCacheRetentionConfig, KVMemory, PrefixIndex
 from rtpkv.report import reuse_arithmetic
 
 B = 4
@@ -249,3 +249,25 @@ def test_the_cli_spells_out_the_partial_block():
     aux = {"reuse_len": 11, "partial_reuse_len": 3, "input_len": 13, "prefix_len": 0}
     assert reuse_arithmetic(aux, 4) == \
         "reuse_len 11 = 2 blocks of 4 + 3 tokens of a partial block of 13 prompt tokens"
+
+
+def test_a_kept_tail_whose_priority_lapses_is_never_an_event():
+    """A tail is never announced: its retention duration running out is no `updated` event
+    (it has no key a router could know)."""
+    now = [0.0]
+    memory = KVMemory(1, 3, B, 1, 2, torch.float32, torch.device("cpu"))
+    cache = KVCacheManager(3, B, PrefixIndex("test-model", B), memory=memory,
+                           reuse_enabled=True, partial_reuse=True, events=KVEventBuffer(16),
+                           clock=lambda: now[0])
+    high = KvCacheRetentionConfig(token_range_retention_configs=[
+        {"token_start": 0, "token_end": 10, "priority": 90, "duration_ms": 1000}])
+    _compute(cache, Seq(list(range(1, 11)), retention=high))   # 2 full blocks + a tail of 2
+    assert cache.stats()["blocks_tail"] == 1
+    cache.events.drain()
+    now[0] = 2.0
+    other = Seq([50, 51, 52, 53])
+    cache.admit(other, cache.lookup(other))
+    assert cache.grow(other, 4)                  # a full pool: lapses, then evicts
+    updated = [e for e in cache.events.drain() if e["type"] == "updated"]
+    assert len(updated) == 2 and all(e["block_hash"] for e in updated), updated
+    cache.check_integrity([other])

@@ -55,3 +55,17 @@ def test_prewarm_is_refused_when_reuse_is_off(make_pipeline):
         make_pipeline(seq_size_per_block=B).prewarm(PREFIX)
     with pytest.raises(RequestError, match="reuse_cache false"):
         make_pipeline(**ON).prewarm(PREFIX, reuse_cache=False)
+
+
+def test_prewarm_under_an_attention_window_holds_what_a_request_holds(make_pipeline):
+    """A prewarm pins nothing, so it releases what falls out of the window as a request does:
+    a prompt a request can run in a small pool under a window, prewarm can too (it used to
+    keep every block and wait forever for more than the pool has)."""
+    small = dict(max_attention_window=6, max_seq_len=256, kv_cache_max_tokens=24,
+                 max_num_batched_tokens=4)                       # 6 blocks
+    pipe = make_pipeline(**ON, **small)
+    prompt = list(range(30, 70))                                 # 40 tokens: 10 blocks
+    run(pipe, prompt, max_new_tokens=1)                          # a request fits
+    cached = pipe.prewarm(prompt, timeout_ms=20000)
+    assert idle_in_use(pipe) == 0
+    assert run(pipe, prompt + [7], max_new_tokens=1).aux_info["reuse_len"] == cached

@@ -148,3 +148,16 @@ def test_tenant_queues_follow_the_global_one_through_lapses_and_removals():
     policy.check()
     assert len(policy) == 1 and policy.pop() == 3 and len(policy) == 0
     policy.check()
+
+
+def test_task_prompt_blocks_count_against_no_tenant(make_pipeline):
+    """Task-prompt blocks are the operator's, nobody's: they never count against the unsalted
+    tenant's quota (5 pinned task blocks would keep it past a bound of 4 for good)."""
+    pipe = make_pipeline(**POOL, cache_salt_quotas={"": 4})
+    pipe.add_task("t", PREFIX)                                   # 5 pinned blocks
+    run(pipe, list(range(200, 212)), max_new_tokens=2)           # the unsalted tenant: 3 blocks
+    stats = pipe.cache_stats()
+    assert stats["tenants"][tenant_label(b"")]["blocks"] == 3, stats["tenants"]
+    assert stats["tenants_over_quota"] == 0
+    _flood(pipe, 4)
+    assert pipe.cache_stats()["quota_evictions"] == 0           # nobody was past a quota
