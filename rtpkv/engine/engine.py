@@ -57,6 +57,7 @@ class Engine:
         self.steps = 0
         self._inbox: "queue.Queue[Optional[Request]]" = queue.Queue()
         self._stopped = threading.Event()
+        self._submitting = threading.Lock()
         self._threads = torch.get_num_threads()
         self._step_failed = RateLimitedLog(log, logging.ERROR)
         self.heap = HeapTrimmer(config.rtpkv_malloc_trim_s, libc_malloc_trim())
@@ -67,10 +68,11 @@ class Engine:
 
     # ------------------------------------------------------------------ API (any thread)
     def submit(self, req: Request) -> Request:
-        if self._stopped.is_set():
-            raise EngineStoppedError("the pipeline has been stopped")
         self.scheduler.check_fits(req)  # reads two counters: no lock, so a step never delays it
-        self._inbox.put(req)
+        with self._submitting:  # stop() sets _stopped under it: a request it admits is drained
+            if self._stopped.is_set():
+                raise EngineStoppedError("the pipeline has been stopped")
+            self._inbox.put(req)
         return req
 
     def abort(self, req: Request) -> None:
@@ -89,9 +91,10 @@ class Engine:
 
     def stop(self) -> None:
         """End the loop, fail what is in flight with EngineStoppedError, join the thread."""
-        if self._stopped.is_set():
-            return
-        self._stopped.set()
+        with self._submitting:
+            if self._stopped.is_set():
+                return
+            self._stopped.set()
         self._inbox.put(None)
         self._thread.join()
         with self.lock:

@@ -195,6 +195,38 @@ def test_stop_ends_in_flight_streams(make_pipeline):
         pipe(PROMPT)
 
 
+def test_a_request_submitted_while_the_pipeline_stops_is_refused_not_left_waiting(
+        make_pipeline):
+    """stop() runs to its end between a submission's checks and its hand-off to the engine:
+    the submission is refused, never queued after stop() drained the queue (that request
+    would wait forever)."""
+    pipe = make_pipeline()
+    engine = pipe.engine
+    check_fits = engine.scheduler.check_fits
+
+    def stop_meanwhile(req):
+        check_fits(req)
+        stopper = threading.Thread(target=engine.stop)
+        stopper.start()
+        stopper.join()
+
+    engine.scheduler.check_fits = stop_meanwhile
+    outcome: list = []
+
+    def consume() -> None:
+        try:
+            for _ in pipe(PROMPT, top_k=1, max_new_tokens=2):
+                pass
+            outcome.append("finished")
+        except EngineStoppedError as exc:
+            outcome.append(exc)
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    consumer.join(20)
+    assert outcome and isinstance(outcome[0], EngineStoppedError), outcome
+
+
 def test_context_manager_stops(llama_path):
     model = load(llama_path, kv_cache_max_tokens=1024)
     with Pipeline(model, model.tokenizer) as pipe:
