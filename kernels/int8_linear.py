@@ -21,6 +21,7 @@ from rtpkv.kernels.cpu_build import load_library
 
 GROUP_SIZE = 32       # input values per scale: the measured choice (docs/DESIGN.md, README)
 LANES = 8             # output channels per packed block (one AVX2 register of float32)
+CHANNEL_MULTIPLE = 64  # channels are zero-padded to this: the kernel's tiles are whole
 PANEL_ROWS = 4        # calls with at least this many rows widen weight panels once (prefill)
 
 _P = ctypes.c_void_p
@@ -55,9 +56,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, group_size: int = GROUP_SIZ
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's layout: channels in blocks of LANES (zero-padded), q as (blocks, in, LANES)
-    and scales as (blocks, groups, LANES)."""
-    blocks = -(-q.shape[0] // LANES)
+    """The kernel's layout: channels in blocks of LANES (zero-padded to CHANNEL_MULTIPLE), q as
+    (blocks, in, LANES) and scales as (blocks, groups, LANES)."""
+    blocks = -(-q.shape[0] // CHANNEL_MULTIPLE) * CHANNEL_MULTIPLE // LANES
     pad = blocks * LANES - q.shape[0]
     q_blocks = F.pad(q, (0, 0, 0, pad)).view(blocks, LANES, -1).transpose(1, 2).contiguous()
     s_blocks = F.pad(scale, (0, 0, 0, pad)).view(blocks, LANES, -1).transpose(1, 2).contiguous()

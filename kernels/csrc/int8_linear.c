@@ -10,9 +10,10 @@
  * y = acc + b[n] (y = acc without bias). Channels sit in the vector lanes, so each lane is one
  * output's chain and nothing is ever summed across lanes: every row count gives the same bits
  * (batch invariance by construction, no padding).
- * Two paths compute it: few rows stream the int8 weights once and widen them in registers (the
- * decode GEMV, bound by reading the weights); many rows widen a panel of 16 channels into a
- * float32 buffer once and sweep every row over it (prefill), 6 rows at a time.
+ * Two paths compute it: few rows stream the int8 weights and widen them in registers, 64
+ * channels at a time (the decode GEMV, bound by reading the weights); many rows widen a panel
+ * of 16 channels into a float32 buffer once and sweep every row over it (prefill), 6 rows at a
+ * time.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -26,10 +27,12 @@
 typedef __m256 v8;
 
 #define LANES 8
-#define GEMV_BLOCKS 4    /* channel blocks per GEMV tile: 4 independent FMA chains per row */
-#define GEMV_ROWS 2      /* rows per GEMV tile */
+#define GEMV_BLOCKS 8    /* channel blocks per GEMV tile: 8 independent FMA chains */
 #define PANEL_BLOCKS 2   /* channel blocks per prefill panel (16 channels) */
 #define PANEL_ROWS 6     /* rows per prefill tile: 12 accumulators */
+/* Channels are packed in a multiple of CHANNEL_MULTIPLE (kernels/int8_linear.py pads with zero
+ * weights), so every tile is whole: fixed register tiles, no remainder code. */
+#define CHANNEL_MULTIPLE (GEMV_BLOCKS * LANES)
 
 /* 8 weights of block row k: the int8 values widened and scaled. */
 static inline v8 widen(const int8_t *q, v8 scale) {
@@ -37,116 +40,98 @@ static inline v8 widen(const int8_t *q, v8 scale) {
     return _mm256_mul_ps(_mm256_cvtepi32_ps(w), scale);
 }
 
-/* Adds the bias and stores the 8 channels of block `block` (the last block may be partial). */
+/* Adds the bias and stores the 8 channels of block `block` (the last ones may be padding). */
 static inline void store_block(float *y, int64_t n, int64_t block, v8 acc, const float *bias) {
-    const int64_t n0 = block * LANES, valid = n - n0 < LANES ? n - n0 : LANES;
+    const int64_t n0 = block * LANES;
+    if (n0 >= n) return;
+    const int64_t valid = n - n0 < LANES ? n - n0 : LANES;
     float out[LANES];
-    if (bias && valid == LANES) {
-        acc = _mm256_add_ps(acc, _mm256_loadu_ps(bias + n0));
-    } else if (bias) {
-        float b[LANES] = {0};
-        memcpy(b, bias + n0, valid * sizeof(float));
-        acc = _mm256_add_ps(acc, _mm256_loadu_ps(b));
-    }
-    if (valid == LANES) {
-        _mm256_storeu_ps(y + n0, acc);
-        return;
-    }
     _mm256_storeu_ps(out, acc);
-    memcpy(y + n0, out, valid * sizeof(float));
+    for (int64_t i = 0; i < valid; i++) y[n0 + i] = bias ? out[i] + bias[n0 + i] : out[i];
 }
 
-/* Rows [0, ROWS) of x against channel blocks [b0, b0 + BLOCKS), weights widened in registers. */
-static inline __attribute__((always_inline)) void gemv_tile(
-    const float *x, int64_t ldx, const int ROWS, const int8_t *q, const float *s, int64_t k,
-    int64_t group, int64_t groups, int64_t b0, const int BLOCKS, const float *bias, float *y,
-    int64_t ldy, int64_t n) {
-    v8 acc[GEMV_ROWS][GEMV_BLOCKS];
-    for (int r = 0; r < ROWS; r++)
-        for (int b = 0; b < BLOCKS; b++) acc[r][b] = _mm256_setzero_ps();
+/* One row of x against channel blocks [b0, b0 + 8), weights widened in registers. */
+static void gemv_tile(const float *x, const int8_t *q, const float *s, int64_t k, int64_t group,
+                      int64_t groups, int64_t b0, const float *bias, float *y, int64_t n) {
+    v8 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const int8_t *qb = q + b0 * k * LANES;
+    const int64_t qs = k * LANES;
     for (int64_t g = 0; g < groups; g++) {
-        v8 scale[GEMV_BLOCKS];
-        for (int b = 0; b < BLOCKS; b++)
-            scale[b] = _mm256_loadu_ps(s + ((b0 + b) * groups + g) * LANES);
+        const float *sg = s + (b0 * groups + g) * LANES;
+        const int64_t ss = groups * LANES;
+        const v8 s0 = _mm256_loadu_ps(sg), s1 = _mm256_loadu_ps(sg + ss),
+                 s2 = _mm256_loadu_ps(sg + 2 * ss), s3 = _mm256_loadu_ps(sg + 3 * ss),
+                 s4 = _mm256_loadu_ps(sg + 4 * ss), s5 = _mm256_loadu_ps(sg + 5 * ss),
+                 s6 = _mm256_loadu_ps(sg + 6 * ss), s7 = _mm256_loadu_ps(sg + 7 * ss);
         const int64_t end = (g + 1) * group < k ? (g + 1) * group : k;
         for (int64_t kk = g * group; kk < end; kk++) {
-            v8 w[GEMV_BLOCKS];
-            for (int b = 0; b < BLOCKS; b++) w[b] = widen(q + ((b0 + b) * k + kk) * LANES, scale[b]);
-            for (int r = 0; r < ROWS; r++) {
-                const v8 xv = _mm256_broadcast_ss(x + r * ldx + kk);
-                for (int b = 0; b < BLOCKS; b++) acc[r][b] = _mm256_fmadd_ps(xv, w[b], acc[r][b]);
-            }
+            const v8 xv = _mm256_broadcast_ss(x + kk);
+            const int8_t *qk = qb + kk * LANES;
+            a0 = _mm256_fmadd_ps(xv, widen(qk, s0), a0);
+            a1 = _mm256_fmadd_ps(xv, widen(qk + qs, s1), a1);
+            a2 = _mm256_fmadd_ps(xv, widen(qk + 2 * qs, s2), a2);
+            a3 = _mm256_fmadd_ps(xv, widen(qk + 3 * qs, s3), a3);
+            a4 = _mm256_fmadd_ps(xv, widen(qk + 4 * qs, s4), a4);
+            a5 = _mm256_fmadd_ps(xv, widen(qk + 5 * qs, s5), a5);
+            a6 = _mm256_fmadd_ps(xv, widen(qk + 6 * qs, s6), a6);
+            a7 = _mm256_fmadd_ps(xv, widen(qk + 7 * qs, s7), a7);
         }
     }
-    for (int r = 0; r < ROWS; r++)
-        for (int b = 0; b < BLOCKS; b++) store_block(y + r * ldy, n, b0 + b, acc[r][b], bias);
+    const v8 acc[GEMV_BLOCKS] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    for (int b = 0; b < GEMV_BLOCKS; b++) store_block(y, n, b0 + b, acc[b], bias);
 }
 
 static void gemv(const float *x, int64_t m, int64_t k, const int8_t *q, const float *s,
                  int64_t n, int64_t group, const float *bias, float *y) {
-    const int64_t blocks = (n + LANES - 1) / LANES, groups = (k + group - 1) / group;
-    const int64_t tiles = (blocks + GEMV_BLOCKS - 1) / GEMV_BLOCKS;
+    const int64_t tiles = (n + CHANNEL_MULTIPLE - 1) / CHANNEL_MULTIPLE;
+    const int64_t groups = (k + group - 1) / group;
 #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t b0 = t * GEMV_BLOCKS;
-        const int nb = blocks - b0 < GEMV_BLOCKS ? (int)(blocks - b0) : GEMV_BLOCKS;
-        for (int64_t r = 0; r < m; r += GEMV_ROWS) {
-            const float *xr = x + r * k;
-            float *yr = y + r * n;
-            const int rows = m - r < GEMV_ROWS ? (int)(m - r) : GEMV_ROWS;
-#define GEMV_CASE(R, B) gemv_tile(xr, k, R, q, s, k, group, groups, b0, B, bias, yr, n, n)
-            if (rows == 2) {
-                switch (nb) {
-                case 4: GEMV_CASE(2, 4); break;
-                case 3: GEMV_CASE(2, 3); break;
-                case 2: GEMV_CASE(2, 2); break;
-                default: GEMV_CASE(2, 1);
-                }
-            } else {
-                switch (nb) {
-                case 4: GEMV_CASE(1, 4); break;
-                case 3: GEMV_CASE(1, 3); break;
-                case 2: GEMV_CASE(1, 2); break;
-                default: GEMV_CASE(1, 1);
-                }
-            }
-#undef GEMV_CASE
-        }
-    }
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t r = 0; r < m; r++)
+            gemv_tile(x + r * k, q, s, k, group, groups, t * GEMV_BLOCKS, bias, y + r * n, n);
 }
 
-/* Rows [0, ROWS) of x against a widened panel: panel[b][kk] holds the 8 weights of block b. */
-static inline __attribute__((always_inline)) void panel_tile(
-    const float *x, int64_t ldx, const int ROWS, const float *panel, int64_t k, int64_t b0,
-    const int BLOCKS, const float *bias, float *y, int64_t ldy, int64_t n) {
-    v8 acc[PANEL_ROWS][PANEL_BLOCKS];
-    for (int r = 0; r < ROWS; r++)
-        for (int b = 0; b < BLOCKS; b++) acc[r][b] = _mm256_setzero_ps();
+/* PANEL_ROWS rows of x (row stride ldx) against a widened panel of 2 blocks: panel[b][kk]
+ * holds the 8 weights of block b; `rows` of the results are stored. */
+static void panel_tile(const float *x, int64_t ldx, int rows, const float *panel, int64_t k,
+                       int64_t b0, const float *bias, float *y, int64_t n) {
+#define ROW_ACC(r) v8 r##0 = _mm256_setzero_ps(), r##1 = _mm256_setzero_ps()
+    ROW_ACC(c0); ROW_ACC(c1); ROW_ACC(c2); ROW_ACC(c3); ROW_ACC(c4); ROW_ACC(c5);
+#undef ROW_ACC
+    const float *p1 = panel + k * LANES;
     for (int64_t kk = 0; kk < k; kk++) {
-        v8 w[PANEL_BLOCKS];
-        for (int b = 0; b < BLOCKS; b++) w[b] = _mm256_loadu_ps(panel + (b * k + kk) * LANES);
-        for (int r = 0; r < ROWS; r++) {
-            const v8 xv = _mm256_broadcast_ss(x + r * ldx + kk);
-            for (int b = 0; b < BLOCKS; b++) acc[r][b] = _mm256_fmadd_ps(xv, w[b], acc[r][b]);
-        }
+        const v8 w0 = _mm256_loadu_ps(panel + kk * LANES), w1 = _mm256_loadu_ps(p1 + kk * LANES);
+#define ROW_FMA(r, i)                                                  \
+    {                                                                  \
+        const v8 xv = _mm256_broadcast_ss(x + (i) * ldx + kk);         \
+        r##0 = _mm256_fmadd_ps(xv, w0, r##0);                          \
+        r##1 = _mm256_fmadd_ps(xv, w1, r##1);                          \
     }
-    for (int r = 0; r < ROWS; r++)
-        for (int b = 0; b < BLOCKS; b++) store_block(y + r * ldy, n, b0 + b, acc[r][b], bias);
+        ROW_FMA(c0, 0) ROW_FMA(c1, 1) ROW_FMA(c2, 2) ROW_FMA(c3, 3) ROW_FMA(c4, 4) ROW_FMA(c5, 5)
+#undef ROW_FMA
+    }
+    const v8 acc[PANEL_ROWS][PANEL_BLOCKS] = {{c00, c01}, {c10, c11}, {c20, c21},
+                                              {c30, c31}, {c40, c41}, {c50, c51}};
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < PANEL_BLOCKS; b++) store_block(y + r * n, n, b0 + b, acc[r][b], bias);
 }
 
 static void panels(const float *x, int64_t m, int64_t k, const int8_t *q, const float *s,
                    int64_t n, int64_t group, const float *bias, float *y) {
-    const int64_t blocks = (n + LANES - 1) / LANES, groups = (k + group - 1) / group;
-    const int64_t count = (blocks + PANEL_BLOCKS - 1) / PANEL_BLOCKS;
+    const int64_t groups = (k + group - 1) / group;
+    const int64_t count = (n + PANEL_BLOCKS * LANES - 1) / (PANEL_BLOCKS * LANES);
+    const int64_t full = m / PANEL_ROWS * PANEL_ROWS;
 #pragma omp parallel
     {
-        float *panel = aligned_alloc(32, (size_t)(PANEL_BLOCKS * k * LANES * sizeof(float) + 31)
-                                             / 32 * 32);
+        const size_t panel_bytes = (size_t)PANEL_BLOCKS * k * LANES * sizeof(float);
+        float *panel = aligned_alloc(32, (panel_bytes + 31) / 32 * 32);
+        /* the last rows, zero-padded to a whole tile (padding rows' results are dropped) */
+        float *tail = calloc((size_t)PANEL_ROWS * k, sizeof(float));
+        memcpy(tail, x + full * k, (size_t)(m - full) * k * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < count; p++) {
             const int64_t b0 = p * PANEL_BLOCKS;
-            const int nb = blocks - b0 < PANEL_BLOCKS ? (int)(blocks - b0) : PANEL_BLOCKS;
-            for (int b = 0; b < nb; b++)
+            for (int b = 0; b < PANEL_BLOCKS; b++)
                 for (int64_t g = 0; g < groups; g++) {
                     const v8 scale = _mm256_loadu_ps(s + ((b0 + b) * groups + g) * LANES);
                     const int64_t end = (g + 1) * group < k ? (g + 1) * group : k;
@@ -154,24 +139,12 @@ static void panels(const float *x, int64_t m, int64_t k, const int8_t *q, const 
                         _mm256_storeu_ps(panel + (b * k + kk) * LANES,
                                          widen(q + ((b0 + b) * k + kk) * LANES, scale));
                 }
-            for (int64_t r = 0; r < m; r += PANEL_ROWS) {
-                const float *xr = x + r * k;
-                float *yr = y + r * n;
-                const int rows = m - r < PANEL_ROWS ? (int)(m - r) : PANEL_ROWS;
-#define PANEL_CASE(R) \
-    (nb == 2 ? panel_tile(xr, k, R, panel, k, b0, 2, bias, yr, n, n) \
-             : panel_tile(xr, k, R, panel, k, b0, 1, bias, yr, n, n))
-                switch (rows) {
-                case 6: PANEL_CASE(6); break;
-                case 5: PANEL_CASE(5); break;
-                case 4: PANEL_CASE(4); break;
-                case 3: PANEL_CASE(3); break;
-                case 2: PANEL_CASE(2); break;
-                default: PANEL_CASE(1);
-                }
-#undef PANEL_CASE
-            }
+            for (int64_t r = 0; r < full; r += PANEL_ROWS)
+                panel_tile(x + r * k, k, PANEL_ROWS, panel, k, b0, bias, y + r * n, n);
+            if (full < m)
+                panel_tile(tail, k, (int)(m - full), panel, k, b0, bias, y + full * n, n);
         }
+        free(tail);
         free(panel);
     }
 }
