@@ -139,13 +139,14 @@ class CausalLM(nn.Module):
         weight = self.model.embed_tokens.weight
         self.linear_path = "int8" if int8_weights else linear_path(weight.dtype, weight.device,
                                                                    linear)
-        float_bytes = 0
+        freed = 0   # bytes of float weights the quantized layers free
 
-        def convert(layer: nn.Linear) -> nn.Module:
-            nonlocal float_bytes
+        def convert(layer: nn.Linear, shared: bool = False) -> nn.Module:
+            nonlocal freed
             if not int8_weights:
                 return InferenceLinear(layer, self.linear_path)
-            float_bytes += sum(p.numel() * p.element_size() for p in layer.parameters())
+            if not shared:
+                freed += sum(p.numel() * p.element_size() for p in layer.parameters())
             return Int8Linear(layer)
 
         for layer in self.model.layers:
@@ -156,16 +157,16 @@ class CausalLM(nn.Module):
             attn.o_proj = convert(attn.o_proj)
             mlp.gate_up = convert(mlp.gate_up)
             mlp.down_proj = convert(mlp.down_proj)
-        self.lm_head = convert(self.lm_head)
+        tied = self.spec.tie_word_embeddings
+        self.lm_head = convert(self.lm_head, shared=tied)
         if int8_weights:
-            int8_bytes = sum(m.nbytes for m in self.modules() if isinstance(m, Int8Linear))
+            held = sum(m.nbytes for m in self.modules() if isinstance(m, Int8Linear))
             log.info("WEIGHT_TYPE=INT8: %d linear layers (the LM head included) quantized to "
                      "int8, one scale per output channel and %d inputs: %.1f MiB of float32 "
-                     "weights now %.1f MiB (%.1f MiB saved%s); embeddings and norms stay float32",
-                     4 * len(self.model.layers) + 1, GROUP_SIZE, float_bytes / 2**20,
-                     int8_bytes / 2**20, (float_bytes - int8_bytes) / 2**20,
-                     ", the tied LM head a copy of the embedding"
-                     if self.spec.tie_word_embeddings else "")
+                     "weights freed, %.1f MiB of int8 weights and scales held (%.1f MiB saved%s); "
+                     "embeddings and norms stay float32", 4 * len(self.model.layers) + 1,
+                     GROUP_SIZE, freed / 2**20, held / 2**20, (freed - held) / 2**20,
+                     "; the tied LM head is an int8 copy of the float32 embedding" if tied else "")
         self.cos, self.sin = rope_table(self.spec.inv_freq(), max_positions, weight.dtype, weight.device)
         self.attention = attention_backend(weight.device, weight.dtype, self.spec.head_dim,
                                            attention)
