@@ -12,9 +12,9 @@
   d  one 512-token prompt alone, 128 new tokens: TTFT, decode tok/s (tokens after the first
      over the time after the first), inter-token p50 and p99. Bound by reading the weights.
 
-`--weight-types auto,int8` runs rtpkv once per weight type (WEIGHT_TYPE; int8 runs in float32,
-so only with the float32 dtype) as engines side by side, with the int8 / auto ratio; vLLM runs
-the float weights.
+`--weight-types auto,int8` runs rtpkv once per weight type (WEIGHT_TYPE) as engines side by
+side, with the int8 / auto ratio; int8 computes in float32, so it runs with the float32 dtype
+only; vLLM runs the float weights.
 
 Both engines get the same checkpoint (the BENCHMARKS.md model), the same token ids, greedy
 decoding with EOS ignored, prefix reuse on, 2 threads. Runs alternate between the engines (and
@@ -154,10 +154,16 @@ FIGURES = [("a: cold TTFT (s)", "a", "cold", False), ("a: warm TTFT (s)", "a", "
            ("d: inter-token p99 (ms)", "d", "itl_p99", False)]
 
 
+def rtpkv_engines(dtype: str, args: argparse.Namespace) -> dict[str, str]:
+    """Engine name -> WEIGHT_TYPE of the rtpkv engines for `dtype` (int8 computes in float32)."""
+    return {("rtpkv" if w == "auto" else f"rtpkv {w}"): w for w in args.weight_types.split(",")
+            if w == "auto" or dtype == "float32"}
+
+
 def measure(dtype: str, args: argparse.Namespace, jobs: dict[str, dict[str, Any]]) -> dict:
     """{engine: {workload: [result per run]}} with the engines interleaved run by run."""
-    engines: dict[str, Any] = {("rtpkv" if w == "auto" else f"rtpkv {w}"): Rtpkv(dtype, args.block, w)
-                               for w in args.weight_types.split(",")}
+    engines: dict[str, Any] = {name: Rtpkv(dtype, args.block, w)
+                               for name, w in rtpkv_engines(dtype, args).items()}
     if args.vllm:
         engines["vLLM"] = Vllm(args.vllm, dtype, args.block)
     results: dict[str, dict[str, list]] = {e: {w: [] for w in jobs} for e in engines}
@@ -188,22 +194,23 @@ def report(dtype: str, results: dict, args: argparse.Namespace,
            reuse_equal: Optional[dict[str, bool]]) -> None:
     has_vllm = "vLLM" in results
     ours_engines = [e for e in results if e != "vLLM"]
+    base = ours_engines[0]
     headers = (["workload"] + [f"{e} {dtype}" for e in ours_engines]
-               + [f"{e} / rtpkv" for e in ours_engines[1:]]
+               + [f"{e} / {base}" for e in ours_engines[1:]]
                + ([f"vLLM-cpu {dtype}"] + [f"{e} / vLLM" for e in ours_engines]
-                  + ["goal (rtpkv / vLLM)"] if has_vllm else [])
+                  + [f"goal ({base} / vLLM)"] if has_vllm else [])
                + ["run spread " + " / ".join(results)])
     rows = []
     for label, w, key, higher_better in FIGURES:
-        if w not in results["rtpkv"]:
+        if w not in results[base]:
             continue
         values = {e: [r[key] for r in results[e][w]] for e in results}
         medians = {e: statistics.median(v) for e, v in values.items()}
         row: list[Any] = [label] + [medians[e] for e in ours_engines]
-        row += [f"{medians[e] / medians['rtpkv']:.2f}" for e in ours_engines[1:]]
+        row += [f"{medians[e] / medians[base]:.2f}" for e in ours_engines[1:]]
         if has_vllm:
             row += [medians["vLLM"]] + [f"{medians[e] / medians['vLLM']:.2f}" for e in ours_engines]
-            ratio = medians["rtpkv"] / medians["vLLM"]
+            ratio = medians[base] / medians["vLLM"]
             goal = ">= 1.2" if higher_better else "<= 0.8"
             met = ratio >= 1.2 if higher_better else ratio <= 0.8
             row.append(f"{goal} {'met' if met else 'not met'}")
@@ -212,12 +219,12 @@ def report(dtype: str, results: dict, args: argparse.Namespace,
     print(f"\n{dtype}, block {args.block}, 2 threads, medians of {args.runs} interleaved runs")
     print(table(headers, rows))
     if has_vllm:
-        same = {w: results["rtpkv"][w][0]["outputs"] == results["vLLM"][w][0]["outputs"]
-                for w in results["rtpkv"]}
+        same = {w: results[base][w][0]["outputs"] == results["vLLM"][w][0]["outputs"]
+                for w in results[base]}
         print("greedy outputs identical to vLLM's: "
               + ", ".join(f"{w} {'yes' if s else 'no'}" for w, s in same.items()))
     if reuse_equal is not None:
-        print("rtpkv greedy outputs with reuse on == reuse off: "
+        print("greedy outputs with reuse on == reuse off: "
               + ", ".join(f"{w} {'yes' if s else 'NO'}" for w, s in reuse_equal.items()))
 
 
@@ -242,9 +249,10 @@ def main() -> None:
         results = measure(dtype, args, jobs)
         reuse_equal = None
         if args.check_reuse:
-            ours = Rtpkv(dtype, args.block)
-            reuse_equal = {w: ours.run(w, jobs[w], reuse_cache=False)["outputs"]
-                           == results["rtpkv"][w][0]["outputs"]
+            reuse_equal = {f"{name} {w}": Rtpkv(dtype, args.block, weight).run(
+                               w, jobs[w], reuse_cache=False)["outputs"]
+                           == results[name][w][0]["outputs"]
+                           for name, weight in rtpkv_engines(dtype, args).items()
                            for w in args.check_reuse.split(",") if w in jobs}
         report(dtype, results, args, reuse_equal)
 
