@@ -6,7 +6,9 @@ English text and greedy agreement with float32 over fixed chat prompts.
 The text is benchmarks/data/python_docs.txt (the prose of the Python documentation's topics,
 from `pydoc_data/topics.py`; 11,018 SmolLM2 tokens), scored in consecutive windows of
 `--window` tokens, each computed from an empty cache (the first token of a window is not
-scored). Greedy agreement: the 20 chat prompts below, 32 new tokens each, batched; a prompt
+scored). The mean absolute difference of each token's negative log-likelihood from float32's
+measures how far a mode moves the model (perplexity alone can move either way by chance).
+Greedy agreement: the 20 chat prompts below, 32 new tokens each, batched; a prompt
 agrees when all 32 tokens equal float32's. Modes: float32, and WEIGHT_TYPE=INT8 as shipped;
 `--variants` adds the int8 granularities that were measured to choose it (per output channel,
 groups of 64, groups of 32 with the LM head kept float32).
@@ -82,12 +84,13 @@ def requantize(model, group: Optional[int], lm_head: bool) -> None:
         model.module.lm_head = convert(model.module.lm_head)
 
 
-def perplexity(model, ids: list[int], window: int) -> float:
-    """exp(mean negative log-likelihood) of `ids`, window by window, each from an empty cache."""
+def token_nll(model, ids: list[int], window: int) -> torch.Tensor:
+    """The negative log-likelihood of each scored token of `ids`, window by window, each window
+    from an empty cache (perplexity = exp(mean))."""
     from rtpkv.kernels import AttentionBatch
 
     module, spec = model.module, model.spec
-    total, count = 0.0, 0
+    nll = []
     for start in range(0, len(ids) - 1, window):
         chunk = torch.tensor(ids[start:start + window])
         n = chunk.numel()
@@ -103,9 +106,8 @@ def perplexity(model, ids: list[int], window: int) -> float:
         with torch.inference_mode():
             hidden = module(chunk, torch.arange(n), caches, module.attention.build(batch))
             logp = torch.log_softmax(module.logits(hidden[:-1]).double(), dim=-1)
-        total -= float(logp.gather(1, chunk[1:, None]).sum())
-        count += n - 1
-    return math.exp(total / count)
+        nll.append(-logp.gather(1, chunk[1:, None])[:, 0])
+    return torch.cat(nll)
 
 
 def greedy(model) -> list[list[int]]:
@@ -143,18 +145,20 @@ def main() -> None:
         if change is not None:
             change(model)
         ids = model.tokenizer(TEXT.read_text()).input_ids
-        ppl = perplexity(model, ids, args.window)
+        nll = token_nll(model, ids, args.window)
+        ppl = math.exp(float(nll.mean()))
         outputs = greedy(model)
-        reference = reference or (ppl, outputs)
+        reference = reference or (ppl, outputs, nll)
+        drift = float((nll - reference[2]).abs().mean())
         agree = sum(a == b for a, b in zip(outputs, reference[1]))
         prefix = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
                      for a, b in zip(outputs, reference[1])) / len(PROMPTS)
-        rows.append([name, len(ids), ppl, f"{100 * (ppl / reference[0] - 1):+.2f}%",
-                     f"{agree}/{len(PROMPTS)}", f"{prefix:.1f}/{NEW_TOKENS}"])
+        rows.append([name, len(ids), f"{ppl:.3f}", f"{100 * (ppl / reference[0] - 1):+.2f}%",
+                     f"{drift:.4f}", f"{agree}/{len(PROMPTS)}", f"{prefix:.1f}/{NEW_TOKENS}"])
         print(rows[-1], flush=True)
         del model
-    print(table(["mode", "tokens", "perplexity", "vs float32", "greedy = float32",
-                 "mean agreeing prefix"], rows))
+    print(table(["mode", "tokens", "perplexity", "vs float32", "mean |token NLL - float32's|",
+                 "greedy = float32", "mean agreeing prefix"], rows))
 
 
 if __name__ == "__main__":
