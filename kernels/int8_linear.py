@@ -36,7 +36,8 @@ def library() -> Optional[ctypes.CDLL]:
     return lib
 
 
-def quantize(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(weight: torch.Tensor,
+             group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale) of a (out, in) weight: q int8 (out, in), scale float32 (out, groups), the last
     group of a row possibly shorter. An all-zero group gets scale 0."""
     w = weight.detach().float()

@@ -51,7 +51,8 @@ def _assert_identical(a, b):
 def test_reuse_on_and_off_give_identical_tokens_and_logits(make_pipeline, checkpoints, mode, arch):
     path = checkpoints(arch)
     plain = _conversation(make_pipeline(path, **MODES[mode], seq_size_per_block=4))
-    reused = _conversation(make_pipeline(path, **MODES[mode], seq_size_per_block=4, reuse_cache=True))
+    reused = _conversation(make_pipeline(path, **MODES[mode], seq_size_per_block=4,
+                                         reuse_cache=True))
     assert all(r.aux_info["reuse_len"] > 0 for r in reused[1:])
     _assert_identical(plain, reused)
 

@@ -52,7 +52,8 @@ def test_kernel_matches_the_dequantized_matmul(shape, rows):
     weight = layer.dequantized()
     q, scale = quantize(_linear(out_features, in_features, bias).weight, group)
     assert torch.equal(weight, dequantize(q, scale, group))
-    want = F.linear(x.double(), weight.double(), None if layer.bias is None else layer.bias.double())
+    bias = None if layer.bias is None else layer.bias.double()
+    want = F.linear(x.double(), weight.double(), bias)
     torch.testing.assert_close(layer(x).double(), want, atol=1e-5, rtol=1e-5)
 
 
