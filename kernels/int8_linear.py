@@ -19,10 +19,10 @@ from torch import nn
 
 from rtpkv.kernels.cpu_build import load_library
 
-GROUP_SIZE = 32       # input values per scale: the measured choice (docs/DESIGN.md, README)
-LANES = 8             # output channels per packed block (one AVX2 register of float32)
+GROUP_SIZE = 32        # input values per scale: the measured choice (docs/BENCHMARKS.md)
+LANES = 8              # output channels per packed block (one AVX2 register of float32)
 CHANNEL_MULTIPLE = 64  # channels are zero-padded to this: the kernel's tiles are whole
-PANEL_ROWS = 4        # calls with at least this many rows widen weight panels once (prefill)
+PANEL_MIN_ROWS = 4     # calls with at least this many rows widen weight panels once (prefill)
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -106,5 +106,5 @@ class Int8Linear(nn.Module):
         lib.rtpkv_int8_linear(x.data_ptr(), rows, self.in_features, self.q.data_ptr(),
                               self.scale.data_ptr(), self.out_features, self.group_size,
                               None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
-                              PANEL_ROWS)
+                              PANEL_MIN_ROWS)
         return y

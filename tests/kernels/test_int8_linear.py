@@ -13,7 +13,7 @@ from torch import nn
 
 from rtpkv.errors import ConfigError
 from rtpkv.kernels import int8_linear
-from rtpkv.kernels.int8_linear import GROUP_SIZE, PANEL_ROWS, Int8Linear, dequantize, quantize
+from rtpkv.kernels.int8_linear import GROUP_SIZE, PANEL_MIN_ROWS, Int8Linear, dequantize, quantize
 from rtpkv.kernels.linear import PROBE_ROWS, invariant_min_rows
 
 CPU = torch.device("cpu")
@@ -43,7 +43,7 @@ def test_quantization_rounds_each_weight_to_its_nearest_step():
     assert torch.equal(q.abs().amax(dim=1), torch.full((24,), 127, dtype=torch.int8))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, PANEL_ROWS, 7, 13, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, PANEL_MIN_ROWS, 7, 13, 64])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_matches_the_dequantized_matmul(shape, rows):
     out_features, in_features, bias, group = shape
@@ -63,12 +63,12 @@ def test_every_row_count_gives_the_same_bits_without_padding(shape):
     layer = Int8Linear(_linear(out_features, in_features, bias), group)
     assert invariant_min_rows(layer, in_features, torch.float32, CPU) == 1
     # the probe's row counts cross the boundary between the two paths
-    assert min(PROBE_ROWS) < PANEL_ROWS <= max(PROBE_ROWS)
+    assert min(PROBE_ROWS) < PANEL_MIN_ROWS <= max(PROBE_ROWS)
 
 
 def test_few_row_and_panel_paths_give_the_same_bits():
     layer = Int8Linear(_linear(72, 96, True), GROUP_SIZE)
-    x = torch.randn(3 * PANEL_ROWS, 96, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(3 * PANEL_MIN_ROWS, 96, generator=torch.Generator().manual_seed(2))
     together = layer(x)                                # the panel path
     for r in range(x.shape[0]):
         assert torch.equal(layer(x[r:r + 1]), together[r:r + 1])   # the few-row path
