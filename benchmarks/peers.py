@@ -2,12 +2,19 @@
 
     python benchmarks/peers.py [--vllm /path/to/vllm-venv/bin/python] [--runs 3]
                                [--dtypes float32,bfloat16] [--block 32] [--check-reuse a,b]
+                               [--workloads a,b,c,d] [--weight-types auto,int8]
 
   a  shared system prompt: 2,000-token prefix + 16 different 64-token questions, one after
      another, 16 new tokens each. Cold TTFT = the first request; warm = mean of the other 15.
   b  8-turn chat: turn 1 is 512 tokens; each turn appends the previous 32-token answer and 128
      new tokens; 32 new tokens per turn. Mean TTFT of turns 2-8.
   c  32 prompts of 512 unrelated tokens submitted at once, 64 new tokens each: output tok/s.
+  d  one 512-token prompt alone, 128 new tokens: TTFT, decode tok/s (tokens after the first
+     over the time after the first), inter-token p50 and p99. Bound by reading the weights.
+
+`--weight-types auto,int8` runs rtpkv once per weight type (WEIGHT_TYPE) as engines side by
+side, with the int8 / auto ratio; int8 computes in float32, so it runs with the float32 dtype
+only; vLLM runs the float weights.
 
 Both engines get the same checkpoint (the BENCHMARKS.md model), the same token ids, greedy
 decoding with EOS ignored, prefix reuse on, 2 threads. Runs alternate between the engines (and
@@ -33,7 +40,7 @@ from typing import Any, Optional
 
 from common import bench_checkpoint, pipeline, random_ids, setup_threads, table, timed_request
 
-A_NEW, B_NEW, C_NEW = 16, 32, 64
+A_NEW, B_NEW, C_NEW, D_NEW = 16, 32, 64, 128
 VLLM_ENV = {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
             "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -46,14 +53,25 @@ def workloads() -> dict[str, dict[str, Any]]:
         "b": {"first": random_ids(512, seed=2),
               "additions": [random_ids(128, seed=200 + t) for t in range(7)], "new": B_NEW},
         "c": {"prompts": [random_ids(512, seed=500 + i) for i in range(32)], "new": C_NEW},
+        "d": {"prompt": random_ids(512, seed=4), "new": D_NEW},
     }
+
+
+def token_timing(times: list[float]) -> dict[str, float]:
+    """TTFT, decode tok/s and inter-token p50/p99 (ms) from each token's arrival, seconds after
+    submission."""
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    return {"ttft": times[0], "decode_tok_s": len(gaps) / (times[-1] - times[0]),
+            "itl_p50": 1000 * statistics.median(gaps),
+            "itl_p99": 1000 * gaps[min(len(gaps) - 1, round(0.99 * (len(gaps) - 1)))]}
 
 
 class Rtpkv:
     """rtpkv in this process: a fresh pipeline per workload run (an empty cache)."""
 
-    def __init__(self, dtype: str, block: int):
-        self.options = dict(dtype=dtype, seq_size_per_block=block, reuse_cache=True)
+    def __init__(self, dtype: str, block: int, weight_type: str = "auto"):
+        self.options = dict(dtype=dtype, seq_size_per_block=block, reuse_cache=True,
+                            weight_type=weight_type)
 
     def run(self, name: str, job: dict[str, Any], **overrides: Any) -> dict[str, Any]:
         with pipeline(**{**self.options, **overrides}) as pipe:
@@ -85,6 +103,14 @@ class Rtpkv:
         outs = [[r for r in s][-1].output_ids for s in streams]
         wall = time.perf_counter() - t0
         return {"tok_s": sum(map(len, outs)) / wall, "outputs": outs}
+
+    @staticmethod
+    def _d(pipe, prompt, new) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        times, res = [], None
+        for res in pipe(list(prompt), top_k=1, ignore_eos=True, max_new_tokens=new):
+            times.append(time.perf_counter() - t0)
+        return {**token_timing(times), "outputs": [res.output_ids]}
 
 
 class Vllm:
@@ -122,12 +148,22 @@ class Vllm:
 
 FIGURES = [("a: cold TTFT (s)", "a", "cold", False), ("a: warm TTFT (s)", "a", "warm", False),
            ("b: mean TTFT turns 2-8 (s)", "b", "turns", False),
-           ("c: output tok/s", "c", "tok_s", True)]
+           ("c: output tok/s", "c", "tok_s", True),
+           ("d: TTFT (s)", "d", "ttft", False), ("d: decode tok/s", "d", "decode_tok_s", True),
+           ("d: inter-token p50 (ms)", "d", "itl_p50", False),
+           ("d: inter-token p99 (ms)", "d", "itl_p99", False)]
+
+
+def rtpkv_engines(dtype: str, args: argparse.Namespace) -> dict[str, str]:
+    """Engine name -> WEIGHT_TYPE of the rtpkv engines for `dtype` (int8 computes in float32)."""
+    return {("rtpkv" if w == "auto" else f"rtpkv {w}"): w for w in args.weight_types.split(",")
+            if w == "auto" or dtype == "float32"}
 
 
 def measure(dtype: str, args: argparse.Namespace, jobs: dict[str, dict[str, Any]]) -> dict:
     """{engine: {workload: [result per run]}} with the engines interleaved run by run."""
-    engines: dict[str, Any] = {"rtpkv": Rtpkv(dtype, args.block)}
+    engines: dict[str, Any] = {name: Rtpkv(dtype, args.block, w)
+                               for name, w in rtpkv_engines(dtype, args).items()}
     if args.vllm:
         engines["vLLM"] = Vllm(args.vllm, dtype, args.block)
     results: dict[str, dict[str, list]] = {e: {w: [] for w in jobs} for e in engines}
@@ -157,32 +193,38 @@ def spread(values: list[float]) -> str:
 def report(dtype: str, results: dict, args: argparse.Namespace,
            reuse_equal: Optional[dict[str, bool]]) -> None:
     has_vllm = "vLLM" in results
-    headers = ["workload", f"rtpkv {dtype}"] + ([f"vLLM-cpu {dtype}", "rtpkv / vLLM",
-                                                 "goal", "run spread rtpkv / vLLM"]
-                                                if has_vllm else ["run spread"])
+    ours_engines = [e for e in results if e != "vLLM"]
+    base = ours_engines[0]
+    headers = (["workload"] + [f"{e} {dtype}" for e in ours_engines]
+               + [f"{e} / {base}" for e in ours_engines[1:]]
+               + ([f"vLLM-cpu {dtype}"] + [f"{e} / vLLM" for e in ours_engines]
+                  + [f"goal ({base} / vLLM)"] if has_vllm else [])
+               + ["run spread " + " / ".join(results)])
     rows = []
     for label, w, key, higher_better in FIGURES:
-        ours = [r[key] for r in results["rtpkv"][w]]
-        row: list[Any] = [label, statistics.median(ours)]
+        if w not in results[base]:
+            continue
+        values = {e: [r[key] for r in results[e][w]] for e in results}
+        medians = {e: statistics.median(v) for e, v in values.items()}
+        row: list[Any] = [label] + [medians[e] for e in ours_engines]
+        row += [f"{medians[e] / medians[base]:.2f}" for e in ours_engines[1:]]
         if has_vllm:
-            theirs = [r[key] for r in results["vLLM"][w]]
-            ratio = statistics.median(ours) / statistics.median(theirs)
+            row += [medians["vLLM"]] + [f"{medians[e] / medians['vLLM']:.2f}" for e in ours_engines]
+            ratio = medians[base] / medians["vLLM"]
             goal = ">= 1.2" if higher_better else "<= 0.8"
             met = ratio >= 1.2 if higher_better else ratio <= 0.8
-            row += [statistics.median(theirs), f"{ratio:.2f}", f"{goal} {'met' if met else 'not met'}",
-                    f"{spread(ours)} / {spread(theirs)}"]
-        else:
-            row.append(spread(ours))
+            row.append(f"{goal} {'met' if met else 'not met'}")
+        row.append(" / ".join(spread(v) for v in values.values()))
         rows.append(row)
     print(f"\n{dtype}, block {args.block}, 2 threads, medians of {args.runs} interleaved runs")
     print(table(headers, rows))
     if has_vllm:
-        same = {w: results["rtpkv"][w][0]["outputs"] == results["vLLM"][w][0]["outputs"]
-                for w in ("a", "b", "c")}
+        same = {w: results[base][w][0]["outputs"] == results["vLLM"][w][0]["outputs"]
+                for w in results[base]}
         print("greedy outputs identical to vLLM's: "
               + ", ".join(f"{w} {'yes' if s else 'no'}" for w, s in same.items()))
     if reuse_equal is not None:
-        print("rtpkv greedy outputs with reuse on == reuse off: "
+        print("greedy outputs with reuse on == reuse off: "
               + ", ".join(f"{w} {'yes' if s else 'NO'}" for w, s in reuse_equal.items()))
 
 
@@ -193,7 +235,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--block", type=int, default=32)
-    parser.add_argument("--workloads", default="a,b,c")
+    parser.add_argument("--workloads", default="a,b,c,d")
+    parser.add_argument("--weight-types", default="auto",
+                        help="rtpkv engines by WEIGHT_TYPE, e.g. auto,int8 (the first is the "
+                             "ratios' base)")
     parser.add_argument("--check-reuse", default="", metavar="a,b",
                         help="workloads to rerun on rtpkv with reuse off, comparing outputs")
     args = parser.parse_args()
@@ -204,9 +249,10 @@ def main() -> None:
         results = measure(dtype, args, jobs)
         reuse_equal = None
         if args.check_reuse:
-            ours = Rtpkv(dtype, args.block)
-            reuse_equal = {w: ours.run(w, jobs[w], reuse_cache=False)["outputs"]
-                           == results["rtpkv"][w][0]["outputs"]
+            reuse_equal = {f"{name} {w}": Rtpkv(dtype, args.block, weight).run(
+                               w, jobs[w], reuse_cache=False)["outputs"]
+                           == results[name][w][0]["outputs"]
+                           for name, weight in rtpkv_engines(dtype, args).items()
                            for w in args.check_reuse.split(",") if w in jobs}
         report(dtype, results, args, reuse_equal)
 

@@ -8,6 +8,7 @@ lines prefixed with RESULT on stdout (vLLM logs on the same stream).
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 
@@ -62,6 +63,25 @@ def workload_c(llm: LLM, prompts: list[list[int]], new: int) -> dict:
     return {"tok_s": produced / wall, "outputs": [list(r.outputs[0].token_ids) for r in results]}
 
 
+def workload_d(llm: LLM, prompt: list[int], new: int) -> dict:
+    """Each token's arrival, as benchmarks/peers.py's token_timing reads it."""
+    engine = llm.llm_engine
+    t0 = time.perf_counter()
+    engine.add_request("d", TokensPrompt(prompt_token_ids=prompt), _params(new))
+    times, out = [], []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.outputs and len(o.outputs[0].token_ids) > len(out):
+                now = time.perf_counter() - t0
+                times += [now] * (len(o.outputs[0].token_ids) - len(out))
+                out = list(o.outputs[0].token_ids)
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    return {"ttft": times[0], "decode_tok_s": len(gaps) / (times[-1] - times[0]),
+            "itl_p50": 1000 * statistics.median(gaps),
+            "itl_p99": 1000 * gaps[min(len(gaps) - 1, round(0.99 * (len(gaps) - 1)))],
+            "outputs": [out]}
+
+
 def main() -> None:
     model, dtype, block = sys.argv[1], sys.argv[2], int(sys.argv[3])
     llm = LLM(model=model, dtype=dtype, block_size=block, enable_prefix_caching=True,
@@ -74,6 +94,8 @@ def main() -> None:
             result = workload_a(llm, job["prefix"], job["questions"], job["new"])
         elif job["workload"] == "b":
             result = workload_b(llm, job["first"], job["additions"], job["new"])
+        elif job["workload"] == "d":
+            result = workload_d(llm, job["prompt"], job["new"])
         else:
             result = workload_c(llm, job["prompts"], job["new"])
         print("RESULT " + json.dumps(result), flush=True)

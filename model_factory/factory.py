@@ -15,6 +15,7 @@ import torch
 
 from rtpkv.config import RuntimeConfig, Settings, resolve
 from rtpkv.errors import ConfigError
+from rtpkv.kernels.int8_linear import GROUP_SIZE
 from rtpkv.kernels.linear import bf16_gemm_supported
 from rtpkv.locked_tokenizer import LockedTokenizer
 from rtpkv.model_factory.llama import CausalLM
@@ -80,10 +81,17 @@ def _pick_device(name: str) -> torch.device:
     return device
 
 
-def _pick_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
+def _pick_dtype(name: str, spec: ModelSpec, device: torch.device,
+                int8_weights: bool = False) -> torch.dtype:
     """"auto": the checkpoint's dtype, except on a CPU, where a 16-bit checkpoint runs in
     bfloat16 only if the CPU has native bf16 GEMMs (AVX512-BF16, AMX) and in float32 otherwise:
-    the fastest dtype there, and reuse stays bit-exact in both (kernels/linear.py)."""
+    the fastest dtype there, and reuse stays bit-exact in both (kernels/linear.py). Int8 weights
+    compute in float32 on a CPU (kernels/int8_linear.py): any other device or dtype is refused."""
+    if int8_weights:
+        if device.type != "cpu" or name not in ("auto", "float32"):
+            raise ConfigError(f"WEIGHT_TYPE=INT8 (or INT8_MODE=1) runs on a CPU in float32; "
+                              f"device={device.type}, dtype={name} is not supported with it")
+        return torch.float32
     if name != "auto":
         return _DTYPES[name]
     dtype = _DTYPES.get(str(spec.torch_dtype).removeprefix("torch."), torch.float32)
@@ -122,7 +130,8 @@ def _load_module(spec: ModelSpec, files: list[Path], device: torch.device, dtype
         raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     module.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False,
                            assign=True)
-    module.prepare(max_seq_len, attention=config.rtpkv_attention, linear=config.rtpkv_linear)
+    module.prepare(max_seq_len, attention=config.rtpkv_attention, linear=config.rtpkv_linear,
+                   int8_weights=config.int8_weights)
     return module.eval()
 
 
@@ -145,7 +154,7 @@ class ModelFactory:
             raise FileNotFoundError(f"{model_dir}: no config.json")
         spec = ModelSpec.from_config(json.loads(config_path.read_text()), str(config_path))
         device = _pick_device(config.device)
-        dtype = _pick_dtype(config.dtype, spec, device)
+        dtype = _pick_dtype(config.dtype, spec, device, config.int8_weights)
         max_seq_len = _max_seq_len(config, spec)
         config = config.replace(max_seq_len=max_seq_len)
 
@@ -158,10 +167,12 @@ class ModelFactory:
 
         # locked: the pipeline's engine thread and the caller's threads share it
         tokenizer = LockedTokenizer(AutoTokenizer.from_pretrained(str(model_dir)))
+        # int8 weights give other K/V than the float ones: their blocks must never be shared
+        weights = f"|int8-g{GROUP_SIZE}" if config.int8_weights else ""
         fingerprint = hashlib.sha256(
-            f"{spec.architecture}|{weights_digest(files)}|{dtype}".encode()
+            f"{spec.architecture}|{weights_digest(files)}|{dtype}{weights}".encode()
         ).hexdigest()
-        log.info("loaded %s from %s (%s, %s, max_seq_len=%d)", spec.architecture, model_dir,
-                 dtype, device, max_seq_len)
+        log.info("loaded %s from %s (%s%s, %s, max_seq_len=%d)", spec.architecture, model_dir,
+                 dtype, ", int8 weights" if config.int8_weights else "", device, max_seq_len)
         return Model(module=module, spec=spec, tokenizer=tokenizer, config=config, path=model_dir,
                      fingerprint=fingerprint, tasks=model_config.tasks, device=device, dtype=dtype)

@@ -6,6 +6,7 @@ concatenates q/k/v and gate/up projections so each layer runs two fewer matmuls.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
@@ -14,8 +15,11 @@ from torch import nn
 
 from rtpkv.kernels import (AttentionBackend, apply_rope_, attention_backend, rms_norm, rope_table,
                            silu_and_mul)
+from rtpkv.kernels.int8_linear import GROUP_SIZE, Int8Linear
 from rtpkv.kernels.linear import InferenceLinear, linear_path
 from rtpkv.model_factory.spec import ModelSpec
+
+log = logging.getLogger("rtpkv")
 
 
 class RMSNorm(nn.Module):
@@ -125,23 +129,44 @@ class CausalLM(nn.Module):
         self.cos: Optional[torch.Tensor] = None
         self.sin: Optional[torch.Tensor] = None
 
-    def prepare(self, max_positions: int, attention: str = "auto", linear: str = "auto") -> None:
+    def prepare(self, max_positions: int, attention: str = "auto", linear: str = "auto",
+                int8_weights: bool = False) -> None:
         """After weights are loaded: tie, fuse, choose the GEMM path (kernels/linear.py; `linear`
-        is RTPKV_LINEAR), build the RoPE table, pick the attention backend (`attention` is
-        RTPKV_ATTENTION)."""
+        is RTPKV_LINEAR) or quantize the linear layers (`int8_weights`, kernels/int8_linear.py),
+        build the RoPE table, pick the attention backend (`attention` is RTPKV_ATTENTION)."""
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         weight = self.model.embed_tokens.weight
-        self.linear_path = linear_path(weight.dtype, weight.device, linear)
+        self.linear_path = "int8" if int8_weights else linear_path(weight.dtype, weight.device,
+                                                                   linear)
+        freed = 0   # bytes of float weights the quantized layers free
+
+        def convert(layer: nn.Linear, shared: bool = False) -> nn.Module:
+            nonlocal freed
+            if not int8_weights:
+                return InferenceLinear(layer, self.linear_path)
+            if not shared:
+                freed += sum(p.numel() * p.element_size() for p in layer.parameters())
+            return Int8Linear(layer)
+
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.fuse()
             mlp.fuse()
-            attn.qkv = InferenceLinear(attn.qkv, self.linear_path)
-            attn.o_proj = InferenceLinear(attn.o_proj, self.linear_path)
-            mlp.gate_up = InferenceLinear(mlp.gate_up, self.linear_path)
-            mlp.down_proj = InferenceLinear(mlp.down_proj, self.linear_path)
-        self.lm_head = InferenceLinear(self.lm_head, self.linear_path)
+            attn.qkv = convert(attn.qkv)
+            attn.o_proj = convert(attn.o_proj)
+            mlp.gate_up = convert(mlp.gate_up)
+            mlp.down_proj = convert(mlp.down_proj)
+        tied = self.spec.tie_word_embeddings
+        self.lm_head = convert(self.lm_head, shared=tied)
+        if int8_weights:
+            held = sum(m.nbytes for m in self.modules() if isinstance(m, Int8Linear))
+            log.info("WEIGHT_TYPE=INT8: %d linear layers (the LM head included) quantized to "
+                     "int8, one scale per output channel and %d inputs: %.1f MiB of float32 "
+                     "weights freed, %.1f MiB of int8 weights and scales held (%.1f MiB saved%s); "
+                     "embeddings and norms stay float32", 4 * len(self.model.layers) + 1,
+                     GROUP_SIZE, freed / 2**20, held / 2**20, (freed - held) / 2**20,
+                     "; the tied LM head is an int8 copy of the float32 embedding" if tied else "")
         self.cos, self.sin = rope_table(self.spec.inv_freq(), max_positions, weight.dtype, weight.device)
         self.attention = attention_backend(weight.device, weight.dtype, self.spec.head_dim,
                                            attention)

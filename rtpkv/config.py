@@ -29,6 +29,7 @@ _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdi
     4, 200, 200, 10, 10
 
 _TRUE = {"1", "true", "on"}
+WEIGHT_TYPES = ("auto", "int8")
 _FALSE = {"0", "false", "off"}
 
 
@@ -188,6 +189,10 @@ class RuntimeConfig(BaseModel):
     # seconds between malloc_trim(0) calls from the engine thread (rtpkv.engine.heap_trim), which
     # keep glibc's freed activations from staying resident under load; 0: off
     rtpkv_malloc_trim_s: float = Field(10.0, ge=0)
+    # rtp-llm's switches for weight-only int8 linear layers (rtpkv.kernels.int8_linear):
+    # WEIGHT_TYPE=INT8, or INT8_MODE=1 (its older alias); "auto" keeps the model's dtype
+    weight_type: str = "auto"
+    int8_mode: bool = False
     # tiers below the device pool (rtpkv.cache.tiers.factory)
     enable_memory_cache: bool = False
     memory_cache_size_mb: float = Field(0.0, ge=0)
@@ -211,8 +216,9 @@ class RuntimeConfig(BaseModel):
     kv_events_topic: str = Field("", max_length=256)
     kv_events_buffer_steps: int = Field(10000, ge=1, le=1000000)  # batches kept for replay
 
-    @field_validator("reuse_cache", "enable_partial_reuse", "enable_memory_cache", "enable_memory_cache_disk",
-                     "write_cache_sync", "enable_remote_cache", mode="before")
+    @field_validator("reuse_cache", "enable_partial_reuse", "enable_memory_cache",
+                     "enable_memory_cache_disk", "write_cache_sync", "enable_remote_cache",
+                     "int8_mode", mode="before")
     @classmethod
     def _switch(cls, value: Any) -> Any:
         return parse_switch(value)
@@ -233,6 +239,19 @@ class RuntimeConfig(BaseModel):
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("weight_type", mode="before")
+    @classmethod
+    def _weight_type(cls, value: Any) -> Any:
+        text = str(value).strip().lower()
+        if text not in WEIGHT_TYPES:
+            raise ValueError(f"accepted values are {', '.join(WEIGHT_TYPES)} (any case)")
+        return text
+
+    @property
+    def int8_weights(self) -> bool:
+        """Whether the linear layers run on int8 weights (WEIGHT_TYPE=INT8 or INT8_MODE=1)."""
+        return self.weight_type == "int8" or self.int8_mode
 
     @field_validator("remote_cache_url")
     @classmethod

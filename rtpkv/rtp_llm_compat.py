@@ -88,10 +88,11 @@ GENERATE_KEYS: dict[str, Optional[tuple[Any, ...]]] = {
 GENERATE_ALIASES = {"gen_length": "max_new_tokens", "enable_memory_block_cache": "enable_memory_cache"}
 
 # rtp-llm's ModelConfig / ModelArgs fields that rtpkv ignores (with a warning): the checkpoint
-# path and type come from `ModelFactory.from_huggingface(path)`, weights load in `dtype`, and
-# LoRA, p-tuning, speculative decoding and quantisation are not implemented.
+# path and type come from `ModelFactory.from_huggingface(path)`, weights load in `dtype` (or
+# int8: `weight_type`, an option), and LoRA, p-tuning, speculative decoding and other
+# quantisations are not implemented.
 MODEL_CONFIG_IGNORED_FIELDS = frozenset({
-    "model_type", "ckpt_path", "tokenizer_path", "weight_type", "act_type", "quantization",
+    "model_type", "ckpt_path", "tokenizer_path", "act_type", "quantization",
     "gen_num_per_circle", "ptuning_path", "lora_infos", "ref_module", "ref_dict", "sp_type",
     "task_type", "extra_data_path", "local_extra_data_path", "mla_ops_type",
     "json_model_override_args", "phy2log_path", "enable_fp32_lm_head",

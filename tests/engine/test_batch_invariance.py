@@ -1,13 +1,15 @@
 """Batch invariance: a token's K/V and logits do not depend on how many other tokens share its
 forward, nor on where its prefill chunk starts. So prefix reuse, chunked prefill and batching
-give bit-identical greedy tokens and logits, in bfloat16 as in float32, for Llama and for Qwen3
-(whose q/k norm runs on strided views of the fused qkv output)."""
+give bit-identical greedy tokens and logits, in bfloat16 as in float32 and with int8 weights
+(WEIGHT_TYPE=INT8), for Llama and for Qwen3 (whose q/k norm runs on strided views of the fused
+qkv output)."""
 
 import pytest
 import torch
 from conftest import run
 
-DTYPES = ["bfloat16", "float32"]
+MODES = {"bfloat16": dict(dtype="bfloat16"), "float32": dict(dtype="float32"),
+         "int8": dict(weight_type="INT8")}
 ARCHS = ["llama", "qwen3"]
 
 
@@ -45,33 +47,34 @@ def _assert_identical(a, b):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_reuse_on_and_off_give_identical_tokens_and_logits(make_pipeline, checkpoints, dtype, arch):
+@pytest.mark.parametrize("mode", MODES)
+def test_reuse_on_and_off_give_identical_tokens_and_logits(make_pipeline, checkpoints, mode, arch):
     path = checkpoints(arch)
-    plain = _conversation(make_pipeline(path, dtype=dtype, seq_size_per_block=4))
-    reused = _conversation(make_pipeline(path, dtype=dtype, seq_size_per_block=4, reuse_cache=True))
+    plain = _conversation(make_pipeline(path, **MODES[mode], seq_size_per_block=4))
+    reused = _conversation(make_pipeline(path, **MODES[mode], seq_size_per_block=4,
+                                         reuse_cache=True))
     assert all(r.aux_info["reuse_len"] > 0 for r in reused[1:])
     _assert_identical(plain, reused)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_chunked_and_unchunked_prefill_are_identical(make_pipeline, checkpoints, dtype, arch):
+@pytest.mark.parametrize("mode", MODES)
+def test_chunked_and_unchunked_prefill_are_identical(make_pipeline, checkpoints, mode, arch):
     path = checkpoints(arch)
     prompts = _prompts()
-    whole = _one_by_one(make_pipeline(path, dtype=dtype, seq_size_per_block=4), prompts)
-    chunked = _one_by_one(make_pipeline(path, dtype=dtype, seq_size_per_block=4,
+    whole = _one_by_one(make_pipeline(path, **MODES[mode], seq_size_per_block=4), prompts)
+    chunked = _one_by_one(make_pipeline(path, **MODES[mode], seq_size_per_block=4,
                                         max_num_batched_tokens=5), prompts)
     _assert_identical(whole, chunked)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_alone_and_in_a_batch_are_identical(make_pipeline, checkpoints, dtype, arch):
+@pytest.mark.parametrize("mode", MODES)
+def test_alone_and_in_a_batch_are_identical(make_pipeline, checkpoints, mode, arch):
     path = checkpoints(arch)
     prompts = _prompts(n=6)
-    alone = _one_by_one(make_pipeline(path, dtype=dtype, seq_size_per_block=4), prompts)
-    pipe = make_pipeline(path, dtype=dtype, seq_size_per_block=4, reuse_cache=True)
+    alone = _one_by_one(make_pipeline(path, **MODES[mode], seq_size_per_block=4), prompts)
+    pipe = make_pipeline(path, **MODES[mode], seq_size_per_block=4, reuse_cache=True)
     batched = _all_at_once(pipe, prompts)
     assert any(len(step) > 1 for step in pipe.engine.step_log)
     _assert_identical(alone, batched)

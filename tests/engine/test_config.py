@@ -54,6 +54,8 @@ NON_DEFAULT = {
     "rtpkv_attention": ("torch", "torch"),
     "rtpkv_linear": ("native", "native"),
     "rtpkv_malloc_trim_s": ("2.5", 2.5),
+    "weight_type": ("INT8", "int8"),
+    "int8_mode": ("1", True),
     "kv_events_endpoint": ("tcp://*:5557", "tcp://*:5557"),
     "kv_events_replay_endpoint": ("tcp://127.0.0.1:5558", "tcp://127.0.0.1:5558"),
     "kv_events_topic": ("kv@", "kv@"),
@@ -142,7 +144,7 @@ def test_rtp_llm_variables_without_effect_and_near_misses_are_warned(monkeypatch
     from rtpkv import env_check
 
     monkeypatch.setattr(env_check, "_warned", set())
-    for name, value in {"INT8_MODE": "1", "TOKENIZER_PATH": "/t", "REUSE_CAHCE": "1",
+    for name, value in {"INT8_KV_CACHE": "1", "TOKENIZER_PATH": "/t", "REUSE_CAHCE": "1",
                         "SEQ_SIZE_PER_BLOK": "16", "HOSTNAME": "box"}.items():
         monkeypatch.setenv(name, value)
     with caplog.at_level(logging.WARNING, logger="rtpkv"):
@@ -151,7 +153,7 @@ def test_rtp_llm_variables_without_effect_and_near_misses_are_warned(monkeypatch
     lines = [r.getMessage() for r in caplog.records if "environment:" in r.getMessage()]
     assert len(lines) == 4, lines
     text = "\n".join(lines)
-    assert "INT8_MODE is an rtp-llm variable that has no effect in rtpkv" in text
+    assert "INT8_KV_CACHE is an rtp-llm variable that has no effect in rtpkv" in text
     assert "TOKENIZER_PATH is an rtp-llm variable" in text
     assert "REUSE_CAHCE is not an rtpkv variable and has no effect; did you mean REUSE_CACHE?" in text
     assert "did you mean SEQ_SIZE_PER_BLOCK?" in text and "HOSTNAME" not in text

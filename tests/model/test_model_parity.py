@@ -1,27 +1,40 @@
 """Each supported architecture matches transformers on the same weights: prefill logits within
-1e-4 (float32) and 32 greedy tokens, token for token."""
+1e-4 (float32) and 32 greedy tokens, token for token. With int8 weights (WEIGHT_TYPE=INT8) the
+reference is transformers holding the same quantized weights: each linear layer's weight
+replaced by `dequantize(quantize(w))`, the values the int8 kernel computes with."""
 
 import pytest
 import torch
 import transformers
+from torch import nn
 
 from rtpkv.kernels import AttentionBatch
+from rtpkv.kernels.int8_linear import dequantize, quantize
 from conftest import ARCHITECTURES, load, run
 from rtpkv.pipeline import Pipeline
 
 PROMPTS = ["hello, what's your name? tell me about the river city", "The cat sat on"]
+MODES = {"float32": {}, "int8": {"weight_type": "INT8"}}
 
 
+def _hf(path, mode="float32"):
+    """transformers on the checkpoint; for int8, every linear layer (the LM head too, untied
+    from the embedding) holds its quantized weight."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if mode == "int8":
+        for module in list(hf.modules()):
+            if isinstance(module, nn.Linear):
+                module.weight = nn.Parameter(dequantize(*quantize(module.weight)),
+                                             requires_grad=False)
+    return hf
 
-def _hf(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
-
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
-def test_prefill_logits_match_transformers(checkpoints, arch):
+def test_prefill_logits_match_transformers(checkpoints, arch, mode):
     path = checkpoints(arch)
-    model = load(path)
-    hf = _hf(path)
+    model = load(path, **MODES[mode])
+    hf = _hf(path, mode)
     ids = model.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
     n = ids.shape[1]
     kv_heads, head_dim = model.spec.num_kv_heads, model.spec.head_dim
@@ -39,11 +52,12 @@ def test_prefill_logits_match_transformers(checkpoints, arch):
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
-def test_greedy_generation_matches_transformers(checkpoints, arch):
+def test_greedy_generation_matches_transformers(checkpoints, arch, mode):
     path = checkpoints(arch)
-    model = load(path, kv_cache_max_tokens=4096)
-    hf = _hf(path)
+    model = load(path, kv_cache_max_tokens=4096, **MODES[mode])
+    hf = _hf(path, mode)
     with Pipeline(model, model.tokenizer) as pipe:
         for prompt in PROMPTS:
             ids = model.tokenizer(prompt, return_tensors="pt").input_ids
