@@ -198,6 +198,9 @@ def main() -> None:
                         help="device pool per replica, tokens (small: the trace evicts)")
     parser.add_argument("--max-seq-len", type=int, default=4096)
     parser.add_argument("--threads-per-replica", type=int, default=1)
+    parser.add_argument("--redis-maxmemory", default="8gb",
+                        help="the shared Redis tier's bound (it evicts LRU past it): at least "
+                             "what the replicas' pools hold, or it is the smaller cache")
     parser.add_argument("--model", help="checkpoint (default: the BENCHMARKS.md model)")
     parser.add_argument("--port", type=int, default=31000, help="router port; replicas above it")
     parser.add_argument("--request-timeout", type=float, default=600.0)
@@ -217,7 +220,7 @@ def main() -> None:
           + "; router: vllm-router",
           flush=True)
     rows = []
-    with RedisServer() as redis:
+    with RedisServer(args=["--maxmemory", args.redis_maxmemory]) as redis:
         for setup in args.setups:
             r = run_setup(setup, args, trace, redis, args.log_dir)
             rows.append([setup, f"{r['hit_rate']:.3f}", f"{r['ttft_p50'] * 1e3:.0f}",
