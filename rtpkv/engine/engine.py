@@ -118,7 +118,7 @@ class Engine:
     def cached_tokens(self, req: Request) -> int:
         """How many of `req`'s tokens the device pool holds now, as a prefix."""
         with self.lock:
-            return self.cache.cached_tokens(req)
+            return self.scheduler.cached_tokens(req)
 
     def check_integrity(self) -> None:
         with self.lock:

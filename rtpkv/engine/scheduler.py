@@ -98,6 +98,9 @@ class Scheduler:
     def announce_tiers(self) -> None:
         self.cache.announce_tiers()
 
+    def cached_tokens(self, req: Request) -> int:
+        return self.cache.cached_tokens(req)
+
     def take_failed(self) -> list[Request]:
         """Requests that failed while being admitted (their `error` says why); each is out of
         the queues and holds no block."""
