@@ -3,6 +3,7 @@
     python benchmarks/peers.py [--vllm /path/to/vllm-venv/bin/python] [--runs 3]
                                [--dtypes float32,bfloat16] [--block 32] [--check-reuse a,b]
                                [--workloads a,b,c,d] [--weight-types auto,int8]
+                               [--llama-cpp /path/to/venv/bin/python --gguf A.gguf,B.gguf]
 
   a  shared system prompt: 2,000-token prefix + 16 different 64-token questions, one after
      another, 16 new tokens each. Cold TTFT = the first request; warm = mean of the other 15.
@@ -22,7 +23,9 @@ which goes first) so that drift in the machine's speed falls on both alike; figu
 medians. vLLM runs in its own interpreter (`--vllm`), one engine process per dtype, with
 OMP_NUM_THREADS=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2
 VLLM_ENABLE_V1_MULTIPROCESSING=0. `--check-reuse a,b` also runs rtpkv with reuse off once per
-dtype on those workloads and reports whether greedy outputs are identical.
+dtype on those workloads and reports whether greedy outputs are identical. `--llama-cpp` runs
+workload d on llama.cpp (llama-cpp-python, 2 threads) for each `--gguf` file, in the float32
+sitting, named by the file's last dash-separated part (bench-q8_0.gguf: "llama.cpp q8_0").
 """
 
 from __future__ import annotations
@@ -113,14 +116,17 @@ class Rtpkv:
         return {**token_timing(times), "outputs": [res.output_ids]}
 
 
-class Vllm:
-    """vLLM's engine in a child process of its own interpreter, kept for all runs of a dtype."""
+class PeerWorker:
+    """A peer engine in a child process of its own interpreter (peers_vllm.py,
+    peers_llamacpp.py), kept for all runs of a dtype; `workloads` are those it runs."""
 
-    def __init__(self, python: str, dtype: str, block: int):
-        worker = Path(__file__).with_name("peers_vllm.py")
-        env = {**os.environ, **VLLM_ENV}
+    def __init__(self, python: str, script: str, argv: list[str], env: dict[str, str],
+                 workloads: tuple[str, ...] = ("a", "b", "c", "d")):
+        worker = Path(__file__).with_name(script)
+        env = {**os.environ, **env}
         env.pop("PYTHONPATH", None)
-        self.proc = subprocess.Popen([python, str(worker), str(bench_checkpoint()), dtype, str(block)],
+        self.workloads = workloads
+        self.proc = subprocess.Popen([python, str(worker), *argv],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=env, cwd=tempfile.gettempdir())
         # (not the repository root: its kernels/ folder would shadow the `kernels` package
@@ -131,7 +137,7 @@ class Vllm:
         for line in self.proc.stdout:
             if line.startswith("RESULT "):
                 return json.loads(line[len("RESULT "):])
-        raise RuntimeError(f"the vLLM worker exited with status {self.proc.wait()}")
+        raise RuntimeError(f"the peer worker exited with status {self.proc.wait()}")
 
     def run(self, name: str, job: dict[str, Any]) -> dict[str, Any]:
         if not self.ready:
@@ -144,6 +150,21 @@ class Vllm:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait()
+
+
+def peer_engines(dtype: str, args: argparse.Namespace) -> dict[str, PeerWorker]:
+    """vLLM-cpu (`--vllm`) in `dtype`, and llama.cpp on each `--gguf` file (`--llama-cpp`;
+    float32 sittings only, workload d)."""
+    peers: dict[str, PeerWorker] = {}
+    if args.vllm:
+        peers["vLLM"] = PeerWorker(args.vllm, "peers_vllm.py",
+                                   [str(bench_checkpoint()), dtype, str(args.block)], VLLM_ENV)
+    if args.llama_cpp and dtype == "float32":
+        for gguf in args.gguf.split(","):
+            name = "llama.cpp " + Path(gguf).stem.rsplit("-", 1)[-1]
+            peers[name] = PeerWorker(args.llama_cpp, "peers_llamacpp.py", [gguf, "2"],
+                                     {"OMP_NUM_THREADS": "2"}, workloads=("d",))
+    return peers
 
 
 FIGURES = [("a: cold TTFT (s)", "a", "cold", False), ("a: warm TTFT (s)", "a", "warm", False),
@@ -164,24 +185,28 @@ def measure(dtype: str, args: argparse.Namespace, jobs: dict[str, dict[str, Any]
     """{engine: {workload: [result per run]}} with the engines interleaved run by run."""
     engines: dict[str, Any] = {name: Rtpkv(dtype, args.block, w)
                                for name, w in rtpkv_engines(dtype, args).items()}
-    if args.vllm:
-        engines["vLLM"] = Vllm(args.vllm, dtype, args.block)
-    results: dict[str, dict[str, list]] = {e: {w: [] for w in jobs} for e in engines}
+    peers = peer_engines(dtype, args)
+    engines.update(peers)
+    results: dict[str, dict[str, list]] = {
+        e: {w: [] for w in jobs if e not in peers or w in peers[e].workloads} for e in engines}
     try:
         for name in engines:  # warm-up: first-call costs (allocations, kernels) off the clock
-            warm = workloads()["a"]
-            engines[name].run("a", {**warm, "questions": warm["questions"][:2]})
+            warm = workloads()["a"] if "a" in results[name] else None
+            if warm is None:
+                engines[name].run("d", {**jobs.get("d", workloads()["d"]), "new": 8})
+            else:
+                engines[name].run("a", {**warm, "questions": warm["questions"][:2]})
         for run in range(args.runs):
             for w, job in jobs.items():
                 order = list(engines) if run % 2 == 0 else list(engines)[::-1]
-                for name in order:
+                for name in (e for e in order if w in results[e]):
                     results[name][w].append(engines[name].run(w, job))
                     print(f"  {dtype} run {run + 1} {w} {name}: "
                           + ", ".join(f"{k}={v:.3f}" for k, v in results[name][w][-1].items()
                                       if k != "outputs"), file=sys.stderr, flush=True)
     finally:
-        if "vLLM" in engines:
-            engines["vLLM"].close()
+        for peer in peers.values():
+            peer.close()
     return results
 
 
@@ -192,24 +217,28 @@ def spread(values: list[float]) -> str:
 
 def report(dtype: str, results: dict, args: argparse.Namespace,
            reuse_equal: Optional[dict[str, bool]]) -> None:
+    ours_engines = [e for e in results if e.startswith("rtpkv")]
+    peers = [e for e in results if e not in ours_engines]
     has_vllm = "vLLM" in results
-    ours_engines = [e for e in results if e != "vLLM"]
     base = ours_engines[0]
     headers = (["workload"] + [f"{e} {dtype}" for e in ours_engines]
                + [f"{e} / {base}" for e in ours_engines[1:]]
-               + ([f"vLLM-cpu {dtype}"] + [f"{e} / vLLM" for e in ours_engines]
-                  + [f"goal ({base} / vLLM)"] if has_vllm else [])
+               + [h for p in peers for h in [f"{'vLLM-cpu' if p == 'vLLM' else p} {dtype}"]
+                  + [f"{e} / {p}" for e in ours_engines]]
+               + ([f"goal ({base} / vLLM)"] if has_vllm else [])
                + ["run spread " + " / ".join(results)])
     rows = []
     for label, w, key, higher_better in FIGURES:
         if w not in results[base]:
             continue
-        values = {e: [r[key] for r in results[e][w]] for e in results}
+        values = {e: [r[key] for r in results[e][w]] for e in results if w in results[e]}
         medians = {e: statistics.median(v) for e, v in values.items()}
         row: list[Any] = [label] + [medians[e] for e in ours_engines]
         row += [f"{medians[e] / medians[base]:.2f}" for e in ours_engines[1:]]
+        for p in peers:
+            row += ([medians[p]] + [f"{medians[e] / medians[p]:.2f}" for e in ours_engines]
+                    if p in medians else ["–"] * (1 + len(ours_engines)))
         if has_vllm:
-            row += [medians["vLLM"]] + [f"{medians[e] / medians['vLLM']:.2f}" for e in ours_engines]
             ratio = medians[base] / medians["vLLM"]
             goal = ">= 1.2" if higher_better else "<= 0.8"
             met = ratio >= 1.2 if higher_better else ratio <= 0.8
@@ -218,10 +247,10 @@ def report(dtype: str, results: dict, args: argparse.Namespace,
         rows.append(row)
     print(f"\n{dtype}, block {args.block}, 2 threads, medians of {args.runs} interleaved runs")
     print(table(headers, rows))
-    if has_vllm:
-        same = {w: results[base][w][0]["outputs"] == results["vLLM"][w][0]["outputs"]
-                for w in results[base]}
-        print("greedy outputs identical to vLLM's: "
+    for p in peers:
+        same = {w: results[base][w][0]["outputs"] == results[p][w][0]["outputs"]
+                for w in results[p]}
+        print(f"greedy outputs identical to {p}'s: "
               + ", ".join(f"{w} {'yes' if s else 'no'}" for w, s in same.items()))
     if reuse_equal is not None:
         print("greedy outputs with reuse on == reuse off: "
@@ -232,6 +261,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm", help="python of a virtual environment with vllm-cpu installed")
+    parser.add_argument("--llama-cpp", help="python of a virtual environment with "
+                                            "llama-cpp-python installed (workload d)")
+    parser.add_argument("--gguf", default="", help="GGUF files of the benchmark checkpoint for "
+                                                    "--llama-cpp, comma-separated")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--block", type=int, default=32)
