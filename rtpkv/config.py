@@ -30,6 +30,7 @@ _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdi
 
 _TRUE = {"1", "true", "on"}
 WEIGHT_TYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8")
 _FALSE = {"0", "false", "off"}
 
 
@@ -193,6 +194,10 @@ class RuntimeConfig(BaseModel):
     # WEIGHT_TYPE=INT8, or INT8_MODE=1 (its older alias); "auto" keeps the model's dtype
     weight_type: str = "auto"
     int8_mode: bool = False
+    # the KV cache's storage (rtpkv.kernels.kv_quant): KV_CACHE_DTYPE=int8, or rtp-llm's
+    # INT8_KV_CACHE=1; "auto" stores K/V in the model's dtype (FP8_KV_CACHE: rtpkv.env_check)
+    kv_cache_dtype: str = "auto"
+    int8_kv_cache: bool = False
     # tiers below the device pool (rtpkv.cache.tiers.factory)
     enable_memory_cache: bool = False
     memory_cache_size_mb: float = Field(0.0, ge=0)
@@ -218,7 +223,7 @@ class RuntimeConfig(BaseModel):
 
     @field_validator("reuse_cache", "enable_partial_reuse", "enable_memory_cache",
                      "enable_memory_cache_disk", "write_cache_sync", "enable_remote_cache",
-                     "int8_mode", mode="before")
+                     "int8_mode", "int8_kv_cache", mode="before")
     @classmethod
     def _switch(cls, value: Any) -> Any:
         return parse_switch(value)
@@ -252,6 +257,19 @@ class RuntimeConfig(BaseModel):
     def int8_weights(self) -> bool:
         """Whether the linear layers run on int8 weights (WEIGHT_TYPE=INT8 or INT8_MODE=1)."""
         return self.weight_type == "int8" or self.int8_mode
+
+    @field_validator("kv_cache_dtype", mode="before")
+    @classmethod
+    def _kv_cache_dtype(cls, value: Any) -> Any:
+        text = str(value).strip().lower()
+        if text not in KV_CACHE_DTYPES:
+            raise ValueError(f"accepted values are {', '.join(KV_CACHE_DTYPES)} (any case)")
+        return text
+
+    @property
+    def int8_kv(self) -> bool:
+        """Whether K/V are stored as int8 (KV_CACHE_DTYPE=int8 or INT8_KV_CACHE=1)."""
+        return self.kv_cache_dtype == "int8" or self.int8_kv_cache
 
     @field_validator("remote_cache_url")
     @classmethod
