@@ -130,10 +130,11 @@ class CausalLM(nn.Module):
         self.sin: Optional[torch.Tensor] = None
 
     def prepare(self, max_positions: int, attention: str = "auto", linear: str = "auto",
-                int8_weights: bool = False) -> None:
+                int8_weights: bool = False, kv_dtype: Optional[torch.dtype] = None) -> None:
         """After weights are loaded: tie, fuse, choose the GEMM path (kernels/linear.py; `linear`
         is RTPKV_LINEAR) or quantize the linear layers (`int8_weights`, kernels/int8_linear.py),
-        build the RoPE table, pick the attention backend (`attention` is RTPKV_ATTENTION)."""
+        build the RoPE table, pick the attention backend (`attention` is RTPKV_ATTENTION) for
+        the pool's `kv_dtype` (torch.int8: the int8 KV cache; default: the model's dtype)."""
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         weight = self.model.embed_tokens.weight
@@ -169,7 +170,7 @@ class CausalLM(nn.Module):
                      "; the tied LM head is an int8 copy of the float32 embedding" if tied else "")
         self.cos, self.sin = rope_table(self.spec.inv_freq(), max_positions, weight.dtype, weight.device)
         self.attention = attention_backend(weight.device, weight.dtype, self.spec.head_dim,
-                                           attention)
+                                           attention, kv_dtype)
 
     @property
     def attention_name(self) -> str:
