@@ -15,7 +15,8 @@ import reprlib
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rtpkv.cache.block import DEFAULT_PRIORITY
@@ -31,6 +32,7 @@ _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdi
 _TRUE = {"1", "true", "on"}
 WEIGHT_TYPES = ("auto", "int8")
 KV_CACHE_DTYPES = ("auto", "int8")
+_CHOICES = {"weight_type": WEIGHT_TYPES, "kv_cache_dtype": KV_CACHE_DTYPES}   # lower-cased
 _FALSE = {"0", "false", "off"}
 
 
@@ -245,26 +247,19 @@ class RuntimeConfig(BaseModel):
     def _lower(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value
 
-    @field_validator("weight_type", mode="before")
+    @field_validator("weight_type", "kv_cache_dtype", mode="before")
     @classmethod
-    def _weight_type(cls, value: Any) -> Any:
+    def _choice(cls, value: Any, info: ValidationInfo) -> Any:
+        accepted = _CHOICES[info.field_name]
         text = str(value).strip().lower()
-        if text not in WEIGHT_TYPES:
-            raise ValueError(f"accepted values are {', '.join(WEIGHT_TYPES)} (any case)")
+        if text not in accepted:
+            raise ValueError(f"accepted values are {', '.join(accepted)} (any case)")
         return text
 
     @property
     def int8_weights(self) -> bool:
         """Whether the linear layers run on int8 weights (WEIGHT_TYPE=INT8 or INT8_MODE=1)."""
         return self.weight_type == "int8" or self.int8_mode
-
-    @field_validator("kv_cache_dtype", mode="before")
-    @classmethod
-    def _kv_cache_dtype(cls, value: Any) -> Any:
-        text = str(value).strip().lower()
-        if text not in KV_CACHE_DTYPES:
-            raise ValueError(f"accepted values are {', '.join(KV_CACHE_DTYPES)} (any case)")
-        return text
 
     @property
     def int8_kv(self) -> bool:

@@ -5,7 +5,8 @@ The K and V of every layer live in one tensor of shape
 [b * B, (b + 1) * B) of every head (the head-major layout of rtpkv.kernels.kv_store). A row is
 head_dim values of the model's dtype, or for the int8 cache head_dim int8 values and their
 float32 scale (rtpkv.kernels.kv_quant): the scales live in the rows, so copying a block or a
-token range copies its scales too. The bookkeeping of each block (references, keys, priorities) is the BlockPool's.
+token range copies its scales too. The bookkeeping of each block (references, keys,
+priorities) is the BlockPool's.
 """
 
 from __future__ import annotations

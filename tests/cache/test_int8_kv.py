@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import json
 import struct
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import run
 
+from rtpkv.cache.manager import pool_blocks
 from rtpkv.cache.tiers import BlockMeta
 from rtpkv.cache.tiers.factory import tier_layout
 from rtpkv.cache.tiers.record import decode_header, encode_record
+from rtpkv.config import RuntimeConfig
 from rtpkv.errors import ConfigError
 from rtpkv.model_factory.factory import _pick_kv_dtype
 
@@ -39,10 +42,10 @@ def disk(path, **extra):
                 write_cache_sync=True, **extra)
 
 
-@pytest.mark.parametrize("dtype,ratio", [("float32", 256 / 68), ("bfloat16", 128 / 68)])
-def test_the_pool_holds_the_blocks_its_bytes_allow(make_pipeline, dtype, ratio):
-    """Tiny model: 2 layers, 2 KV heads, head_dim 16 would waste a quarter on scales, so the
-    ratio is checked on the formula: a row of head_dim int8 values and a 4-byte scale."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_pool_holds_the_blocks_its_bytes_allow(make_pipeline, dtype):
+    """A row is head_dim int8 values and a 4-byte scale: the tiny model's head_dim of 16 gives
+    3.2x the blocks of float32 (1.6x of bfloat16), SmolLM2's 64 (below) 3.76x."""
     mb = 1.0
     plain = make_pipeline(dtype=dtype, seq_size_per_block=B, kv_cache_mem_mb=mb,
                           kv_cache_max_tokens=None)
@@ -54,10 +57,23 @@ def test_the_pool_holds_the_blocks_its_bytes_allow(make_pipeline, dtype, ratio):
     assert plain.cache_stats()["blocks_total"] == 2**20 // (per_block * d * item)
     assert int8.cache_stats()["blocks_total"] == 2**20 // (per_block * (d + 4))
     measured = int8.cache_stats()["blocks_total"] / plain.cache_stats()["blocks_total"]
-    assert measured == pytest.approx(item * d / (d + 4), rel=0.01)
-    if d == 64:    # SmolLM2's and most models' head size: 3.76x of float32, 1.88x of bfloat16
-        assert measured == pytest.approx(ratio, rel=0.01)
+    assert measured == pytest.approx(item * 16 / 20, rel=0.01)
     assert int8.engine.cache.memory.int8 and not plain.engine.cache.memory.int8
+
+
+@pytest.mark.parametrize("dtype,ratio", [(torch.float32, 256 / 68), (torch.bfloat16, 128 / 68)])
+def test_smollm2_shaped_pools_hold_3_76x_and_1_88x_the_blocks(dtype, ratio):
+    """SmolLM2-135M's KV shape (30 layers, 3 KV heads, head_dim 64) at KV_CACHE_MEM_MB=1024."""
+    spec = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
+    config = RuntimeConfig(kv_cache_mem_mb=1024, seq_size_per_block=64)
+
+    def blocks(kv_dtype):
+        return pool_blocks(SimpleNamespace(spec=spec, kv_dtype=kv_dtype,
+                                           device=torch.device("cpu")), config)
+
+    assert blocks(torch.int8) / blocks(dtype) == pytest.approx(ratio, rel=1e-3)
+    assert blocks(torch.float32) == 2**30 // (2 * 30 * 64 * 3 * 64 * 4) == 364
+    assert blocks(torch.int8) == 2**30 // (2 * 30 * 64 * 3 * 68) == 1370
 
 
 def test_the_fingerprint_includes_the_kv_dtype(make_pipeline):

@@ -1,8 +1,8 @@
 """Batch invariance: a token's K/V and logits do not depend on how many other tokens share its
 forward, nor on where its prefill chunk starts. So prefix reuse, chunked prefill and batching
 give bit-identical greedy tokens and logits, in bfloat16 as in float32, with int8 weights
-(WEIGHT_TYPE=INT8) and with the int8 KV cache (KV_CACHE_DTYPE=int8), for Llama and for Qwen3 (whose q/k norm runs on strided views of the fused
-qkv output)."""
+(WEIGHT_TYPE=INT8) and with the int8 KV cache (KV_CACHE_DTYPE=int8) in both, for Llama and for
+Qwen3 (whose q/k norm runs on strided views of the fused qkv output)."""
 
 import pytest
 import torch
