@@ -58,6 +58,15 @@ class CpuMetadata:
     window: int = 0              # tokens attended per query; 0: no window
 
 
+def kernel_args(meta: CpuMetadata, T: int, H: int, KVH: int, D: int, scale: float,
+                bf16: bool, kv_int8: bool = False) -> _Args:
+    """The kernel's arguments for this step's batch (`kv_int8`: the int8 KV cache's rows); q,
+    the caches and out are left to set."""
+    return _Args(None, None, None, None, meta.row_seq.data_ptr(), meta.positions.data_ptr(),
+                 meta.tables.data_ptr(), meta.tables.shape[1], T, H, KVH, D, meta.block_size,
+                 meta.num_slots, scale, int(bf16), meta.window, int(kv_int8))
+
+
 class CpuPagedAttention:
     name = "cpu-paged"
 
@@ -88,11 +97,10 @@ class CpuPagedAttention:
         q = q.contiguous()
         T, H, D = q.shape
         out = torch.empty((T, H, D), dtype=torch.float32)
-        args = _Args(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-                     meta.row_seq.data_ptr(), meta.positions.data_ptr(), meta.tables.data_ptr(),
-                     meta.tables.shape[1], T, H, k.shape[1], D, meta.block_size, meta.num_slots,
-                     scale, int(q.dtype == torch.bfloat16), meta.window,
-                     int(k_cache.dtype == torch.int8))
+        args = kernel_args(meta, T, H, k.shape[1], D, scale, q.dtype == torch.bfloat16,
+                           k_cache.dtype == torch.int8)
+        args.q, args.k_cache, args.v_cache = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+        args.out = out.data_ptr()
         self.lib.rtpkv_paged_attention(ctypes.byref(args), meta.tile_start.data_ptr(),
                                        meta.tile_start.numel() - 1)
         return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -55,24 +55,27 @@ def cpu_identity() -> str:
 
 
 @lru_cache(maxsize=None)
-def load_library(name: str) -> Optional[ctypes.CDLL]:
-    """csrc/<name>.c as a loaded shared library, built on first use; None if it cannot be built."""
+def load_library(name: str, *linked: str) -> Optional[ctypes.CDLL]:
+    """csrc/<name>.c, with csrc/<linked>.c for each of `linked` compiled beside it (a driver
+    calling other kernels), as a loaded shared library, built on first use; None if it cannot
+    be built."""
     requested = os.environ.get("CC")
     compiler = shutil.which(requested) if requested else shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found (CC=%s): the %s kernel falls back to pure torch",
                     requested or "unset", name)
         return None
-    source = SOURCE_DIR / f"{name}.c"
+    sources = [SOURCE_DIR / f"{n}.c" for n in (name, *linked)]
     headers = b"".join(h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h")))
-    key = hashlib.sha256(source.read_bytes() + headers + " ".join([compiler] + FLAGS).encode()
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + headers
+                         + " ".join([compiler] + FLAGS).encode()
                          + cpu_flags().encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
         os.close(fd)
-        cmd = [compiler, *FLAGS, str(source), "-o", tmp, "-lm"]
+        cmd = [compiler, *FLAGS, *map(str, sources), "-o", tmp, "-lm"]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             os.unlink(tmp)

@@ -14,11 +14,17 @@ from rtpkv.kernels.cpu_build import load_library
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+_DTYPES = (torch.float32, torch.bfloat16)
+_library: Optional[ctypes.CDLL] = None
 
 
 def library() -> Optional[ctypes.CDLL]:
-    lib = load_library("fused_ops")
-    if lib is not None and lib.rtpkv_rms_norm.argtypes is None:
+    """The loaded library with its signatures set (called once per kernel call: kept cheap)."""
+    global _library
+    if _library is None:
+        lib = load_library("fused_ops")
+        if lib is None:
+            return None
         lib.rtpkv_rms_norm.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int]
         lib.rtpkv_silu_and_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int]
         lib.rtpkv_rope.argtypes = [_P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int]
@@ -26,16 +32,21 @@ def library() -> Optional[ctypes.CDLL]:
         for fn in (lib.rtpkv_rms_norm, lib.rtpkv_silu_and_mul, lib.rtpkv_rope,
                    lib.rtpkv_write_kv_int8):
             fn.restype = None
-    return lib
+        _library = lib
+    return _library
 
 
 def usable(*tensors: torch.Tensor, multiple: int = 8) -> bool:
     """Whether the C kernels take these tensors: CPU, float32 or bfloat16 alike, the last
     dimension a multiple of `multiple`, and the library built."""
     first = tensors[0]
-    return (first.device.type == "cpu" and first.dtype in (torch.float32, torch.bfloat16)
-            and all(t.dtype == first.dtype and t.device == first.device for t in tensors)
-            and first.shape[-1] % multiple == 0 and library() is not None)
+    dtype, device = first.dtype, first.device
+    if device.type != "cpu" or dtype not in _DTYPES or first.shape[-1] % multiple:
+        return False
+    for t in tensors:
+        if t.dtype != dtype or t.device != device:
+            return False
+    return library() is not None
 
 
 def ptr(t: Optional[torch.Tensor]) -> Optional[int]:

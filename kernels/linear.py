@@ -8,10 +8,17 @@ Paths (`RTPKV_LINEAR` in the configuration, default "auto"):
                 of their bf16 values and prepacked for oneDNN, activations widened, results
                 rounded back to bf16 (the values of a bf16 GEMM accumulating in float32; bf16
                 GEMMs there run through a reference loop at 1-2 GFLOPS).
+  avx2          float32 through the project's own kernel (fp32_linear.py, csrc/fp32_linear.c):
+                weights packed once into panels of 16 channels, every output one FMA chain in
+                order, so it is batch-invariant by construction (min_rows 1, no probe).
   native        F.linear in the model's dtype (MKL for float32 on x86): the reference.
-"auto" takes onednn where torch has it (fp32-compute for bf16 on CPUs without bf16 GEMMs) and
-native on other devices. On the 2-core AVX2 EPYC of the benchmarks oneDNN runs float32 GEMMs at
-about 73 GFLOPS against MKL's 20-31, and a one-row GEMV 3-7x faster than MKL's padded call.
+"auto" takes avx2 for float32 on CPUs with AVX2 and FMA but no AVX-512 (where oneDNN computes
+with 8-lane vectors too), onednn elsewhere where torch has it (fp32-compute for bf16 on CPUs
+without bf16 GEMMs) and native on other devices. On the 2-core AVX2 EPYC of the benchmarks
+oneDNN runs float32 GEMMs at about 73 GFLOPS against MKL's 20-31, and a one-row GEMV 3-7x faster
+than MKL's padded call; the avx2 kernel gives oneDNN's bits there, as fast for many rows and
+without the ~30 us oneDNN spends setting up each call, a third of a 512x512 GEMV
+(docs/BENCHMARKS.md, "Single-stream decode").
 
 Batch invariance: a GEMM library may pick another kernel, and so another reduction order, for
 another row count (MKL does below 16 rows; oneDNN with weights packed for one row does). The
@@ -37,7 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rtpkv.kernels.cpu_build import cache_dir, cpu_identity
+from rtpkv.kernels import fp32_linear
+from rtpkv.kernels.cpu_build import cache_dir, cpu_flags, cpu_identity
 from rtpkv.kernels.names import LINEAR_PATHS
 
 # oneDNN keeps a primitive per GEMM shape (each row count is a shape) in two caches, ideep's
@@ -74,6 +82,9 @@ def linear_path(dtype: torch.dtype, device: torch.device, name: str = "auto") ->
     if device.type != "cpu":
         return "native"
     if name == "auto":
+        if (dtype == torch.float32 and "avx512f" not in cpu_flags().split()
+                and fp32_linear.available()):
+            return "avx2"
         if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16):
             return "native"
         if dtype == torch.bfloat16 and not bf16_gemm_supported():
@@ -86,6 +97,10 @@ def linear_path(dtype: torch.dtype, device: torch.device, name: str = "auto") ->
     if name == "onednn" and dtype == torch.bfloat16 and not bf16_gemm_supported():
         raise ValueError("RTPKV_LINEAR=onednn with bfloat16 needs a CPU with AVX512-BF16, "
                          "AVX-NE-CONVERT or AMX; use fp32-compute or native")
+    if name == "avx2" and dtype != torch.float32:
+        raise ValueError(f"RTPKV_LINEAR=avx2 computes float32 models, not {dtype}")
+    if name == "avx2" and not fp32_linear.available():
+        raise ValueError("RTPKV_LINEAR=avx2 needs a CPU with AVX2 and FMA and a C compiler")
     if name == "fp32-compute" and dtype != torch.bfloat16:
         return "native"   # nothing to widen
     return name
@@ -157,16 +172,22 @@ class InferenceLinear(nn.Module):
         self.bias = bias
         self.device = weight.device
         self.weight: torch.Tensor | None = None
+        self.min_rows: int | None = None
         if path in ("onednn", "fp32-compute"):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_ROWS)
+        elif path == "avx2":
+            self.packed = fp32_linear.pack(weight)
+            self.bias = fp32_linear.pad_bias(bias)
+            self.min_rows = 1   # batch-invariant by construction
         else:
             self.weight = weight   # only the native path reads it: no second copy of the weights
-        self.min_rows: int | None = None
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, path={self.path}, min_rows={self.min_rows}"
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.path == "avx2":
+            return fp32_linear.fp32_linear(x, self.packed, self.bias, self.out_features)
         if self.path == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.path == "fp32-compute":

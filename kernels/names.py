@@ -2,4 +2,4 @@
 the configuration's validation and by the dispatch."""
 
 ATTENTION_BACKENDS = ("auto", "cpu-paged", "flash-attn", "torch")
-LINEAR_PATHS = ("auto", "native", "onednn", "fp32-compute")
+LINEAR_PATHS = ("auto", "native", "onednn", "fp32-compute", "avx2")

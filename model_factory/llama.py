@@ -15,6 +15,7 @@ from torch import nn
 
 from rtpkv.kernels import (AttentionBackend, apply_rope_, attention_backend, rms_norm, rope_table,
                            silu_and_mul)
+from rtpkv.kernels.fused_decoder import FusedDecoder
 from rtpkv.kernels.int8_linear import GROUP_SIZE, Int8Linear
 from rtpkv.kernels.linear import InferenceLinear, linear_path
 from rtpkv.model_factory.spec import ModelSpec
@@ -128,13 +129,15 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.cos: Optional[torch.Tensor] = None
         self.sin: Optional[torch.Tensor] = None
+        self.fused: Optional[FusedDecoder] = None   # the layers as one C call, where they can be
 
     def prepare(self, max_positions: int, attention: str = "auto", linear: str = "auto",
                 int8_weights: bool = False, kv_dtype: Optional[torch.dtype] = None) -> None:
         """After weights are loaded: tie, fuse, choose the GEMM path (kernels/linear.py; `linear`
         is RTPKV_LINEAR) or quantize the linear layers (`int8_weights`, kernels/int8_linear.py),
         build the RoPE table, pick the attention backend (`attention` is RTPKV_ATTENTION) for
-        the pool's `kv_dtype` (torch.int8: the int8 KV cache; default: the model's dtype)."""
+        the pool's `kv_dtype` (torch.int8: the int8 KV cache; default: the model's dtype) and,
+        where every layer runs on the C kernels, the fused decoder (kernels/fused_decoder.py)."""
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         weight = self.model.embed_tokens.weight
@@ -171,6 +174,7 @@ class CausalLM(nn.Module):
         self.cos, self.sin = rope_table(self.spec.inv_freq(), max_positions, weight.dtype, weight.device)
         self.attention = attention_backend(weight.device, weight.dtype, self.spec.head_dim,
                                            attention, kv_dtype)
+        self.fused = FusedDecoder.build(self)
 
     @property
     def attention_name(self) -> str:
@@ -184,6 +188,8 @@ class CausalLM(nn.Module):
             raise IndexError(f"position {int(positions.max())} is past the RoPE table "
                              f"({self.cos.shape[0]} positions)")
         residual = self.model.embed_tokens(input_ids)   # the residual stream, added to in place
+        if self.fused is not None:
+            return self.fused.forward(residual, positions, kv_caches, meta)
         rope = (self.cos, self.sin)
         h = None
         for layer, kv in zip(self.model.layers, kv_caches):

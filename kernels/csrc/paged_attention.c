@@ -37,6 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "paged_attention.h"
 #include "vec_math.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__)
@@ -48,20 +49,6 @@
 #define ND_MAX 6   /* value columns per value tile (2 query vectors) */
 #define KEY_LANES_MAX_ROWS 7   /* tiles of fewer query rows put keys in the lanes */
 
-typedef struct {
-    const void *q;          /* (T, H, D) float32 or bfloat16 */
-    const void *k_cache;    /* (KVH, S, D); int8: (KVH, S, D + 4 bytes of scale) */
-    const void *v_cache;
-    float *out;             /* (T, H, D) float32 */
-    const int32_t *q_seq;   /* (T,) row of the token's sequence in tables */
-    const int32_t *q_pos;   /* (T,) position of the token: it attends to [0, pos] */
-    const int32_t *tables;  /* (num_seqs, max_blocks) block ids */
-    int64_t max_blocks, T, H, KVH, D, B, S;
-    float scale;
-    int bf16;
-    int64_t window;         /* tokens attended per query, itself included; 0: no window */
-    int kv_int8;            /* K/V are int8 rows with their scale; else of q's dtype */
-} attn_args;
 
 typedef __m256 v8;
 

@@ -1,5 +1,5 @@
 """The speed paths agree with the reference ones: the CPU paged-attention kernel with the torch
-backend, the oneDNN and fp32-compute GEMM paths with F.linear; bad choices are refused."""
+backend, the oneDNN, fp32-compute and avx2 GEMM paths with F.linear; bad choices are refused."""
 
 import json
 import logging
@@ -11,7 +11,8 @@ from attention_batches import attention_batch
 from conftest import run
 
 from rtpkv.kernels import AttentionBatch, TorchAttention, attention_backend, cpu_attention
-from rtpkv.kernels import cpu_build
+from rtpkv.kernels import cpu_build, fp32_linear
+from rtpkv.kernels.cpu_build import cpu_flags
 from rtpkv.kernels.linear import (PADDING_CANDIDATES, InferenceLinear, bf16_gemm_supported,
                                   invariant_min_rows, linear_path)
 
@@ -92,7 +93,7 @@ def test_pipeline_tokens_with_onednn_on_and_off(make_pipeline, monkeypatch):
         torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("path", ["native", "onednn", "fp32-compute"])
+@pytest.mark.parametrize("path", ["native", "onednn", "fp32-compute", "avx2"])
 def test_inference_linear_matches_f_linear_and_is_row_invariant(path):
     dtype = torch.bfloat16 if path == "fp32-compute" else torch.float32
     g = torch.Generator().manual_seed(0)
@@ -159,14 +160,17 @@ def test_the_measured_padding_is_kept_on_disk_and_read_back(monkeypatch, tmp_pat
 def test_bf16_defaults_to_a_fast_gemm_path():
     expected = "onednn" if bf16_gemm_supported() else "fp32-compute"
     assert linear_path(torch.bfloat16, CPU, "auto") == expected
-    assert linear_path(torch.float32, CPU, "auto") == "onednn"
+    avx2_only = "avx512f" not in cpu_flags().split() and fp32_linear.available()
+    assert linear_path(torch.float32, CPU, "auto") == ("avx2" if avx2_only else "onednn")
 
 
 def test_bad_kernel_choices_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="RTPKV_ATTENTION='flash'.*auto, cpu-paged, flash-attn, torch"):
         attention_backend(CPU, torch.float32, D, "flash")
-    with pytest.raises(ValueError, match="RTPKV_LINEAR='mkl'.*native, onednn, fp32-compute"):
+    with pytest.raises(ValueError, match="RTPKV_LINEAR='mkl'.*native, onednn, fp32-compute, avx2"):
         linear_path(torch.float32, CPU, "mkl")
+    with pytest.raises(ValueError, match="RTPKV_LINEAR=avx2 computes float32 models"):
+        linear_path(torch.bfloat16, CPU, "avx2")
     with pytest.raises(ValueError, match="supports float32 and bfloat16"):
         linear_path(torch.float16, CPU, "onednn")
     if not bf16_gemm_supported():

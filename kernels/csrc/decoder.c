@@ -1,0 +1,118 @@
+/* A forward's decoder layers in one call (kernels/fused_decoder.py): for each layer, RMSNorm
+ * with the residual add, the qkv projection, RoPE, the KV write, paged attention, the output
+ * projection, RMSNorm, gate_up, SiLU-and-mul and the down projection; then the final norm.
+ *
+ * It calls the very kernels the per-layer path calls from Python (fused_ops.c, fp32_linear.c,
+ * int8_linear.c, paged_attention.c, linked into this library), in the same order on the same
+ * values, so its results are bit-identical to that path's: what it removes is the Python between
+ * them, which in a one-token decode step costs more than the small kernels it calls
+ * (docs/BENCHMARKS.md, "Single-stream decode").
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "paged_attention.h"
+
+void rtpkv_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows,
+                    int64_t dim, float eps, int bf16);
+void rtpkv_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int bf16);
+void rtpkv_rope(void *q, void *k, int64_t tokens, int64_t q_heads, int64_t k_heads,
+                int64_t q_stride, int64_t k_stride, int64_t dim, const void *cos, const void *sin,
+                const int64_t *positions, int bf16);
+void rtpkv_write_kv_int8(const void *k, const void *v, int8_t *k_cache, int8_t *v_cache,
+                         const int64_t *rows, int64_t T, int64_t KVH, int64_t D, int64_t k_stride,
+                         int64_t v_stride, int bf16);
+void rtpkv_fp32_linear(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
+                       const float *bias, float *y);
+void rtpkv_int8_linear(const float *x, int64_t m, int64_t k, const int8_t *q, const float *s,
+                       int64_t n, int64_t group, const float *bias, float *y, int64_t panel_rows);
+
+typedef struct {                   /* a linear layer as its kernel holds it */
+    const void *weight;            /* float32 panels (fp32_linear) or int8 blocks (int8_linear) */
+    const float *scale;            /* int8 scales; NULL for float32 */
+    const float *bias;             /* NULL without */
+} linear_layer;
+
+typedef struct {                   /* one decoder layer, fixed at load */
+    const float *input_norm, *post_norm;
+    linear_layer qkv, o, gate_up, down;
+    void *k_cache, *v_cache;       /* the layer's pool: (KVH * S, D) floats, or int8 rows of
+                                      D values and a float32 scale (attn.kv_int8) */
+} decoder_layer;
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter;
+    float eps, scale;
+    int64_t int8_group;            /* 0: float32 weights */
+    int64_t int8_panel_rows;
+    const float *cos, *sin;        /* (max_positions, head_dim) */
+    const float *final_norm;
+    const decoder_layer *layer;
+} decoder_model;
+
+typedef struct {                   /* one forward */
+    int64_t T;
+    float *residual;               /* (T, hidden): the embeddings in, the residual stream out */
+    float *out;                    /* (T, hidden): the final norm of the residual stream */
+    const int64_t *positions;      /* (T,) */
+    const int64_t *write_rows;     /* (KVH, T) pool rows of the new tokens' K/V */
+    attn_args attn;                /* q, caches and out are set per layer */
+    const int64_t *tile_start;
+    int64_t num_tiles;
+    float *x, *qkv, *q, *att, *h, *gate_up, *act;   /* scratch, T rows each */
+} decoder_step;
+
+static void linear(const decoder_model *m, const linear_layer *l, const float *x, int64_t T,
+                   int64_t K, int64_t N, float *y) {
+    if (m->int8_group)
+        rtpkv_int8_linear(x, T, K, (const int8_t *)l->weight, l->scale, N, m->int8_group, l->bias,
+                          y, m->int8_panel_rows);
+    else
+        rtpkv_fp32_linear(x, T, K, (const float *)l->weight, N, l->bias, y);
+}
+
+/* The new tokens' K and V (rows of the qkv output) into the pool, q into its own rows; into an
+ * int8 pool by the quantized write the per-layer path calls (fused_ops.c). */
+static void scatter_qkv(const decoder_model *m, const decoder_layer *l, decoder_step *s) {
+    const int64_t D = m->head_dim, KVH = m->kv_heads, T = s->T;
+    const int64_t q_size = m->heads * D, kv_size = KVH * D, width = q_size + 2 * kv_size;
+    if (s->attn.kv_int8)
+        rtpkv_write_kv_int8(s->qkv + q_size, s->qkv + q_size + kv_size, l->k_cache, l->v_cache,
+                            s->write_rows, T, KVH, D, width, width, 0);
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = s->qkv + t * width;
+        memcpy(s->q + t * q_size, row, (size_t)q_size * sizeof(float));
+        if (s->attn.kv_int8) continue;
+        for (int64_t h = 0; h < KVH; h++) {
+            const int64_t dst = s->write_rows[h * T + t] * D;
+            memcpy((float *)l->k_cache + dst, row + q_size + h * D, (size_t)D * sizeof(float));
+            memcpy((float *)l->v_cache + dst, row + q_size + kv_size + h * D,
+                   (size_t)D * sizeof(float));
+        }
+    }
+}
+
+void rtpkv_decoder_forward(const decoder_model *m, decoder_step *s) {
+    const int64_t T = s->T, E = m->hidden, D = m->head_dim, I = m->inter;
+    const int64_t q_size = m->heads * D, width = q_size + 2 * m->kv_heads * D;
+    for (int64_t i = 0; i < m->layers; i++) {
+        const decoder_layer *l = &m->layer[i];
+        rtpkv_rms_norm(i == 0 ? s->residual : s->h, i == 0 ? NULL : s->residual, l->input_norm,
+                       s->x, T, E, m->eps, 0);
+        linear(m, &l->qkv, s->x, T, E, width, s->qkv);
+        rtpkv_rope(s->qkv, s->qkv + q_size, T, m->heads, m->kv_heads, width, width, D, m->cos,
+                   m->sin, s->positions, 0);
+        scatter_qkv(m, l, s);
+        s->attn.q = s->q;
+        s->attn.k_cache = l->k_cache;
+        s->attn.v_cache = l->v_cache;
+        s->attn.out = s->att;
+        rtpkv_paged_attention(&s->attn, s->tile_start, s->num_tiles);
+        linear(m, &l->o, s->att, T, q_size, E, s->h);
+        rtpkv_rms_norm(s->h, s->residual, l->post_norm, s->x, T, E, m->eps, 0);
+        linear(m, &l->gate_up, s->x, T, E, 2 * I, s->gate_up);
+        rtpkv_silu_and_mul(s->gate_up, s->act, T, I, 0);
+        linear(m, &l->down, s->act, T, I, E, s->h);
+    }
+    rtpkv_rms_norm(s->h, s->residual, m->final_norm, s->out, T, E, m->eps, 0);
+}

@@ -1,0 +1,151 @@
+"""A forward's decoder layers in one C call (csrc/decoder.c) where the model runs on the C
+kernels end to end: float32 on the CPU, linear layers on the avx2 or int8 kernel, the CPU
+paged-attention backend (over a float32 or an int8 KV cache), the fused ops, no q/k norm. It calls the same kernels the per-layer
+Python path calls, in the same order, so the two give the same bits (tests/kernels/
+test_fused_decoder.py); it only removes the Python between them, which dominates the small
+kernels of a one-token decode step. `FusedDecoder.build` returns None for any other model, and
+CausalLM then runs its layers one by one."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from rtpkv.kernels import fused_ops
+from rtpkv.kernels.cpu_attention import CpuMetadata, CpuPagedAttention, kernel_args, _Args
+from rtpkv.kernels.cpu_build import load_library
+from rtpkv.kernels.int8_linear import PANEL_MIN_ROWS, Int8Linear
+from rtpkv.kernels.linear import InferenceLinear
+
+if TYPE_CHECKING:
+    from rtpkv.model_factory.llama import CausalLM
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("weight", _P), ("scale", _P), ("bias", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("k_cache", _P), ("v_cache", _P)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I),
+                ("head_dim", _I), ("inter", _I), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("int8_group", _I), ("int8_panel_rows", _I),
+                ("cos", _P), ("sin", _P), ("final_norm", _P), ("layer", ctypes.POINTER(_Layer))]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("T", _I), ("residual", _P), ("out", _P), ("positions", _P), ("write_rows", _P),
+                ("attn", _Args), ("tile_start", _P), ("num_tiles", _I),
+                ("x", _P), ("qkv", _P), ("q", _P), ("att", _P), ("h", _P), ("gate_up", _P),
+                ("act", _P)]
+
+
+def _library() -> Optional[ctypes.CDLL]:
+    lib = load_library("decoder", "fused_ops", "fp32_linear", "int8_linear", "paged_attention")
+    if lib is not None and lib.rtpkv_decoder_forward.argtypes is None:
+        lib.rtpkv_decoder_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
+        lib.rtpkv_decoder_forward.restype = None
+    return lib
+
+
+def _linear(layer: torch.nn.Module) -> _Linear:
+    if isinstance(layer, Int8Linear):
+        return _Linear(layer.q.data_ptr(), layer.scale.data_ptr(),
+                       None if layer.bias is None else layer.bias.data_ptr())
+    return _Linear(layer.packed.data_ptr(), None,
+                   None if layer.bias is None else layer.bias.data_ptr())
+
+
+class FusedDecoder:
+    """The decoder layers of `module` as one C call; holds the weights' addresses, so it lives
+    as long as the module and its KV pool."""
+
+    def __init__(self, module: "CausalLM", lib: ctypes.CDLL):
+        spec, backbone = module.spec, module.model
+        self.lib = lib
+        self.module = module
+        self.hidden, self.heads, self.kv_heads = spec.hidden_size, spec.num_heads, spec.num_kv_heads
+        self.head_dim, self.inter = spec.head_dim, spec.intermediate_size
+        self.q_size = self.heads * self.head_dim
+        self.width = self.q_size + 2 * self.kv_heads * self.head_dim
+        first = backbone.layers[0].mlp.gate_up
+        int8 = isinstance(first, Int8Linear)
+        self.model = _Model(
+            len(backbone.layers), self.hidden, self.heads, self.kv_heads, self.head_dim,
+            self.inter, backbone.norm.eps, backbone.layers[0].self_attn.scale,
+            first.group_size if int8 else 0, PANEL_MIN_ROWS if int8 else 0,
+            module.cos.data_ptr(), module.sin.data_ptr(), backbone.norm.weight.data_ptr(), None)
+        self._layers: Optional[ctypes.Array] = None
+        self._pool = None   # the KV pool the layer table points into
+
+    @classmethod
+    def build(cls, module: "CausalLM") -> Optional["FusedDecoder"]:
+        """The fused decoder of `module`, or None where it does not run end to end on the C
+        kernels (then its layers run one by one)."""
+        spec, backbone = module.spec, module.model
+        weight = backbone.embed_tokens.weight
+        linears = [m for layer in backbone.layers
+                   for m in (layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up,
+                             layer.mlp.down_proj)]
+        eligible = (
+            weight.device.type == "cpu" and weight.dtype == torch.float32
+            and isinstance(module.attention, CpuPagedAttention) and not spec.qk_norm
+            and (all(isinstance(m, Int8Linear) for m in linears)
+                 or all(isinstance(m, InferenceLinear) and m.path == "avx2" for m in linears))
+            and spec.head_dim % 16 == 0 and spec.hidden_size % 8 == 0
+            and spec.intermediate_size % 8 == 0
+            and len({layer.input_layernorm.eps for layer in backbone.layers}
+                    | {layer.post_attention_layernorm.eps for layer in backbone.layers}
+                    | {backbone.norm.eps}) == 1
+            and fused_ops.library() is not None)
+        if not eligible:
+            return None
+        lib = _library()
+        return None if lib is None else cls(module, lib)
+
+    def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array:
+        """The per-layer table, made on the first forward (the pool's address is fixed)."""
+        pool = kv_caches[0][0].data_ptr()
+        if self._layers is None or self._pool != pool:
+            layers = self.module.model.layers
+            table = (_Layer * len(layers))()
+            for entry, layer, (k_cache, v_cache) in zip(table, layers, kv_caches):
+                attn, mlp = layer.self_attn, layer.mlp
+                entry.input_norm = layer.input_layernorm.weight.data_ptr()
+                entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+                entry.qkv, entry.o = _linear(attn.qkv), _linear(attn.o_proj)
+                entry.gate_up, entry.down = _linear(mlp.gate_up), _linear(mlp.down_proj)
+                entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            self._layers, self._pool = table, pool
+            self.model.layer = table
+        return self._layers
+
+    def forward(self, residual: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: CpuMetadata) -> torch.Tensor:
+        """residual: (T, hidden) embeddings (updated in place); returns the final hidden states."""
+        self._layer_table(kv_caches)
+        T = residual.shape[0]
+        empty = residual.new_empty
+        scratch = [empty(T, self.hidden), empty(T, self.width), empty(T, self.q_size),
+                   empty(T, self.q_size), empty(T, self.hidden), empty(T, 2 * self.inter),
+                   empty(T, self.inter)]
+        out = empty(T, self.hidden)
+        write_rows = meta.write_rows.contiguous()
+        attn = kernel_args(meta, T, self.heads, self.kv_heads, self.head_dim,
+                           self.model.scale, bf16=False,
+                           kv_int8=kv_caches[0][0].dtype == torch.int8)
+        step = _Step(T, residual.data_ptr(), out.data_ptr(), positions.data_ptr(),
+                     write_rows.data_ptr(), attn, meta.tile_start.data_ptr(),
+                     meta.tile_start.numel() - 1, *(t.data_ptr() for t in scratch))
+        self.lib.rtpkv_decoder_forward(ctypes.byref(self.model), ctypes.byref(step))
+        return out

@@ -1,0 +1,90 @@
+"""The fused decoder (kernels/fused_decoder.py) gives the bits of the layers run one by one:
+hidden states and the KV it writes, on a batch of decodes, a chunk after a cached prefix and a
+fresh prompt, for each architecture it takes (qkv bias, tied embeddings, GQA, a window), in
+float32, with int8 weights and with the int8 KV cache; it is not used where a layer would leave
+the C kernels."""
+
+import pytest
+import torch
+from attention_batches import attention_batch
+from conftest import load, run
+
+from rtpkv.kernels.kv_quant import quantize_rows
+
+
+BLOCK, NUM_BLOCKS = 4, 24
+TABLES = [[3, 9, 14], [1, 4, 7, 8], [5, 2, 11], [6, 10, 12, 13]]
+SEQS = [(9, 1), (12, 1), (6, 5), (0, 13)]     # (first position, tokens this step)
+
+
+def _forward(module, batch, kv, fused):
+    """Hidden states of `batch`, and the KV pool after it, with or without the fused decoder."""
+    kept, module.fused = module.fused, (module.fused if fused else None)
+    try:
+        kv = [(k.clone(), v.clone()) for k, v in kv]
+        ids = torch.randint(3, module.spec.vocab_size, (batch.positions.numel(),),
+                            generator=torch.Generator().manual_seed(1))
+        with torch.inference_mode():
+            hidden = module(ids, batch.positions, kv, module.attention.build(batch))
+        return hidden, kv
+    finally:
+        module.fused = kept
+
+
+@pytest.mark.parametrize("arch,options,window", [
+    ("llama", {}, None), ("qwen2", {}, None), ("mistral", {}, None),
+    ("llama_linear_rope", {}, None), ("llama", {"weight_type": "INT8"}, None), ("llama", {}, 6),
+    ("llama", {"kv_cache_dtype": "int8"}, None),
+    ("qwen2", {"kv_cache_dtype": "int8", "weight_type": "INT8"}, 6),
+])
+def test_the_fused_decoder_gives_the_bits_of_the_layers(checkpoints, monkeypatch, arch, options,
+                                                        window):
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
+    model = load(checkpoints(arch), **options)
+    module = model.module
+    assert module.fused is not None
+    spec = module.spec
+    batch = attention_batch(TABLES, SEQS, BLOCK, NUM_BLOCKS, spec.num_kv_heads, window=window)
+    g = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim, generator=g),
+           torch.randn(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim, generator=g))
+          for _ in range(spec.num_layers)]
+    if model.kv_dtype == torch.int8:
+        kv = [(quantize_rows(k), quantize_rows(v)) for k, v in kv]
+    fused, fused_kv = _forward(module, batch, kv, fused=True)
+    layers, layers_kv = _forward(module, batch, kv, fused=False)
+    assert torch.equal(fused, layers)
+    for (k1, v1), (k2, v2) in zip(fused_kv, layers_kv):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("arch,env,options", [
+    ("llama", {"RTPKV_LINEAR": "onednn"}, {}),          # a oneDNN GEMM in between
+    ("llama", {"RTPKV_ATTENTION": "torch"}, {}),        # the torch attention backend
+    ("qwen3", {"RTPKV_LINEAR": "avx2"}, {}),            # q/k norms
+    ("llama", {}, {"dtype": "bfloat16"}),
+])
+def test_the_layers_run_one_by_one_where_one_leaves_the_c_kernels(checkpoints, monkeypatch,
+                                                                   arch, env, options):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert load(checkpoints(arch), **options).module.fused is None
+
+
+def test_a_pipeline_gives_the_same_tokens_and_logits_fused_or_not(make_pipeline, monkeypatch):
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
+    prompts = [[5, 9, 14, 3, 22, 8] * n for n in (1, 5, 9)]
+    outputs = []
+    for fused in (True, False):
+        pipe = make_pipeline()
+        module = pipe.engine.runner.module
+        assert module.fused is not None
+        if not fused:
+            module.fused = None
+        streams = [pipe(p, generate_config={"top_k": 1, "ignore_eos": True, "max_new_tokens": 7,
+                                            "return_logits": True}) for p in prompts]
+        outputs.append([list(s)[-1] for s in streams] + [run(pipe, prompts[1] + [4, 4],
+                                                             max_new_tokens=3, return_logits=True)])
+    for a, b in zip(*outputs):
+        assert a.output_ids == b.output_ids
+        assert torch.equal(a.logits, b.logits)
