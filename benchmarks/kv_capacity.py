@@ -4,29 +4,15 @@ Not a timing: counts only.
     python benchmarks/kv_capacity.py [--block 16] [--prefixes 16] [--requests 240] [--mem-mb 0.1875]
 
 Workload (docs/BENCHMARKS.md): `--prefixes` shared prefixes of 4 blocks each, asked for in a
-seeded random order, each request with a unique 8-token question and 8 new tokens, as in
-ghost_hits.py. The pool is `--mem-mb` (default: 24 float32 blocks of the small counting model,
+seeded random order, each request with a unique 8-token question and 8 new tokens
+(common.prefix_workload, as in ghost_hits.py). The pool is `--mem-mb` (default: 24 float32 blocks of the small counting model,
 a third of what the prefixes need); the int8 pool of the same bytes holds 3.56x the blocks
 (head_dim 32: a row of 32 int8 values and a 4-byte scale against 32 float32 values).
 """
 
 from __future__ import annotations
 
-import random
-
-from common import bench_parser, pipeline, random_ids, setup_threads, table
-
-
-def run(prefixes: int, requests: int, block: int, mem_mb: float, kv_cache_dtype: str) -> dict:
-    heads = [random_ids(4 * block, seed=1000 + i) for i in range(prefixes)]
-    order = random.Random(7)
-    with pipeline(counts=True, reuse_cache=True, seq_size_per_block=block, kv_cache_mem_mb=mem_mb,
-                  kv_cache_dtype=kv_cache_dtype) as pipe:
-        for r in range(requests):
-            prompt = heads[order.randrange(prefixes)] + random_ids(8, seed=5000 + r)
-            for _ in pipe(prompt, top_k=1, ignore_eos=True, max_new_tokens=8):
-                pass
-        return pipe.cache_stats()
+from common import bench_parser, prefix_workload, setup_threads, table
 
 
 def main() -> None:
@@ -38,7 +24,8 @@ def main() -> None:
     setup_threads()
     rows = []
     for dtype in ("auto", "int8"):
-        stats = run(args.prefixes, args.requests, args.block, args.mem_mb, dtype)
+        stats = prefix_workload(args.prefixes, args.requests, args.block,
+                                kv_cache_mem_mb=args.mem_mb, kv_cache_dtype=dtype)
         rows.append(("float32" if dtype == "auto" else "int8", stats["blocks_total"],
                      f"{stats['hit_rate']:.3f}", stats["evictions"]))
     print(f"KV_CACHE_MEM_MB={args.mem_mb}: {args.prefixes} prefixes of {4 * args.block} tokens, "
