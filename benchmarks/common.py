@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -63,6 +64,20 @@ def pipeline(counts: bool = False, **options: Any):
     model = ModelFactory.from_huggingface(bench_checkpoint(counts), ModelConfig(**options),
                                           show_progress=False)
     return Pipeline(model, model.tokenizer)
+
+
+def prefix_workload(prefixes: int, requests: int, block: int, **options: Any) -> dict:
+    """`prefixes` shared prefixes of 4 blocks, asked for `requests` times in a seeded random
+    order, each with a unique 8-token question and 8 new tokens, on the counting model with
+    reuse on and the pipeline `options` (the pool); returns the cache's stats."""
+    heads = [random_ids(4 * block, seed=1000 + i) for i in range(prefixes)]
+    order = random.Random(7)
+    with pipeline(counts=True, reuse_cache=True, seq_size_per_block=block, **options) as pipe:
+        for r in range(requests):
+            prompt = heads[order.randrange(prefixes)] + random_ids(8, seed=5000 + r)
+            for _ in pipe(prompt, top_k=1, ignore_eos=True, max_new_tokens=8):
+                pass
+        return pipe.cache_stats()
 
 
 def timed_request(pipe, ids: Sequence[int], max_new_tokens: int, **cfg: Any) -> tuple[float, float, Any]:

@@ -12,21 +12,11 @@ The model is benchmarks/common.py's small counting model: hit rates do not depen
 
 from __future__ import annotations
 
-import random
-
-from common import bench_parser, pipeline, random_ids, setup_threads, table
+from common import bench_parser, prefix_workload, setup_threads, table
 
 
 def run(prefixes: int, requests: int, block: int, pool_blocks: int) -> dict:
-    heads = [random_ids(4 * block, seed=1000 + i) for i in range(prefixes)]
-    order = random.Random(7)
-    with pipeline(counts=True, reuse_cache=True, seq_size_per_block=block,
-                  kv_cache_max_tokens=pool_blocks * block) as pipe:
-        for r in range(requests):
-            prompt = heads[order.randrange(prefixes)] + random_ids(8, seed=5000 + r)
-            for _ in pipe(prompt, top_k=1, ignore_eos=True, max_new_tokens=8):
-                pass
-        return pipe.cache_stats()
+    return prefix_workload(prefixes, requests, block, kv_cache_max_tokens=pool_blocks * block)
 
 
 def main() -> None:

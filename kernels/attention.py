@@ -11,8 +11,10 @@ call over their gathered contexts (padded, masked); each prefill chunk attends c
 cached prefix plus its own new tokens. With an attention window, contexts are gathered from the
 window's first block and masked to a band (keys within W positions of each query). Contexts are
 gathered a whole block at a time with one `index_select` over head-major block rows (see
-kv_store). Its results depend on the batch's
-shape in the last bits, so it does not give the batch-invariance guarantee (see cpu_attention).
+kv_store). With the int8 KV cache (kv_quant.py) the gathered rows are dequantized, and a chunk
+without a cached prefix attends its own K/V as stored (quantized and back), as every later query
+reads them. Its results depend on the batch's shape in the last bits, so it does not give the
+batch-invariance guarantee (see cpu_attention).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
+from rtpkv.kernels.kv_quant import dequantize_rows, quantize_rows, row_width
 from rtpkv.kernels.kv_store import head_major_rows, write_kv
 
 
@@ -97,12 +100,12 @@ class TorchMetadata:
     k_buffer: Optional[torch.Tensor] = None
     v_buffer: Optional[torch.Tensor] = None
 
-    def gather_numel(self, head_dim: int) -> int:
-        """Elements the largest single gather of this step needs."""
+    def gather_numel(self, row: int) -> int:
+        """Elements the largest single gather of this step needs (`row`: a pool row's)."""
         sizes = [c.ctx_blocks.numel() for c in self.prefills if c.ctx_blocks is not None]
         if self.decode_blocks is not None:
             sizes.append(self.decode_blocks.numel())
-        return max(sizes, default=0) * self.block_size * head_dim
+        return max(sizes, default=0) * self.block_size * row
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int,
@@ -116,15 +119,30 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int,
     return rows.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, d)[..., :length, :]
 
 
+def _context(cache: torch.Tensor, blocks: torch.Tensor, block_size: int,
+             buffer: Optional[torch.Tensor], length: int, dtype: torch.dtype) -> torch.Tensor:
+    """The gathered K or V of `blocks` (see _gather) as values of `dtype`: int8 rows dequantized."""
+    rows = _gather(cache, blocks, block_size, buffer, length)
+    return dequantize_rows(rows, dtype) if cache.dtype == torch.int8 else rows
+
+
+def _as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """New K or V as the pool holds them: through int8 and back for the int8 cache."""
+    return dequantize_rows(quantize_rows(x), x.dtype) if cache.dtype == torch.int8 else x
+
+
 class TorchAttention:
     """The pure-torch reference backend: gathers contexts, then scaled_dot_product_attention."""
 
     name = "torch"
 
-    def __init__(self, head_dim: int, dtype: torch.dtype, device: torch.device):
-        self.head_dim = head_dim
-        self._k_buffer = torch.empty(0, dtype=dtype, device=device)
-        self._v_buffer = torch.empty(0, dtype=dtype, device=device)
+    def __init__(self, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 kv_dtype: Optional[torch.dtype] = None):
+        """`kv_dtype`: the pool's (torch.int8 for the int8 cache); the model's by default."""
+        kv_dtype = kv_dtype or dtype
+        self.row = row_width(head_dim, kv_dtype)
+        self._k_buffer = torch.empty(0, dtype=kv_dtype, device=device)
+        self._v_buffer = torch.empty(0, dtype=kv_dtype, device=device)
 
     def _buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather buffers kept across steps, grown (never shrunk) to `numel` elements."""
@@ -154,7 +172,7 @@ class TorchAttention:
                 band = (k_pos <= q_pos) & (k_pos > q_pos - (batch.window or end))
                 chunk.mask = band[None, None]
             meta.prefills.append(chunk)
-        meta.k_buffer, meta.v_buffer = self._buffers(meta.gather_numel(self.head_dim))
+        meta.k_buffer, meta.v_buffer = self._buffers(meta.gather_numel(self.row))
         return meta
 
     @staticmethod
@@ -189,19 +207,20 @@ class TorchAttention:
         if n:
             od = F.scaled_dot_product_attention(
                 q[:n].unsqueeze(2),
-                _gather(k_cache, meta.decode_blocks, B, meta.k_buffer, meta.decode_len),
-                _gather(v_cache, meta.decode_blocks, B, meta.v_buffer, meta.decode_len),
+                _context(k_cache, meta.decode_blocks, B, meta.k_buffer, meta.decode_len, q.dtype),
+                _context(v_cache, meta.decode_blocks, B, meta.v_buffer, meta.decode_len, q.dtype),
                 attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)   # (n, H, 1, d)
             out[:n] = od.squeeze(2)
         for chunk in meta.prefills:
             qs = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)   # (1, H, c, d)
             if chunk.ctx_blocks is None:
-                ks = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
-                vs = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+                ks = _as_stored(k[chunk.start:chunk.end], k_cache).transpose(0, 1).unsqueeze(0)
+                vs = _as_stored(v[chunk.start:chunk.end], v_cache).transpose(0, 1).unsqueeze(0)
             else:
                 ctx = chunk.mask.shape[-1]
-                ks = _gather(k_cache, chunk.ctx_blocks, B, meta.k_buffer, ctx).unsqueeze(0)
-                vs = _gather(v_cache, chunk.ctx_blocks, B, meta.v_buffer, ctx).unsqueeze(0)
+                ks = _context(k_cache, chunk.ctx_blocks, B, meta.k_buffer, ctx, q.dtype)
+                vs = _context(v_cache, chunk.ctx_blocks, B, meta.v_buffer, ctx, q.dtype)
+                ks, vs = ks.unsqueeze(0), vs.unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.mask,
                                                is_causal=chunk.mask is None, scale=scale,
                                                enable_gqa=True)

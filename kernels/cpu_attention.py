@@ -4,7 +4,8 @@ in place (no gathered copy of the context), on torch's OpenMP pool.
 Each query token's arithmetic depends only on the token, its position and the K/V it reads, so
 a token's attention output is bit-identical whether it is computed alone or in a batch, in a
 prefill chunk starting at 0 or at a reused prefix, or as a decode step: with batch-invariant
-GEMMs (see linear.py) this makes prefix reuse exact in bf16 too.
+GEMMs (see linear.py) this makes prefix reuse exact in bf16 too, and with the int8 KV cache
+(kv_quant.py), whose blocks the kernel dequantizes as it reads them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class _Args(ctypes.Structure):
     _fields_ = [("q", _P), ("k_cache", _P), ("v_cache", _P), ("out", _P), ("q_seq", _P),
                 ("q_pos", _P), ("tables", _P), ("max_blocks", _I), ("T", _I), ("H", _I),
                 ("KVH", _I), ("D", _I), ("B", _I), ("S", _I), ("scale", ctypes.c_float),
-                ("bf16", ctypes.c_int), ("window", _I)]
+                ("bf16", ctypes.c_int), ("window", _I), ("kv_int8", ctypes.c_int)]
 
 
 def _library():
@@ -58,11 +59,12 @@ class CpuMetadata:
 
 
 def kernel_args(meta: CpuMetadata, T: int, H: int, KVH: int, D: int, scale: float,
-                bf16: bool) -> _Args:
-    """The kernel's arguments for this step's batch; q, the caches and out are left to set."""
+                bf16: bool, kv_int8: bool = False) -> _Args:
+    """The kernel's arguments for this step's batch (`kv_int8`: the int8 KV cache's rows); q,
+    the caches and out are left to set."""
     return _Args(None, None, None, None, meta.row_seq.data_ptr(), meta.positions.data_ptr(),
                  meta.tables.data_ptr(), meta.tables.shape[1], T, H, KVH, D, meta.block_size,
-                 meta.num_slots, scale, int(bf16), meta.window)
+                 meta.num_slots, scale, int(bf16), meta.window, int(kv_int8))
 
 
 class CpuPagedAttention:
@@ -95,7 +97,8 @@ class CpuPagedAttention:
         q = q.contiguous()
         T, H, D = q.shape
         out = torch.empty((T, H, D), dtype=torch.float32)
-        args = kernel_args(meta, T, H, k.shape[1], D, scale, q.dtype == torch.bfloat16)
+        args = kernel_args(meta, T, H, k.shape[1], D, scale, q.dtype == torch.bfloat16,
+                           k_cache.dtype == torch.int8)
         args.q, args.k_cache, args.v_cache = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
         args.out = out.data_ptr()
         self.lib.rtpkv_paged_attention(ctypes.byref(args), meta.tile_start.data_ptr(),

@@ -1,6 +1,6 @@
 """A forward's decoder layers in one C call (csrc/decoder.c) where the model runs on the C
 kernels end to end: float32 on the CPU, linear layers on the avx2 or int8 kernel, the CPU
-paged-attention backend, the fused ops, no q/k norm. It calls the same kernels the per-layer
+paged-attention backend (over a float32 or an int8 KV cache), the fused ops, no q/k norm. It calls the same kernels the per-layer
 Python path calls, in the same order, so the two give the same bits (tests/kernels/
 test_fused_decoder.py); it only removes the Python between them, which dominates the small
 kernels of a one-token decode step. `FusedDecoder.build` returns None for any other model, and
@@ -142,7 +142,8 @@ class FusedDecoder:
         out = empty(T, self.hidden)
         write_rows = meta.write_rows.contiguous()
         attn = kernel_args(meta, T, self.heads, self.kv_heads, self.head_dim,
-                           self.model.scale, bf16=False)
+                           self.model.scale, bf16=False,
+                           kv_int8=kv_caches[0][0].dtype == torch.int8)
         step = _Step(T, residual.data_ptr(), out.data_ptr(), positions.data_ptr(),
                      write_rows.data_ptr(), attn, meta.tile_start.data_ptr(),
                      meta.tile_start.numel() - 1, *(t.data_ptr() for t in scratch))

@@ -1,6 +1,7 @@
 """Bindings of csrc/fused_ops.c: RMSNorm (with the residual add), SiLU-and-mul and RoPE as one
-pass each over memory on the CPU. `library()` is None where the C kernels cannot be built; the
-callers in norm.py, activation.py and rope.py then run their torch reference."""
+pass each over memory on the CPU, and the int8 KV cache's quantized write. `library()` is None
+where the C kernels cannot be built; the callers in norm.py, activation.py, rope.py and
+kv_quant.py then run their torch reference."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def library() -> Optional[ctypes.CDLL]:
         lib.rtpkv_rms_norm.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int]
         lib.rtpkv_silu_and_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int]
         lib.rtpkv_rope.argtypes = [_P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int]
-        for fn in (lib.rtpkv_rms_norm, lib.rtpkv_silu_and_mul, lib.rtpkv_rope):
+        lib.rtpkv_write_kv_int8.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int]
+        for fn in (lib.rtpkv_rms_norm, lib.rtpkv_silu_and_mul, lib.rtpkv_rope,
+                   lib.rtpkv_write_kv_int8):
             fn.restype = None
         _library = lib
     return _library

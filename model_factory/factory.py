@@ -42,6 +42,7 @@ class Model:
     tasks: Optional[list[dict[str, Any]]] = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
+    kv_dtype: torch.dtype = torch.float32   # the KV pool's: `dtype`, or torch.int8
 
 
 def resolve_model_dir(name: Union[str, os.PathLike], revision: Optional[str] = None) -> Path:
@@ -100,6 +101,20 @@ def _pick_dtype(name: str, spec: ModelSpec, device: torch.device,
     return dtype
 
 
+def _pick_kv_dtype(config: RuntimeConfig, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype: the model's, or int8 (KV_CACHE_DTYPE=int8 / INT8_KV_CACHE=1), which
+    runs on a CPU with the paged kernel or the torch reference (kernels/kv_quant.py)."""
+    if not config.int8_kv:
+        return dtype
+    if device.type != "cpu":
+        raise ConfigError(f"KV_CACHE_DTYPE=int8 (or INT8_KV_CACHE=1) runs on a CPU; "
+                          f"device={device.type} is not supported with it")
+    if config.rtpkv_attention == "flash-attn":
+        raise ConfigError("RTPKV_ATTENTION=flash-attn does not read an int8 KV cache "
+                          "(KV_CACHE_DTYPE=int8 / INT8_KV_CACHE=1): use cpu-paged or torch")
+    return torch.int8
+
+
 def _max_seq_len(config: RuntimeConfig, spec: ModelSpec) -> int:
     limit = spec.max_position_embeddings
     if spec.mixed_sliding_layers and spec.sliding_window and spec.sliding_window < limit:
@@ -115,8 +130,8 @@ def _max_seq_len(config: RuntimeConfig, spec: ModelSpec) -> int:
 
 
 def _load_module(spec: ModelSpec, files: list[Path], device: torch.device, dtype: torch.dtype,
-                 config: RuntimeConfig, max_seq_len: int, show_progress: bool,
-                 model_dir: Path) -> CausalLM:
+                 kv_dtype: torch.dtype, config: RuntimeConfig, max_seq_len: int,
+                 show_progress: bool, model_dir: Path) -> CausalLM:
     with torch.device("meta"):
         module = CausalLM(spec)
     state = {}
@@ -131,7 +146,7 @@ def _load_module(spec: ModelSpec, files: list[Path], device: torch.device, dtype
     module.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False,
                            assign=True)
     module.prepare(max_seq_len, attention=config.rtpkv_attention, linear=config.rtpkv_linear,
-                   int8_weights=config.int8_weights)
+                   int8_weights=config.int8_weights, kv_dtype=kv_dtype)
     return module.eval()
 
 
@@ -155,24 +170,29 @@ class ModelFactory:
         spec = ModelSpec.from_config(json.loads(config_path.read_text()), str(config_path))
         device = _pick_device(config.device)
         dtype = _pick_dtype(config.dtype, spec, device, config.int8_weights)
+        kv_dtype = _pick_kv_dtype(config, device, dtype)
         max_seq_len = _max_seq_len(config, spec)
         config = config.replace(max_seq_len=max_seq_len)
 
         files = weight_files(model_dir)
         with serial_torch():
-            module = _load_module(spec, files, device, dtype, config, max_seq_len, show_progress,
-                                  model_dir)
+            module = _load_module(spec, files, device, dtype, kv_dtype, config, max_seq_len,
+                                  show_progress, model_dir)
 
         from transformers import AutoTokenizer
 
         # locked: the pipeline's engine thread and the caller's threads share it
         tokenizer = LockedTokenizer(AutoTokenizer.from_pretrained(str(model_dir)))
-        # int8 weights give other K/V than the float ones: their blocks must never be shared
+        # int8 weights give other K/V than the float ones, and an int8 KV cache other blocks:
+        # their blocks must never be shared with another setting's
         weights = f"|int8-g{GROUP_SIZE}" if config.int8_weights else ""
+        kv = "|kv-int8" if kv_dtype == torch.int8 else ""
         fingerprint = hashlib.sha256(
-            f"{spec.architecture}|{weights_digest(files)}|{dtype}{weights}".encode()
+            f"{spec.architecture}|{weights_digest(files)}|{dtype}{weights}{kv}".encode()
         ).hexdigest()
-        log.info("loaded %s from %s (%s%s, %s, max_seq_len=%d)", spec.architecture, model_dir,
-                 dtype, ", int8 weights" if config.int8_weights else "", device, max_seq_len)
+        log.info("loaded %s from %s (%s%s%s, %s, max_seq_len=%d)", spec.architecture, model_dir,
+                 dtype, ", int8 weights" if config.int8_weights else "",
+                 ", int8 KV cache" if kv else "", device, max_seq_len)
         return Model(module=module, spec=spec, tokenizer=tokenizer, config=config, path=model_dir,
-                     fingerprint=fingerprint, tasks=model_config.tasks, device=device, dtype=dtype)
+                     fingerprint=fingerprint, tasks=model_config.tasks, device=device, dtype=dtype,
+                     kv_dtype=kv_dtype)

@@ -132,10 +132,11 @@ class CausalLM(nn.Module):
         self.fused: Optional[FusedDecoder] = None   # the layers as one C call, where they can be
 
     def prepare(self, max_positions: int, attention: str = "auto", linear: str = "auto",
-                int8_weights: bool = False) -> None:
+                int8_weights: bool = False, kv_dtype: Optional[torch.dtype] = None) -> None:
         """After weights are loaded: tie, fuse, choose the GEMM path (kernels/linear.py; `linear`
         is RTPKV_LINEAR) or quantize the linear layers (`int8_weights`, kernels/int8_linear.py),
-        build the RoPE table, pick the attention backend (`attention` is RTPKV_ATTENTION) and,
+        build the RoPE table, pick the attention backend (`attention` is RTPKV_ATTENTION) for
+        the pool's `kv_dtype` (torch.int8: the int8 KV cache; default: the model's dtype) and,
         where every layer runs on the C kernels, the fused decoder (kernels/fused_decoder.py)."""
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -172,7 +173,7 @@ class CausalLM(nn.Module):
                      "; the tied LM head is an int8 copy of the float32 embedding" if tied else "")
         self.cos, self.sin = rope_table(self.spec.inv_freq(), max_positions, weight.dtype, weight.device)
         self.attention = attention_backend(weight.device, weight.dtype, self.spec.head_dim,
-                                           attention)
+                                           attention, kv_dtype)
         self.fused = FusedDecoder.build(self)
 
     @property

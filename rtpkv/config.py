@@ -15,7 +15,8 @@ import reprlib
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rtpkv.cache.block import DEFAULT_PRIORITY
@@ -30,6 +31,8 @@ _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdi
 
 _TRUE = {"1", "true", "on"}
 WEIGHT_TYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8")
+_CHOICES = {"weight_type": WEIGHT_TYPES, "kv_cache_dtype": KV_CACHE_DTYPES}   # lower-cased
 _FALSE = {"0", "false", "off"}
 
 
@@ -193,6 +196,10 @@ class RuntimeConfig(BaseModel):
     # WEIGHT_TYPE=INT8, or INT8_MODE=1 (its older alias); "auto" keeps the model's dtype
     weight_type: str = "auto"
     int8_mode: bool = False
+    # the KV cache's storage (rtpkv.kernels.kv_quant): KV_CACHE_DTYPE=int8, or rtp-llm's
+    # INT8_KV_CACHE=1; "auto" stores K/V in the model's dtype (FP8_KV_CACHE: rtpkv.env_check)
+    kv_cache_dtype: str = "auto"
+    int8_kv_cache: bool = False
     # tiers below the device pool (rtpkv.cache.tiers.factory)
     enable_memory_cache: bool = False
     memory_cache_size_mb: float = Field(0.0, ge=0)
@@ -218,7 +225,7 @@ class RuntimeConfig(BaseModel):
 
     @field_validator("reuse_cache", "enable_partial_reuse", "enable_memory_cache",
                      "enable_memory_cache_disk", "write_cache_sync", "enable_remote_cache",
-                     "int8_mode", mode="before")
+                     "int8_mode", "int8_kv_cache", mode="before")
     @classmethod
     def _switch(cls, value: Any) -> Any:
         return parse_switch(value)
@@ -240,18 +247,24 @@ class RuntimeConfig(BaseModel):
     def _lower(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value
 
-    @field_validator("weight_type", mode="before")
+    @field_validator("weight_type", "kv_cache_dtype", mode="before")
     @classmethod
-    def _weight_type(cls, value: Any) -> Any:
+    def _choice(cls, value: Any, info: ValidationInfo) -> Any:
+        accepted = _CHOICES[info.field_name]
         text = str(value).strip().lower()
-        if text not in WEIGHT_TYPES:
-            raise ValueError(f"accepted values are {', '.join(WEIGHT_TYPES)} (any case)")
+        if text not in accepted:
+            raise ValueError(f"accepted values are {', '.join(accepted)} (any case)")
         return text
 
     @property
     def int8_weights(self) -> bool:
         """Whether the linear layers run on int8 weights (WEIGHT_TYPE=INT8 or INT8_MODE=1)."""
         return self.weight_type == "int8" or self.int8_mode
+
+    @property
+    def int8_kv(self) -> bool:
+        """Whether K/V are stored as int8 (KV_CACHE_DTYPE=int8 or INT8_KV_CACHE=1)."""
+        return self.kv_cache_dtype == "int8" or self.int8_kv_cache
 
     @field_validator("remote_cache_url")
     @classmethod

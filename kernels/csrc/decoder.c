@@ -19,6 +19,9 @@ void rtpkv_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t in
 void rtpkv_rope(void *q, void *k, int64_t tokens, int64_t q_heads, int64_t k_heads,
                 int64_t q_stride, int64_t k_stride, int64_t dim, const void *cos, const void *sin,
                 const int64_t *positions, int bf16);
+void rtpkv_write_kv_int8(const void *k, const void *v, int8_t *k_cache, int8_t *v_cache,
+                         const int64_t *rows, int64_t T, int64_t KVH, int64_t D, int64_t k_stride,
+                         int64_t v_stride, int bf16);
 void rtpkv_fp32_linear(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
                        const float *bias, float *y);
 void rtpkv_int8_linear(const float *x, int64_t m, int64_t k, const int8_t *q, const float *s,
@@ -33,7 +36,8 @@ typedef struct {                   /* a linear layer as its kernel holds it */
 typedef struct {                   /* one decoder layer, fixed at load */
     const float *input_norm, *post_norm;
     linear_layer qkv, o, gate_up, down;
-    float *k_cache, *v_cache;      /* the layer's pool: (KVH * S, D) */
+    void *k_cache, *v_cache;       /* the layer's pool: (KVH * S, D) floats, or int8 rows of
+                                      D values and a float32 scale (attn.kv_int8) */
 } decoder_layer;
 
 typedef struct {
@@ -67,17 +71,23 @@ static void linear(const decoder_model *m, const linear_layer *l, const float *x
         rtpkv_fp32_linear(x, T, K, (const float *)l->weight, N, l->bias, y);
 }
 
-/* The new tokens' K and V (rows of the qkv output) into the pool, q into its own rows. */
+/* The new tokens' K and V (rows of the qkv output) into the pool, q into its own rows; into an
+ * int8 pool by the quantized write the per-layer path calls (fused_ops.c). */
 static void scatter_qkv(const decoder_model *m, const decoder_layer *l, decoder_step *s) {
     const int64_t D = m->head_dim, KVH = m->kv_heads, T = s->T;
     const int64_t q_size = m->heads * D, kv_size = KVH * D, width = q_size + 2 * kv_size;
+    if (s->attn.kv_int8)
+        rtpkv_write_kv_int8(s->qkv + q_size, s->qkv + q_size + kv_size, l->k_cache, l->v_cache,
+                            s->write_rows, T, KVH, D, width, width, 0);
     for (int64_t t = 0; t < T; t++) {
         const float *row = s->qkv + t * width;
         memcpy(s->q + t * q_size, row, (size_t)q_size * sizeof(float));
+        if (s->attn.kv_int8) continue;
         for (int64_t h = 0; h < KVH; h++) {
             const int64_t dst = s->write_rows[h * T + t] * D;
-            memcpy(l->k_cache + dst, row + q_size + h * D, (size_t)D * sizeof(float));
-            memcpy(l->v_cache + dst, row + q_size + kv_size + h * D, (size_t)D * sizeof(float));
+            memcpy((float *)l->k_cache + dst, row + q_size + h * D, (size_t)D * sizeof(float));
+            memcpy((float *)l->v_cache + dst, row + q_size + kv_size + h * D,
+                   (size_t)D * sizeof(float));
         }
     }
 }

@@ -1,9 +1,10 @@
 /* The elementwise steps of a decoder layer fused into one pass each over memory: RMSNorm (with
- * the residual add before it), SiLU(gate) * up, and RoPE in place. Rows are independent and each
- * is computed the same way whatever the number of rows, so these keep batch invariance. Values
- * are float32 or bfloat16; bfloat16 results are rounded (to nearest even) where torch's ops
- * round them, so the numbers follow the torch reference of kernels/norm.py, rope.py and
- * activation.py (RoPE bit for bit, the others to float32 rounding).
+ * the residual add before it), SiLU(gate) * up, RoPE in place, and the int8 KV cache's quantized
+ * write. Rows are independent and each is computed the same way whatever the number of rows, so
+ * these keep batch invariance. Values are float32 or bfloat16; bfloat16 results are rounded (to
+ * nearest even) where torch's ops round them, so the numbers follow the torch reference of
+ * kernels/norm.py, rope.py, activation.py and kv_quant.py (RoPE and the int8 write bit for bit,
+ * the others to float32 rounding).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -124,4 +125,46 @@ void rtpkv_rope(void *q, void *k, int64_t tokens, int64_t q_heads, int64_t k_hea
                 const int64_t *positions, int bf16) {
     rope_heads(q, tokens, q_heads, q_stride, dim, cos, sin, positions, bf16);
     rope_heads(k, tokens, k_heads, k_stride, dim, cos, sin, positions, bf16);
+}
+
+/* The int8 KV cache's write (kernels/kv_quant.py): each new token's K and V rows of every head
+ * quantized into their pool rows of D int8 values and a float32 scale, scale = max|x| / 127,
+ * q = round-half-even(x / scale) clamped to [-127, 127] (zeros where scale is 0): the bits of
+ * kv_quant.quantize_rows. k, v: token t, head h at t * stride + h * D; rows: (KVH, T) pool
+ * rows. D a multiple of 8. */
+static void quantize_row(const void *x, int64_t offset, int8_t *row, int64_t D, int bf16) {
+    const v8 sign = _mm256_set1_ps(-0.0f);
+    v8 amax = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8)
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, load8(x, offset + i, bf16)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    const float scale = _mm_cvtss_f32(m) / 127.0f;
+    const v8 vs = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    for (int64_t i = 0; i < D; i += 8) {
+        int32_t q[8];
+        if (scale > 0.0f) {
+            const v8 y = _mm256_round_ps(_mm256_div_ps(load8(x, offset + i, bf16), vs),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm256_storeu_si256((__m256i *)q,
+                                _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, lo), hi)));
+        } else {
+            memset(q, 0, sizeof(q));
+        }
+        for (int j = 0; j < 8; j++) row[i + j] = (int8_t)q[j];
+    }
+    memcpy(row + D, &scale, sizeof(scale));
+}
+
+void rtpkv_write_kv_int8(const void *k, const void *v, int8_t *k_cache, int8_t *v_cache,
+                         const int64_t *rows, int64_t T, int64_t KVH, int64_t D, int64_t k_stride,
+                         int64_t v_stride, int bf16) {
+    const int64_t width = D + (int64_t)sizeof(float);
+#pragma omp parallel for schedule(static) if (T * KVH >= 64)
+    for (int64_t w = 0; w < T * KVH; w++) {
+        const int64_t t = w / KVH, h = w % KVH, row = rows[h * T + t];
+        quantize_row(k, t * k_stride + h * D, k_cache + row * width, D, bf16);
+        quantize_row(v, t * v_stride + h * D, v_cache + row * width, D, bf16);
+    }
 }

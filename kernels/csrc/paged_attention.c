@@ -24,6 +24,12 @@
  *
  * Work items are (kv head, tile of up to TILE consecutive tokens of one sequence): the query
  * heads of a GQA group and the tile's tokens share each block read while it is in cache.
+ *
+ * K/V of bfloat16 or int8 (the int8 cache: rows of D int8 values and their float32 scale,
+ * kernels/kv_quant.py) are widened block by block, as each block is read, into the thread's
+ * B x D float tile (L1-resident): an int8 value becomes float(q) * scale, then the float32
+ * arithmetic above runs unchanged, so the int8 cache gives the bits of a float32 cache holding
+ * the dequantized values. No dequantized copy of the cache is ever made.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -69,6 +75,27 @@ static inline void load_rows(float *dst, const void *src, int64_t offset, int64_
     for (; i < n; i++) {
         uint32_t u = (uint32_t)s[i] << 16;
         memcpy(dst + i, &u, 4);
+    }
+}
+
+/* n K or V rows from pool row `row` of `cache` into dst (n x D floats): float32 copied,
+ * bfloat16 widened, int8 dequantized (float(q) * scale, the scale after each row's D values). */
+static void load_kv(float *dst, const attn_args *a, const void *cache, int64_t row, int64_t n) {
+    const int64_t D = a->D;
+    if (!a->kv_int8) {
+        load_rows(dst, cache, row * D, n * D, a->bf16);
+        return;
+    }
+    const int64_t width = D + (int64_t)sizeof(float);
+    const int8_t *r = (const int8_t *)cache + row * width;
+    for (int64_t j = 0; j < n; j++, r += width) {
+        float scale;
+        memcpy(&scale, r + D, sizeof(scale));
+        const v8 s = bcast(scale);
+        for (int64_t d = 0; d < D; d += 8) {
+            const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(r + d)));
+            st(dst + j * D + d, _mm256_mul_ps(_mm256_cvtepi32_ps(q), s));
+        }
     }
 }
 
@@ -182,7 +209,8 @@ static void attend_query_lanes(const attn_args *a, int64_t t0, int64_t nt, int64
     float qT[D][NQP], accT[D][NQP], sT[B][NQP], row[D];
     float m[NQP], mnew[NQP], l[NQP], alpha[NQP];
     int32_t pos[NQP], lo[NQP];   /* a row attends to keys [lo, pos]; padding rows: none */
-    float kconv[a->bf16 ? B : 1][D], vconv[a->bf16 ? B : 1][D];
+    const int convert = a->bf16 || a->kv_int8;   /* K/V read through the tiles below */
+    float kconv[convert ? B : 1][D], vconv[convert ? B : 1][D];
     int64_t max_pos = 0, min_lo = INT64_MAX, min_pos = NQ < NQP ? -1 : INT64_MAX, max_lo = 0;
     memset(qT, 0, sizeof(qT));
     memset(accT, 0, sizeof(accT));
@@ -205,12 +233,12 @@ static void attend_query_lanes(const attn_args *a, int64_t t0, int64_t nt, int64
     const int32_t *table = a->tables + (int64_t)a->q_seq[t0] * a->max_blocks;
     const v8 scale = bcast(a->scale), ninf = bcast(-INFINITY), zero = _mm256_setzero_ps();
     for (int64_t p = min_lo / B; p * B <= max_pos; p++) {
-        const int64_t base = (kvh * a->S + (int64_t)table[p] * B) * D;
+        const int64_t row = kvh * a->S + (int64_t)table[p] * B, base = row * D;
         const int64_t n = max_pos - p * B + 1 < B ? max_pos - p * B + 1 : B;  /* keys read */
         const float *kb = (const float *)a->k_cache + base, *vb = (const float *)a->v_cache + base;
-        if (a->bf16) {
-            load_rows(&kconv[0][0], a->k_cache, base, n * D, 1);
-            load_rows(&vconv[0][0], a->v_cache, base, n * D, 1);
+        if (convert) {
+            load_kv(&kconv[0][0], a, a->k_cache, row, n);
+            load_kv(&vconv[0][0], a, a->v_cache, row, n);
             kb = &kconv[0][0];
             vb = &vconv[0][0];
         }
@@ -343,7 +371,8 @@ static void attend_key_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t
     const int64_t D = a->D, B = a->B, G = a->H / a->KVH, NQ = nt * G;
     const int64_t BP = (B + 15) / 16 * 16;
     float q[NQ][D], acc[NQ][D], m[NQ], l[NQ];
-    float kconv[B][D], vconv[a->bf16 ? B : 1][D];
+    const int convert = a->bf16 || a->kv_int8;
+    float kconv[B][D], vconv[convert ? B : 1][D];
     float zeros[D];
     memset(zeros, 0, sizeof(zeros));
     int64_t pos[NQ], lo[NQ];
@@ -369,9 +398,9 @@ static void attend_key_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t
     if (!scores) abort();   /* a few KiB per decode: out of memory is fatal anyway */
     const int64_t ss = blocks * BP;   /* row stride of scores */
     for (int64_t p = p0; p * B <= max_pos; p++) {
-        const int64_t base = (kvh * a->S + (int64_t)table[p] * B) * D;
+        const int64_t row = kvh * a->S + (int64_t)table[p] * B;
         const int64_t n = max_pos - p * B + 1 < B ? max_pos - p * B + 1 : B;
-        load_rows(&kconv[0][0], a->k_cache, base, n * D, a->bf16);   /* read in order */
+        load_kv(&kconv[0][0], a, a->k_cache, row, n);   /* read in order */
         for (int64_t j0 = 0; j0 < n; j0 += 16) {   /* scores, 16 keys at a time */
             const float *rows[16];
             for (int r = 0; r < 16; r++) rows[r] = j0 + r < n ? kconv[j0 + r] : zeros;
@@ -379,11 +408,11 @@ static void attend_key_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t
         }
     }
     for (int64_t p = p0; p * B <= max_pos; p++) {
-        const int64_t base = (kvh * a->S + (int64_t)table[p] * B) * D;
-        const float *vb = (const float *)a->v_cache + base;
-        if (a->bf16) {
+        const int64_t row = kvh * a->S + (int64_t)table[p] * B;
+        const float *vb = (const float *)a->v_cache + row * D;
+        if (convert) {
             const int64_t n = max_pos - p * B + 1 < B ? max_pos - p * B + 1 : B;
-            load_rows(&vconv[0][0], a->v_cache, base, n * D, 1);
+            load_kv(&vconv[0][0], a, a->v_cache, row, n);
             vb = &vconv[0][0];
         }
         for (int64_t i = 0; i < NQ; i++) {

@@ -7,7 +7,7 @@
 
 typedef struct {
     const void *q;          /* (T, H, D) float32 or bfloat16 */
-    const void *k_cache;    /* (KVH, S, D) */
+    const void *k_cache;    /* (KVH, S, D); int8: (KVH, S, D + 4 bytes of scale) */
     const void *v_cache;
     float *out;             /* (T, H, D) float32 */
     const int32_t *q_seq;   /* (T,) row of the token's sequence in tables */
@@ -17,6 +17,7 @@ typedef struct {
     float scale;
     int bf16;
     int64_t window;         /* tokens attended per query, itself included; 0: no window */
+    int kv_int8;            /* K/V are int8 rows with their scale; else of q's dtype */
 } attn_args;
 
 void rtpkv_paged_attention(const attn_args *a, const int64_t *tile_start, int64_t num_tiles);

@@ -1,9 +1,12 @@
 """KVMemory: the paged KV tensor the model reads and writes.
 
 The K and V of every layer live in one tensor of shape
-(2, num_layers, kv_heads, num_blocks * block_size, head_dim); block b holds token slots
-[b * B, (b + 1) * B) of every head (the head-major layout of rtpkv.kernels.kv_store). The
-bookkeeping of each block (references, keys, priorities) is the BlockPool's.
+(2, num_layers, kv_heads, num_blocks * block_size, row); block b holds token slots
+[b * B, (b + 1) * B) of every head (the head-major layout of rtpkv.kernels.kv_store). A row is
+head_dim values of the model's dtype, or for the int8 cache head_dim int8 values and their
+float32 scale (rtpkv.kernels.kv_quant): the scales live in the rows, so copying a block or a
+token range copies its scales too. The bookkeeping of each block (references, keys,
+priorities) is the BlockPool's.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import ctypes
 import sys
 
 import torch
+
+from rtpkv.kernels.kv_quant import row_width
 
 _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
@@ -35,6 +40,7 @@ def _advise_huge_pages(t: torch.Tensor) -> None:
 class KVMemory:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device):
+        """`dtype`: the model's dtype, or torch.int8 for the int8 cache."""
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
@@ -42,22 +48,29 @@ class KVMemory:
         self.num_slots = num_blocks * block_size
         # zeroed, not left empty: padded slots read by batched decode are masked, and a NaN in
         # uninitialised memory would still poison the masked product.
-        self.kv = torch.empty((2, num_layers, kv_heads, self.num_slots, head_dim),
-                              dtype=dtype, device=device)
+        row = row_width(head_dim, dtype)
+        self.kv = torch.empty((2, num_layers, kv_heads, self.num_slots, row), dtype=dtype,
+                              device=device)
         _advise_huge_pages(self.kv)
         self.kv.zero_()
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return (2 * num_layers * block_size * kv_heads * row_width(head_dim, dtype)
+                * torch.empty((), dtype=dtype).element_size())
+
+    @property
+    def int8(self) -> bool:
+        """Whether this is the int8 cache (rows of int8 values and their scale)."""
+        return self.kv.dtype == torch.int8
 
     @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
     def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, K and V as (kv_heads * num_slots, head_dim) views."""
+        """Per layer, K and V as (kv_heads * num_slots, row) views."""
         d = self.kv.shape[-1]
         return [(self.kv[0, i].view(-1, d), self.kv[1, i].view(-1, d))
                 for i in range(self.kv.shape[1])]
@@ -66,7 +79,7 @@ class KVMemory:
         return slice(block_id * self.block_size, (block_id + 1) * self.block_size)
 
     def read_block(self, block_id: int) -> torch.Tensor:
-        """One block's K/V, shape (2, num_layers, kv_heads, block_size, head_dim): a view of the
+        """One block's K/V, shape (2, num_layers, kv_heads, block_size, row): a view of the
         memory on its device, which a tier copies before its `store` returns. With CUDA the host
         tier queues that copy into pinned memory on its side stream, and the engine's stream
         waits for it before it can write the block again; the disk, Redis and connector tiers

@@ -184,7 +184,7 @@ def pool_blocks(model: "Model", config: "RuntimeConfig") -> int:
     memory, never above what concurrency_limit sequences of max_seq_len could use."""
     spec, B = model.spec, config.seq_size_per_block
     per_block = KVMemory.bytes_per_block(spec.num_layers, B, spec.num_kv_heads, spec.head_dim,
-                                         model.dtype)
+                                         model.kv_dtype)
     if model.device.type == "cuda":
         import torch
 
@@ -244,7 +244,7 @@ class KVCacheManager:
         num_blocks = pool_blocks(model, config)
         with serial_torch():
             memory = KVMemory(spec.num_layers, num_blocks, B, spec.num_kv_heads, spec.head_dim,
-                              model.dtype, model.device)
+                              model.kv_dtype, model.device)
         cache = cls(num_blocks, B, PrefixIndex(model.fingerprint, B, hash_fn), memory=memory,
                     reuse_enabled=config.reuse_cache,
                     partial_reuse=config.enable_partial_reuse,
@@ -254,8 +254,9 @@ class KVCacheManager:
                     ghosts=config.kv_cache_ghost_blocks, quota=salt_quota(config))
         log.info("reuse_cache: %s, partial reuse: %s", config.reuse_cache,
                  config.enable_partial_reuse)
-        log.info("KV pool: %d blocks of %d tokens (%.1f MiB)", num_blocks, B,
-                 memory.nbytes / 2**20)
+        log.info("KV pool: %d blocks of %d tokens (%.1f MiB%s)", num_blocks, B,
+                 memory.nbytes / 2**20, ", int8 with a float32 scale per token and head"
+                 if memory.int8 else "")
         return cache
 
     def close(self) -> None:

@@ -56,6 +56,8 @@ NON_DEFAULT = {
     "rtpkv_malloc_trim_s": ("2.5", 2.5),
     "weight_type": ("INT8", "int8"),
     "int8_mode": ("1", True),
+    "kv_cache_dtype": ("INT8", "int8"),
+    "int8_kv_cache": ("on", True),
     "kv_events_endpoint": ("tcp://*:5557", "tcp://*:5557"),
     "kv_events_replay_endpoint": ("tcp://127.0.0.1:5558", "tcp://127.0.0.1:5558"),
     "kv_events_topic": ("kv@", "kv@"),
@@ -144,7 +146,7 @@ def test_rtp_llm_variables_without_effect_and_near_misses_are_warned(monkeypatch
     from rtpkv import env_check
 
     monkeypatch.setattr(env_check, "_warned", set())
-    for name, value in {"INT8_KV_CACHE": "1", "TOKENIZER_PATH": "/t", "REUSE_CAHCE": "1",
+    for name, value in {"TP_SIZE": "2", "TOKENIZER_PATH": "/t", "REUSE_CAHCE": "1",
                         "SEQ_SIZE_PER_BLOK": "16", "HOSTNAME": "box"}.items():
         monkeypatch.setenv(name, value)
     with caplog.at_level(logging.WARNING, logger="rtpkv"):
@@ -153,7 +155,29 @@ def test_rtp_llm_variables_without_effect_and_near_misses_are_warned(monkeypatch
     lines = [r.getMessage() for r in caplog.records if "environment:" in r.getMessage()]
     assert len(lines) == 4, lines
     text = "\n".join(lines)
-    assert "INT8_KV_CACHE is an rtp-llm variable that has no effect in rtpkv" in text
+    assert "TP_SIZE is an rtp-llm variable that has no effect in rtpkv" in text
     assert "TOKENIZER_PATH is an rtp-llm variable" in text
     assert "REUSE_CAHCE is not an rtpkv variable and has no effect; did you mean REUSE_CACHE?" in text
     assert "did you mean SEQ_SIZE_PER_BLOCK?" in text and "HOSTNAME" not in text
+
+
+@pytest.mark.parametrize("name,value,match", [
+    ("INT8_KV_CACHE", "2", r"INT8_KV_CACHE='2' is invalid: accepted values are 1/0, true/false"),
+    ("KV_CACHE_DTYPE", "fp8", r"KV_CACHE_DTYPE='fp8' is invalid: accepted values are auto, int8"),
+    ("FP8_KV_CACHE", "1", r"FP8_KV_CACHE='1' is invalid: an fp8 \(e4m3\) KV cache is not "
+                          r"implemented.*INT8_KV_CACHE=1.*accepted: 0 \(or unset\)"),
+    ("FP8_KV_CACHE", "yes", r"FP8_KV_CACHE='yes' is invalid: accepted values are 1/0"),
+])
+def test_kv_cache_dtype_switches_refuse_bad_values_by_name(monkeypatch, name, value, match):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=match):
+        Settings.from_env()
+
+
+def test_int8_kv_cache_switches_and_fp8_off_are_accepted(monkeypatch, caplog):
+    monkeypatch.setenv("FP8_KV_CACHE", "0")
+    monkeypatch.setenv("INT8_KV_CACHE", "1")
+    with caplog.at_level(logging.WARNING, logger="rtpkv"):
+        assert resolve(Settings.from_env()).int8_kv
+    assert "no effect" not in caplog.text
+    assert ModelConfig(kv_cache_dtype="Int8").int8_kv and not ModelConfig().int8_kv

@@ -1,12 +1,15 @@
 """The fused decoder (kernels/fused_decoder.py) gives the bits of the layers run one by one:
 hidden states and the KV it writes, on a batch of decodes, a chunk after a cached prefix and a
 fresh prompt, for each architecture it takes (qkv bias, tied embeddings, GQA, a window), in
-float32 and with int8 weights; it is not used where a layer would leave the C kernels."""
+float32, with int8 weights and with the int8 KV cache; it is not used where a layer would leave
+the C kernels."""
 
 import pytest
 import torch
 from attention_batches import attention_batch
 from conftest import load, run
+
+from rtpkv.kernels.kv_quant import quantize_rows
 
 
 BLOCK, NUM_BLOCKS = 4, 24
@@ -31,6 +34,8 @@ def _forward(module, batch, kv, fused):
 @pytest.mark.parametrize("arch,options,window", [
     ("llama", {}, None), ("qwen2", {}, None), ("mistral", {}, None),
     ("llama_linear_rope", {}, None), ("llama", {"weight_type": "INT8"}, None), ("llama", {}, 6),
+    ("llama", {"kv_cache_dtype": "int8"}, None),
+    ("qwen2", {"kv_cache_dtype": "int8", "weight_type": "INT8"}, 6),
 ])
 def test_the_fused_decoder_gives_the_bits_of_the_layers(checkpoints, monkeypatch, arch, options,
                                                         window):
@@ -44,6 +49,8 @@ def test_the_fused_decoder_gives_the_bits_of_the_layers(checkpoints, monkeypatch
     kv = [(torch.randn(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim, generator=g),
            torch.randn(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim, generator=g))
           for _ in range(spec.num_layers)]
+    if model.kv_dtype == torch.int8:
+        kv = [(quantize_rows(k), quantize_rows(v)) for k, v in kv]
     fused, fused_kv = _forward(module, batch, kv, fused=True)
     layers, layers_kv = _forward(module, batch, kv, fused=False)
     assert torch.equal(fused, layers)

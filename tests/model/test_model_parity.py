@@ -1,20 +1,41 @@
 """Each supported architecture matches transformers on the same weights: prefill logits within
 1e-4 (float32) and 32 greedy tokens, token for token. With int8 weights (WEIGHT_TYPE=INT8) the
 reference is transformers holding the same quantized weights: each linear layer's weight
-replaced by `dequantize(quantize(w))`, the values the int8 kernel computes with."""
+replaced by `dequantize(quantize(w))`, the values the int8 kernel computes with. With the int8
+KV cache (KV_CACHE_DTYPE=int8) it is transformers with a cache that stores every new K and V as
+`dequantize_rows(quantize_rows(x))`, the values the paged kernel reads; the tolerance is the same,
+but a K/V value whose float32 rounding differs by an ulp at a rounding boundary of the
+quantization could move by one step (the tests pass without allowance for that)."""
 
 import pytest
 import torch
 import transformers
 from torch import nn
 
+from transformers.cache_utils import DynamicCache
+
 from rtpkv.kernels import AttentionBatch
 from rtpkv.kernels.int8_linear import dequantize, quantize
+from rtpkv.kernels.kv_quant import dequantize_rows, quantize_rows, row_width
 from conftest import ARCHITECTURES, load, run
 from rtpkv.pipeline import Pipeline
 
 PROMPTS = ["hello, what's your name? tell me about the river city", "The cat sat on"]
-MODES = {"float32": {}, "int8": {"weight_type": "INT8"}}
+MODES = {"float32": {}, "int8": {"weight_type": "INT8"}, "int8-kv": {"kv_cache_dtype": "int8"}}
+
+
+class Int8KVCache(DynamicCache):
+    """transformers' cache holding K and V as the int8 KV cache gives them back."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return super().update(dequantize_rows(quantize_rows(key_states)),
+                              dequantize_rows(quantize_rows(value_states)), layer_idx,
+                              *args, **kwargs)
+
+
+def _cache(mode, key="past_key_values"):
+    """The cache transformers runs `mode` with, under `key` (generate calls it `cache`)."""
+    return {key: Int8KVCache()} if mode == "int8-kv" else {}
 
 
 def _hf(path, mode="float32"):
@@ -38,7 +59,9 @@ def test_prefill_logits_match_transformers(checkpoints, arch, mode):
     ids = model.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
     n = ids.shape[1]
     kv_heads, head_dim = model.spec.num_kv_heads, model.spec.head_dim
-    caches = [(torch.zeros(kv_heads * n, head_dim), torch.zeros(kv_heads * n, head_dim))
+    row = row_width(head_dim, model.kv_dtype)
+    caches = [(torch.zeros(kv_heads * n, row, dtype=model.kv_dtype),
+               torch.zeros(kv_heads * n, row, dtype=model.kv_dtype))
               for _ in range(model.spec.num_layers)]
     batch = AttentionBatch(positions=torch.arange(n), row_seq=torch.zeros(n, dtype=torch.long),
                            block_tables=torch.zeros((1, 1), dtype=torch.long), query_start=[0],
@@ -47,7 +70,7 @@ def test_prefill_logits_match_transformers(checkpoints, arch, mode):
     meta = model.module.attention.build(batch)
     with torch.inference_mode():
         ours = model.module.logits(model.module(ids[0], torch.arange(n), caches, meta))
-        theirs = hf(ids).logits[0]
+        theirs = hf(ids, **_cache(mode)).logits[0]
     assert ours.shape == theirs.shape
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
@@ -62,9 +85,10 @@ def test_greedy_generation_matches_transformers(checkpoints, arch, mode):
         for prompt in PROMPTS:
             ids = model.tokenizer(prompt, return_tensors="pt").input_ids
             expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                   max_new_tokens=32, min_new_tokens=32)[0, ids.shape[1]:].tolist()
+                                   max_new_tokens=32, min_new_tokens=32,
+                                   **_cache(mode, "cache"))[0, ids.shape[1]:].tolist()
             res = run(pipe, prompt, max_new_tokens=32, return_logits=True)
             assert res.output_ids == expected
             with torch.inference_mode():
-                first = hf(ids).logits[0, -1]
+                first = hf(ids, **_cache(mode)).logits[0, -1]
             torch.testing.assert_close(res.logits[0], first, atol=1e-4, rtol=0)

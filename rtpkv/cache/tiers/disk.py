@@ -13,7 +13,9 @@ never waits for the disk); ``write_sync=True`` (``WRITE_CACHE_SYNC=1``) writes b
 
 The directory may be shared, so nothing in it is trusted: only regular files are opened (never
 through a symlink, never a FIFO or device: those are left alone and counted as foreign), and a
-file's size is checked against a record's before a byte of it is read.
+file's size is checked before a byte of it is read: larger than any record of this layout can
+be, it is never read; smaller than this layout's records it may still be another layout's (the
+int8 KV cache's records are about a quarter of float32's), so its header decides.
 
 A failing disk (read-only, full) never fails a request or kills the writer thread: each failed
 write is counted (`disk_write_errors`) and logged at most once a minute with a count, and the
@@ -353,14 +355,14 @@ class DiskTier(KVTier):
 
     def _open(self, path: Path) -> tuple[Any, os.stat_result]:
         """Open a block file for reading: a regular file, not through a symlink, without
-        blocking (a FIFO), of a size a record can have. Raises NotABlockFile, CorruptRecord or
-        OSError."""
+        blocking (a FIFO), of a size a record can have (one of a smaller layout included: its
+        header tells foreign from corrupt). Raises NotABlockFile, CorruptRecord or OSError."""
         fd = os.open(path, _OPEN_FLAGS)
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise NotABlockFile(f"not a regular file (mode {stat.filemode(info.st_mode)})")
-            if not LENGTH_PREFIX + self.layout.nbytes < info.st_size <= self.max_record_bytes:
+            if not LENGTH_PREFIX < info.st_size <= self.max_record_bytes:
                 raise CorruptRecord(f"file of {info.st_size} bytes; a record of this model "
                                     f"takes {self.record_bytes} to {self.max_record_bytes}")
             return os.fdopen(fd, "rb"), info

@@ -21,6 +21,7 @@ from rtpkv.cache.tiers.base import KVTier, TierLayout
 from rtpkv.cache.tiers.disk import DiskTier
 from rtpkv.cache.tiers.host import HostTier
 from rtpkv.errors import ConfigError
+from rtpkv.kernels.kv_quant import row_width
 
 log = logging.getLogger("rtpkv")
 
@@ -29,10 +30,12 @@ CONNECTOR_STAGING_BLOCKS = 64
 
 
 def tier_layout(model: Any, block_size: int) -> TierLayout:
-    """The payload every tier of this engine stores: one block of every layer's K and V."""
+    """The payload every tier of this engine stores: one block of every layer's K and V, as the
+    pool holds them (int8 rows with their scales for the int8 cache)."""
     spec = model.spec
-    return TierLayout(fingerprint=model.fingerprint, block_size=block_size, dtype=model.dtype,
-                      shape=(2, spec.num_layers, spec.num_kv_heads, block_size, spec.head_dim))
+    return TierLayout(fingerprint=model.fingerprint, block_size=block_size, dtype=model.kv_dtype,
+                      shape=(2, spec.num_layers, spec.num_kv_heads, block_size,
+                             row_width(spec.head_dim, model.kv_dtype)))
 
 
 def host_cache_bytes(config: Any) -> int:

@@ -8,6 +8,9 @@ metadata is the header:
 ``version``           the record format version (`FORMAT_VERSION`)
 ``fingerprint``       the model fingerprint; with ``dtype``, ``shape`` and ``block_size``
                       it must equal the reading engine's `TierLayout`
+``dtype``, ``shape``  the KV as the pool stores it: the model's dtype, or ``int8`` for the
+                      int8 KV cache, whose rows are head_dim int8 values and their float32
+                      scale (the last dimension is head_dim + 4; rtpkv.kernels.kv_quant)
 ``tokens``            the block's token ids, comma separated
 ``key``, ``parent_key``, ``extra``  hex
 ``priority``          retention priority when stored
@@ -44,7 +47,7 @@ LENGTH_PREFIX = 8                 # safetensors: little-endian u64 header length
 MAX_HEADER_BYTES = 1 << 24        # a larger announced header is corruption, not a record
 
 # safetensors dtype names of the payload dtypes rtpkv runs with
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8"}
 _HEADER_FIELDS = ("format", "version", "fingerprint", "dtype", "shape", "block_size", "tokens",
                   "key", "parent_key", "extra", "priority", "payload_sha256")
 
