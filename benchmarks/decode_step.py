@@ -1,14 +1,18 @@
 """Where a single-stream decode step's time goes (workload d of peers.py: one 512-token prompt
-alone, 128 new tokens): the step's wall time split into the linear layers' GEMVs, attention (the
-KV write included), the small ops (embedding, RMSNorm, RoPE, SiLU-and-mul, splits and views),
-the batch's metadata (ModelRunner.batch and the backend's build), sampling, the scheduler's
-bookkeeping, handing the token out, and the rest (the step's own Python); plus the gap between
-steps (the engine loop and waking up).
+alone, 128 new tokens): the step's wall time split into the linear layers' GEMVs (the LM head
+included), attention (the KV write included), the elementwise kernels (RMSNorm, RoPE,
+SiLU-and-mul), the forward's own Python (embedding, tensors, calls), the batch's metadata
+(ModelRunner.batch and the backend's build), sampling, the scheduler's bookkeeping, handing the
+token out, and the rest of the step; plus the gap between steps (the engine loop, waking up).
 
     python benchmarks/decode_step.py [--runs 3] [--dtype float32] [--weight-type auto]
+                                     [--kv-cache-dtype auto] [--threads 2] [--layers]
 
-Wall-clock times on the engine thread (perf_counter around each part), medians over the decode
-steps of a run, then the median of the runs. The wrappers cost well under a microsecond a call.
+By default the model runs as it would in service: with the fused decoder where it applies
+(kernels/fused_decoder.py), whose C code times its own parts (FusedDecoder.seconds);
+`--layers` runs the layers one by one from Python, timed by wrappers around each call. Wall
+clock (perf_counter) on the engine thread, medians over the decode steps of a run, then the
+median of the runs. The wrappers cost well under a microsecond a call.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Callable
 
 import torch
@@ -24,7 +28,9 @@ import torch
 from common import bench_parser, pipeline, random_ids, setup_threads, table
 
 PROMPT, NEW = 512, 128
-PARTS = ("GEMV", "attention", "small ops", "metadata", "sampling", "scheduling", "emit")
+PARTS = ("GEMV", "attention", "elementwise kernels", "forward's Python", "metadata", "sampling",
+         "scheduling", "emit")
+FUSED_PARTS = ("GEMV", "attention", "elementwise kernels")   # FusedDecoder.seconds, in order
 
 
 class Clock:
@@ -59,14 +65,21 @@ def patched(obj: Any, name: str, clock: Clock, part: str):
         setattr(obj, name, original)
 
 
-def one_run(dtype: str, weight_type: str) -> dict[str, float]:
+def one_run(options: dict[str, Any], layers: bool) -> dict[str, float]:
     """Median milliseconds per part over the run's decode steps (+ 'step', 'between', 'other')."""
     from rtpkv.engine import engine as engine_module
+    from rtpkv.model_factory import llama
 
     clock = Clock()
-    with pipeline(dtype=dtype, weight_type=weight_type, seq_size_per_block=32) as pipe:
+    with pipeline(seq_size_per_block=32, **options) as pipe:
         engine, module = pipe.engine, pipe.engine.runner.module
-        layers = [m for m in module.modules() if type(m).__name__ in ("InferenceLinear", "Int8Linear")]
+        if layers:
+            module.fused = None
+        fused = module.fused
+        if fused is not None:
+            fused.seconds = torch.zeros(len(FUSED_PARTS), dtype=torch.float64)
+        linear = next(type(m) for m in module.modules()
+                      if type(m).__name__ in ("InferenceLinear", "Int8Linear"))
         attention = module.attention
         per_step: list[dict[str, float]] = []
         last_end = [None]
@@ -74,6 +87,8 @@ def one_run(dtype: str, weight_type: str) -> dict[str, float]:
 
         def timed_step() -> bool:
             clock.spent.clear()
+            if fused is not None:
+                fused.seconds.zero_()
             t0 = time.perf_counter()
             between = None if last_end[0] is None else t0 - last_end[0]
             result = step()
@@ -82,30 +97,36 @@ def one_run(dtype: str, weight_type: str) -> dict[str, float]:
             decoding = engine.step_log and engine.step_log[-1][0][2] == "decode"
             if result and decoding and between is not None:
                 parts = dict(clock.spent)
+                if fused is not None:   # the C call's parts, out of the forward's Python
+                    for part, seconds in zip(FUSED_PARTS, fused.seconds.tolist()):
+                        parts[part] = parts.get(part, 0.0) + seconds
+                        parts["forward's Python"] -= seconds
                 parts["step"] = t1 - t0
-                parts["other"] = parts["step"] - sum(clock.spent.values())
+                parts["other"] = parts["step"] - sum(v for k, v in parts.items() if k != "step")
                 parts["between"] = between
                 per_step.append(parts)
             return result
 
-        patches = [patched(type(layers[0]), "forward", clock, "GEMV"),
-                   patched(type(attention), "forward", clock, "attention"),
-                   patched(type(attention), "build", clock, "metadata"),
-                   patched(type(engine.runner), "batch", clock, "metadata"),
-                   patched(engine.runner, "run", clock, "small ops"),
-                   patched(engine_module, "sample_batch", clock, "sampling"),
-                   patched(engine.scheduler, "schedule", clock, "scheduling"),
-                   patched(engine.scheduler, "postprocess", clock, "scheduling"),
-                   patched(engine, "_emit", clock, "emit")]
-        for p in patches:
-            p.__enter__()
-        engine.step = timed_step
-        try:
-            list(pipe(random_ids(PROMPT, seed=4), top_k=1, ignore_eos=True, max_new_tokens=NEW))
-        finally:
-            engine.step = step
-            for p in reversed(patches):
-                p.__exit__(None, None, None)
+        with ExitStack() as stack:
+            for obj, name, part in [
+                    (linear, "forward", "GEMV"), (type(attention), "forward", "attention"),
+                    (llama, "rms_norm", "elementwise kernels"),
+                    (llama, "apply_rope_", "elementwise kernels"),
+                    (llama, "silu_and_mul", "elementwise kernels"),
+                    (type(attention), "build", "metadata"),
+                    (type(engine.runner), "batch", "metadata"),
+                    (engine.runner, "run", "forward's Python"),
+                    (engine_module, "sample_batch", "sampling"),
+                    (engine.scheduler, "schedule", "scheduling"),
+                    (engine.scheduler, "postprocess", "scheduling"),
+                    (engine, "_emit", "emit")]:
+                stack.enter_context(patched(obj, name, clock, part))
+            engine.step = timed_step
+            try:
+                list(pipe(random_ids(PROMPT, seed=4), top_k=1, ignore_eos=True,
+                          max_new_tokens=NEW))
+            finally:
+                engine.step = step
     keys = ("step", "between", "other") + PARTS
     return {k: 1e3 * statistics.median(s.get(k, 0.0) for s in per_step) for k in keys}
 
@@ -114,20 +135,26 @@ def main() -> None:
     parser = bench_parser(__doc__, block=None)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--weight-type", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--layers", action="store_true",
+                        help="run the layers one by one, not through the fused decoder")
     args = parser.parse_args()
     setup_threads(args.threads)
-    one_run(args.dtype, args.weight_type)   # warm-up: probes, first-call allocations
-    runs = [one_run(args.dtype, args.weight_type) for _ in range(args.runs)]
+    options = dict(dtype=args.dtype, weight_type=args.weight_type,
+                   kv_cache_dtype=args.kv_cache_dtype)
+    one_run(options, args.layers)   # warm-up: probes, first-call allocations
+    runs = [one_run(options, args.layers) for _ in range(args.runs)]
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     step = med["step"]
     rows = [(part, f"{med[part]:.3f}", f"{med[part] / step * 100:.1f}%")
             for part in PARTS + ("other",)]
     rows.append(("step (wall)", f"{step:.3f}", "100%"))
     rows.append(("between steps", f"{med['between']:.3f}", f"{med['between'] / step * 100:.1f}%"))
-    print(f"{args.dtype}, weights {args.weight_type}, one stream: {PROMPT}-token prompt, {NEW} new "
-          f"tokens; medians of {args.runs} runs of the per-step medians, torch threads "
-          f"{torch.get_num_threads()}")
+    print(f"{args.dtype}, weights {args.weight_type}, KV {args.kv_cache_dtype}, "
+          f"{'layers one by one' if args.layers else 'as in service'}, one stream: {PROMPT}-token "
+          f"prompt, {NEW} new tokens; medians of {args.runs} runs of the per-step medians, "
+          f"torch threads {torch.get_num_threads()}")
     print(table(["part", "ms per decode step", "share of the step"], rows))
     print(f"non-GEMV share of the step: {(step - med['GEMV']) / step * 100:.1f}%; "
           f"of step + gap: {(step + med['between'] - med['GEMV']) / (step + med['between']) * 100:.1f}%")

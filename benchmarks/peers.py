@@ -3,6 +3,7 @@
     python benchmarks/peers.py [--vllm /path/to/vllm-venv/bin/python] [--runs 3]
                                [--dtypes float32,bfloat16] [--block 32] [--check-reuse a,b]
                                [--workloads a,b,c,d] [--weight-types auto,int8]
+                               [--linear-paths auto,onednn]
                                [--llama-cpp /path/to/venv/bin/python --gguf A.gguf,B.gguf]
 
   a  shared system prompt: 2,000-token prefix + 16 different 64-token questions, one after
@@ -14,7 +15,8 @@
      over the time after the first), inter-token p50 and p99. Bound by reading the weights.
 
 `--weight-types auto,int8` runs rtpkv once per weight type (WEIGHT_TYPE) as engines side by
-side, with the int8 / auto ratio; int8 computes in float32, so it runs with the float32 dtype
+side, with the int8 / auto ratio (`--linear-paths auto,onednn` likewise adds an engine per
+RTPKV_LINEAR path); int8 computes in float32, so it runs with the float32 dtype
 only; vLLM runs the float weights.
 
 Both engines get the same checkpoint (the BENCHMARKS.md model), the same token ids, greedy
@@ -72,9 +74,8 @@ def token_timing(times: list[float]) -> dict[str, float]:
 class Rtpkv:
     """rtpkv in this process: a fresh pipeline per workload run (an empty cache)."""
 
-    def __init__(self, dtype: str, block: int, weight_type: str = "auto"):
-        self.options = dict(dtype=dtype, seq_size_per_block=block, reuse_cache=True,
-                            weight_type=weight_type)
+    def __init__(self, dtype: str, block: int, **options: Any):
+        self.options = dict(dtype=dtype, seq_size_per_block=block, reuse_cache=True, **options)
 
     def run(self, name: str, job: dict[str, Any], **overrides: Any) -> dict[str, Any]:
         with pipeline(**{**self.options, **overrides}) as pipe:
@@ -175,16 +176,21 @@ FIGURES = [("a: cold TTFT (s)", "a", "cold", False), ("a: warm TTFT (s)", "a", "
            ("d: inter-token p99 (ms)", "d", "itl_p99", False)]
 
 
-def rtpkv_engines(dtype: str, args: argparse.Namespace) -> dict[str, str]:
-    """Engine name -> WEIGHT_TYPE of the rtpkv engines for `dtype` (int8 computes in float32)."""
-    return {("rtpkv" if w == "auto" else f"rtpkv {w}"): w for w in args.weight_types.split(",")
-            if w == "auto" or dtype == "float32"}
+def rtpkv_engines(dtype: str, args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """Engine name -> options of the rtpkv engines for `dtype`: one per WEIGHT_TYPE (int8
+    computes in float32), then one per further RTPKV_LINEAR path on the float weights."""
+    engines = {("rtpkv" if w == "auto" else f"rtpkv {w}"): {"weight_type": w}
+               for w in args.weight_types.split(",") if w == "auto" or dtype == "float32"}
+    for path in args.linear_paths.split(","):
+        if path != "auto":
+            engines[f"rtpkv {path}"] = {"rtpkv_linear": path}
+    return engines
 
 
 def measure(dtype: str, args: argparse.Namespace, jobs: dict[str, dict[str, Any]]) -> dict:
     """{engine: {workload: [result per run]}} with the engines interleaved run by run."""
-    engines: dict[str, Any] = {name: Rtpkv(dtype, args.block, w)
-                               for name, w in rtpkv_engines(dtype, args).items()}
+    engines: dict[str, Any] = {name: Rtpkv(dtype, args.block, **options)
+                               for name, options in rtpkv_engines(dtype, args).items()}
     peers = peer_engines(dtype, args)
     engines.update(peers)
     results: dict[str, dict[str, list]] = {
@@ -272,6 +278,9 @@ def main() -> None:
     parser.add_argument("--weight-types", default="auto",
                         help="rtpkv engines by WEIGHT_TYPE, e.g. auto,int8 (the first is the "
                              "ratios' base)")
+    parser.add_argument("--linear-paths", default="auto",
+                        help="rtpkv engines by RTPKV_LINEAR on the float weights, e.g. "
+                             "auto,onednn (the per-layer oneDNN path of earlier releases)")
     parser.add_argument("--check-reuse", default="", metavar="a,b",
                         help="workloads to rerun on rtpkv with reuse off, comparing outputs")
     args = parser.parse_args()
@@ -282,10 +291,10 @@ def main() -> None:
         results = measure(dtype, args, jobs)
         reuse_equal = None
         if args.check_reuse:
-            reuse_equal = {f"{name} {w}": Rtpkv(dtype, args.block, weight).run(
+            reuse_equal = {f"{name} {w}": Rtpkv(dtype, args.block, **options).run(
                                w, jobs[w], reuse_cache=False)["outputs"]
                            == results[name][w][0]["outputs"]
-                           for name, weight in rtpkv_engines(dtype, args).items()
+                           for name, options in rtpkv_engines(dtype, args).items()
                            for w in args.check_reuse.split(",") if w in jobs}
         report(dtype, results, args, reuse_equal)
 

@@ -46,7 +46,10 @@ class _Step(ctypes.Structure):
     _fields_ = [("T", _I), ("residual", _P), ("out", _P), ("positions", _P), ("write_rows", _P),
                 ("attn", _Args), ("tile_start", _P), ("num_tiles", _I),
                 ("x", _P), ("qkv", _P), ("q", _P), ("att", _P), ("h", _P), ("gate_up", _P),
-                ("act", _P)]
+                ("act", _P), ("seconds", _P)]
+
+# The parts `FusedDecoder.seconds` sums wall time into (SECONDS_* in csrc/decoder.c).
+TIMED_PARTS = ("linear layers", "attention and KV write", "norms, RoPE, SiLU-and-mul")
 
 
 def _library() -> Optional[ctypes.CDLL]:
@@ -86,6 +89,9 @@ class FusedDecoder:
             module.cos.data_ptr(), module.sin.data_ptr(), backbone.norm.weight.data_ptr(), None)
         self._layers: Optional[ctypes.Array] = None
         self._pool = None   # the KV pool the layer table points into
+        # float64 (len(TIMED_PARTS),): when set, each forward adds its parts' wall seconds
+        # (benchmarks/decode_step.py); None in service
+        self.seconds: Optional[torch.Tensor] = None
 
     @classmethod
     def build(cls, module: "CausalLM") -> Optional["FusedDecoder"]:
@@ -146,6 +152,7 @@ class FusedDecoder:
                            kv_int8=kv_caches[0][0].dtype == torch.int8)
         step = _Step(T, residual.data_ptr(), out.data_ptr(), positions.data_ptr(),
                      write_rows.data_ptr(), attn, meta.tile_start.data_ptr(),
-                     meta.tile_start.numel() - 1, *(t.data_ptr() for t in scratch))
+                     meta.tile_start.numel() - 1, *(t.data_ptr() for t in scratch),
+                     None if self.seconds is None else self.seconds.data_ptr())
         self.lib.rtpkv_decoder_forward(ctypes.byref(self.model), ctypes.byref(step))
         return out

@@ -10,6 +10,7 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "paged_attention.h"
 
@@ -60,7 +61,24 @@ typedef struct {                   /* one forward */
     const int64_t *tile_start;
     int64_t num_tiles;
     float *x, *qkv, *q, *att, *h, *gate_up, *act;   /* scratch, T rows each */
+    double *seconds;               /* NULL, or sums of wall seconds, added to per SECONDS_* part */
 } decoder_step;
+
+enum { SECONDS_LINEAR, SECONDS_ATTENTION, SECONDS_ELEMENTWISE };   /* benchmarks/decode_step.py */
+
+static inline double clock_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Charges the time since *last to `part` when the step is timed. */
+static inline void lap(decoder_step *s, int part, double *last) {
+    if (!s->seconds) return;
+    const double now = clock_now();
+    s->seconds[part] += now - *last;
+    *last = now;
+}
 
 static void linear(const decoder_model *m, const linear_layer *l, const float *x, int64_t T,
                    int64_t K, int64_t N, float *y) {
@@ -95,24 +113,35 @@ static void scatter_qkv(const decoder_model *m, const decoder_layer *l, decoder_
 void rtpkv_decoder_forward(const decoder_model *m, decoder_step *s) {
     const int64_t T = s->T, E = m->hidden, D = m->head_dim, I = m->inter;
     const int64_t q_size = m->heads * D, width = q_size + 2 * m->kv_heads * D;
+    double t = s->seconds ? clock_now() : 0.0;
     for (int64_t i = 0; i < m->layers; i++) {
         const decoder_layer *l = &m->layer[i];
         rtpkv_rms_norm(i == 0 ? s->residual : s->h, i == 0 ? NULL : s->residual, l->input_norm,
                        s->x, T, E, m->eps, 0);
+        lap(s, SECONDS_ELEMENTWISE, &t);
         linear(m, &l->qkv, s->x, T, E, width, s->qkv);
+        lap(s, SECONDS_LINEAR, &t);
         rtpkv_rope(s->qkv, s->qkv + q_size, T, m->heads, m->kv_heads, width, width, D, m->cos,
                    m->sin, s->positions, 0);
+        lap(s, SECONDS_ELEMENTWISE, &t);
         scatter_qkv(m, l, s);
         s->attn.q = s->q;
         s->attn.k_cache = l->k_cache;
         s->attn.v_cache = l->v_cache;
         s->attn.out = s->att;
         rtpkv_paged_attention(&s->attn, s->tile_start, s->num_tiles);
+        lap(s, SECONDS_ATTENTION, &t);
         linear(m, &l->o, s->att, T, q_size, E, s->h);
+        lap(s, SECONDS_LINEAR, &t);
         rtpkv_rms_norm(s->h, s->residual, l->post_norm, s->x, T, E, m->eps, 0);
+        lap(s, SECONDS_ELEMENTWISE, &t);
         linear(m, &l->gate_up, s->x, T, E, 2 * I, s->gate_up);
+        lap(s, SECONDS_LINEAR, &t);
         rtpkv_silu_and_mul(s->gate_up, s->act, T, I, 0);
+        lap(s, SECONDS_ELEMENTWISE, &t);
         linear(m, &l->down, s->act, T, I, E, s->h);
+        lap(s, SECONDS_LINEAR, &t);
     }
     rtpkv_rms_norm(s->h, s->residual, m->final_norm, s->out, T, E, m->eps, 0);
+    lap(s, SECONDS_ELEMENTWISE, &t);
 }
