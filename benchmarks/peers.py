@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from common import bench_checkpoint, pipeline, random_ids, setup_threads, table, timed_request
+from token_timing import token_timing
 
 A_NEW, B_NEW, C_NEW, D_NEW = 16, 32, 64, 128
 VLLM_ENV = {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
@@ -60,15 +61,6 @@ def workloads() -> dict[str, dict[str, Any]]:
         "c": {"prompts": [random_ids(512, seed=500 + i) for i in range(32)], "new": C_NEW},
         "d": {"prompt": random_ids(512, seed=4), "new": D_NEW},
     }
-
-
-def token_timing(times: list[float]) -> dict[str, float]:
-    """TTFT, decode tok/s and inter-token p50/p99 (ms) from each token's arrival, seconds after
-    submission."""
-    gaps = sorted(b - a for a, b in zip(times, times[1:]))
-    return {"ttft": times[0], "decode_tok_s": len(gaps) / (times[-1] - times[0]),
-            "itl_p50": 1000 * statistics.median(gaps),
-            "itl_p99": 1000 * gaps[min(len(gaps) - 1, round(0.99 * (len(gaps) - 1)))]}
 
 
 class Rtpkv:

@@ -11,15 +11,15 @@ The GGUF is the benchmark checkpoint converted by llama.cpp's own `convert_hf_to
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 
 from llama_cpp import Llama
+from token_timing import token_timing
 
 
 def workload_d(llm: Llama, prompt: list[int], new: int) -> dict:
-    """Each token's arrival, as benchmarks/peers.py's token_timing reads it; greedy."""
+    """Each token's arrival, as token_timing.py reads it; greedy."""
     llm.reset()
     t0 = time.perf_counter()
     times, out = [], []
@@ -29,11 +29,7 @@ def workload_d(llm: Llama, prompt: list[int], new: int) -> dict:
         out.append(int(token))
         if len(out) == new:
             break
-    gaps = sorted(b - a for a, b in zip(times, times[1:]))
-    return {"ttft": times[0], "decode_tok_s": len(gaps) / (times[-1] - times[0]),
-            "itl_p50": 1000 * statistics.median(gaps),
-            "itl_p99": 1000 * gaps[min(len(gaps) - 1, round(0.99 * (len(gaps) - 1)))],
-            "outputs": [out]}
+    return {**token_timing(times), "outputs": [out]}
 
 
 def main() -> None:

@@ -8,10 +8,10 @@ lines prefixed with RESULT on stdout (vLLM logs on the same stream).
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 
+from token_timing import token_timing
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -64,7 +64,7 @@ def workload_c(llm: LLM, prompts: list[list[int]], new: int) -> dict:
 
 
 def workload_d(llm: LLM, prompt: list[int], new: int) -> dict:
-    """Each token's arrival, as benchmarks/peers.py's token_timing reads it."""
+    """Each token's arrival, as token_timing.py reads it."""
     engine = llm.llm_engine
     t0 = time.perf_counter()
     engine.add_request("d", TokensPrompt(prompt_token_ids=prompt), _params(new))
@@ -75,11 +75,7 @@ def workload_d(llm: LLM, prompt: list[int], new: int) -> dict:
                 now = time.perf_counter() - t0
                 times += [now] * (len(o.outputs[0].token_ids) - len(out))
                 out = list(o.outputs[0].token_ids)
-    gaps = sorted(b - a for a, b in zip(times, times[1:]))
-    return {"ttft": times[0], "decode_tok_s": len(gaps) / (times[-1] - times[0]),
-            "itl_p50": 1000 * statistics.median(gaps),
-            "itl_p99": 1000 * gaps[min(len(gaps) - 1, round(0.99 * (len(gaps) - 1)))],
-            "outputs": [out]}
+    return {**token_timing(times), "outputs": [out]}
 
 
 def main() -> None:
