@@ -67,7 +67,7 @@ RUNNER = textwrap.dedent("""
             results.append({"ids": res.output_ids, "logits": res.logits.tolist(),
                             "aux": res.aux_info})
         pipe.check_integrity()
-        stats = pipe.cache_stats()
+    stats = pipe.cache_stats()   # after stop, which waits for the queued stores (async writer)
     print(json.dumps({"results": results, "stats": {k: v for k, v in stats.items()
                                                     if k.startswith("remote")}}))
 """)
