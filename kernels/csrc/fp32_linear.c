@@ -102,6 +102,7 @@ static void panel_rows(int64_t mr, const float *x, int64_t K, const float *w, fl
 void rtpkv_fp32_linear(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
                        const float *bias, float *y) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
+    if (M <= 0) return;
     if (M < FEW_ROWS) {
         const int64_t group = M == 1 ? 4 : 2;    /* panels per streaming tile */
         const int64_t groups = (panels + group - 1) / group;

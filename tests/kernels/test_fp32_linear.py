@@ -40,6 +40,11 @@ def test_every_row_count_gives_the_bits_of_one_large_call(shape):
     assert fast.min_rows == 1
 
 
+def test_no_rows_give_an_empty_result():
+    fast = InferenceLinear(_layer(64, 40, True), "avx2")
+    assert fast(torch.empty(0, 64)).shape == (0, 40)
+
+
 def test_thread_counts_give_the_same_bits():
     layer = _layer(512, 1000, True)
     fast = InferenceLinear(layer, "avx2")
