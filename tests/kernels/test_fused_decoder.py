@@ -88,3 +88,40 @@ def test_a_pipeline_gives_the_same_tokens_and_logits_fused_or_not(make_pipeline,
     for a, b in zip(*outputs):
         assert a.output_ids == b.output_ids
         assert torch.equal(a.logits, b.logits)
+
+
+
+def test_a_new_pool_at_the_old_pools_address_gets_its_own_layer_table(checkpoints, monkeypatch):
+    """A pool freed and another allocated can start at the same address with its layers at other
+    offsets (another block count): the fused decoder must write and read the new layers."""
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
+    module = load(checkpoints("llama")).module
+    spec = module.spec
+    assert module.fused is not None and spec.num_layers > 1
+    batch = attention_batch(TABLES, SEQS, BLOCK, NUM_BLOCKS, spec.num_kv_heads)
+    rows = spec.num_kv_heads * NUM_BLOCKS * BLOCK
+    ids = torch.randint(3, spec.vocab_size, (batch.positions.numel(),),
+                        generator=torch.Generator().manual_seed(1))
+
+    def pool(memory: torch.Tensor, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Layer caches of `slots` rows each, laid out from the start of `memory`."""
+        return [(memory[2 * i * slots:(2 * i + 1) * slots],
+                 memory[(2 * i + 1) * slots:(2 * i + 2) * slots])
+                for i in range(spec.num_layers)]
+
+    def forward(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        with torch.inference_mode():
+            return module(ids, batch.positions, kv, module.attention.build(batch))
+
+    memory = torch.randn(4 * spec.num_layers * rows, spec.head_dim,
+                         generator=torch.Generator().manual_seed(0))
+    forward(pool(memory, 2 * rows))
+    before = memory.clone()
+    fused = forward(pool(memory, rows))
+    module.fused, kept = None, module.fused
+    try:
+        layers = forward(pool(before, rows))
+    finally:
+        module.fused = kept
+    assert torch.equal(fused, layers)
+    assert torch.equal(memory, before)
