@@ -149,7 +149,9 @@ class FusedDecoder:
                    empty(T, self.q_size), empty(T, self.hidden), empty(T, 2 * self.inter),
                    empty(T, self.inter)]
         out = empty(T, self.hidden)
-        write_rows = meta.write_rows.contiguous()
+        # the C code reads int64 (the per-layer path takes any integer dtype); no copy when so
+        positions = positions.to(torch.int64).contiguous()
+        write_rows = meta.write_rows.to(torch.int64).contiguous()
         attn = kernel_args(meta, T, self.heads, self.kv_heads, self.head_dim,
                            self.model.scale, bf16=False,
                            kv_int8=kv_caches[0][0].dtype == torch.int8)

@@ -125,3 +125,22 @@ def test_a_new_pool_at_the_old_pools_address_gets_its_own_layer_table(checkpoint
         module.fused = kept
     assert torch.equal(fused, layers)
     assert torch.equal(memory, before)
+
+
+def test_int32_positions_give_the_bits_of_the_layers(checkpoints, monkeypatch):
+    """`CausalLM.forward` takes positions of any integer dtype (the per-layer path does): the C
+    call must not read int32 positions as int64."""
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
+    module = load(checkpoints("llama")).module
+    spec = module.spec
+    batch = attention_batch(TABLES, SEQS, BLOCK, NUM_BLOCKS, spec.num_kv_heads)
+    batch.positions = batch.positions.to(torch.int32)
+    g = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim, generator=g),
+           torch.randn(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim, generator=g))
+          for _ in range(spec.num_layers)]
+    fused, fused_kv = _forward(module, batch, kv, fused=True)
+    layers, layers_kv = _forward(module, batch, kv, fused=False)
+    assert torch.equal(fused, layers)
+    for (k1, v1), (k2, v2) in zip(fused_kv, layers_kv):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
