@@ -45,6 +45,24 @@ def test_no_rows_give_an_empty_result():
     assert fast(torch.empty(0, 64)).shape == (0, 40)
 
 
+def test_strided_and_three_dimensional_inputs_give_the_bits_of_their_rows():
+    fast = InferenceLinear(_layer(100, 37, True), "avx2")
+    x = torch.randn(3, 5, 200)[..., ::2]
+    with torch.inference_mode():
+        assert torch.equal(fast(x), fast(x.reshape(15, 100)).view(3, 5, 37))
+
+
+@pytest.mark.parametrize("x", [torch.randn(4, 64, dtype=torch.float64),
+                               torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(4, 63)],
+                         ids=["float64", "bfloat16", "width"])
+def test_inputs_the_kernel_cannot_read_are_refused(x):
+    """The kernel reads float32 rows of in_features values: anything else would be read as
+    such (past the end of a bfloat16 tensor), as F.linear refuses it."""
+    fast = InferenceLinear(_layer(64, 40, True), "avx2")
+    with pytest.raises(ValueError):
+        fast(x)
+
+
 def test_thread_counts_give_the_same_bits():
     layer = _layer(512, 1000, True)
     fast = InferenceLinear(layer, "avx2")
