@@ -10,6 +10,7 @@ from attention_batches import attention_batch
 from conftest import load, run
 
 from rtpkv.kernels.kv_quant import quantize_rows
+from rtpkv.model_factory.tiny import build_tiny_checkpoint
 
 
 BLOCK, NUM_BLOCKS = 4, 24
@@ -69,6 +70,14 @@ def test_the_layers_run_one_by_one_where_one_leaves_the_c_kernels(checkpoints, m
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert load(checkpoints(arch), **options).module.fused is None
+
+
+def test_heads_the_c_rope_does_not_take_run_one_by_one(tmp_path, monkeypatch):
+    """head_dim 24: the paged kernel takes it (a multiple of 8), the C RoPE (16) does not, so
+    the per-layer path rotates with torch and the fused decoder must not run."""
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
+    model = load(build_tiny_checkpoint(tmp_path, hidden_size=96, num_heads=4))
+    assert model.module.attention_name == "cpu-paged" and model.module.fused is None
 
 
 def test_a_pipeline_gives_the_same_tokens_and_logits_fused_or_not(make_pipeline, monkeypatch):
