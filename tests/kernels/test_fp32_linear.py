@@ -9,7 +9,7 @@ from conftest import run
 
 from rtpkv.kernels import fp32_linear
 from rtpkv.kernels.cpu_build import cpu_flags
-from rtpkv.kernels.linear import InferenceLinear
+from rtpkv.kernels.linear import InferenceLinear, linear_path
 
 # (in, out, bias): a layer of the tests' models, channels that are not whole panels, inputs
 # over one K block of 1024 (the partial sums), a single output
@@ -91,6 +91,18 @@ def test_on_an_avx2_cpu_the_bits_are_onednns():
             assert torch.equal(ours, theirs), shape
         else:
             torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("flags,builds", [("fpu sse avx avx2", True), ("fpu avx2 fma", False)],
+                         ids=["no FMA", "no compiler"])
+def test_auto_takes_avx2_only_where_the_kernel_runs(monkeypatch, flags, builds):
+    monkeypatch.setattr(fp32_linear, "cpu_flags", lambda: flags)
+    if not builds:
+        monkeypatch.setattr(fp32_linear, "library", lambda: None)
+    assert not fp32_linear.available()
+    assert linear_path(torch.float32, torch.device("cpu"), "auto") != "avx2"
+    with pytest.raises(ValueError, match="RTPKV_LINEAR=avx2 needs a CPU with AVX2 and FMA"):
+        linear_path(torch.float32, torch.device("cpu"), "avx2")
 
 
 def test_packing_pads_channels_to_whole_panels():
