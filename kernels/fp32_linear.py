@@ -57,8 +57,12 @@ def fp32_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tens
                 out_features: int) -> torch.Tensor:
     """y = x W^T + b for float32 `x` of shape (..., in) on the CPU; `packed` from `pack`, `bias`
     from `pad_bias`; the kernel must be `available()` (linear_path checks it)."""
-    x = x.contiguous()
     in_features = packed.shape[1]
+    if x.dtype != torch.float32 or x.shape[-1] != in_features:
+        # the kernel would read any other tensor as float32 rows of in_features values
+        raise ValueError(f"the avx2 linear layer takes float32 inputs of {in_features} "
+                         f"features, not {x.dtype} of {x.shape[-1]}")
+    x = x.contiguous()
     y = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
     library().rtpkv_fp32_linear(x.data_ptr(), x.numel() // in_features, in_features,
                                packed.data_ptr(), out_features,

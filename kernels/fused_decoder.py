@@ -39,13 +39,13 @@ class _Model(ctypes.Structure):
     _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I),
                 ("head_dim", _I), ("inter", _I), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("int8_group", _I), ("int8_panel_rows", _I),
-                ("cos", _P), ("sin", _P), ("final_norm", _P), ("layer", ctypes.POINTER(_Layer))]
+                ("cos", _P), ("sin", _P), ("final_norm", _P)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("T", _I), ("residual", _P), ("out", _P), ("positions", _P), ("write_rows", _P),
                 ("attn", _Args), ("tile_start", _P), ("num_tiles", _I),
-                ("x", _P), ("qkv", _P), ("q", _P), ("att", _P), ("h", _P), ("gate_up", _P),
+                ("layer", ctypes.POINTER(_Layer)), ("x", _P), ("qkv", _P), ("q", _P), ("att", _P), ("h", _P), ("gate_up", _P),
                 ("act", _P), ("seconds", _P)]
 
 # The parts `FusedDecoder.seconds` sums wall time into (SECONDS_* in csrc/decoder.c).
@@ -86,9 +86,9 @@ class FusedDecoder:
             len(backbone.layers), self.hidden, self.heads, self.kv_heads, self.head_dim,
             self.inter, backbone.norm.eps, backbone.layers[0].self_attn.scale,
             first.group_size if int8 else 0, PANEL_MIN_ROWS if int8 else 0,
-            module.cos.data_ptr(), module.sin.data_ptr(), backbone.norm.weight.data_ptr(), None)
-        self._layers: Optional[ctypes.Array] = None
-        self._pool = None   # the KV pool the layer table points into
+            module.cos.data_ptr(), module.sin.data_ptr(), backbone.norm.weight.data_ptr())
+        # the last layer table made, with the addresses of the K/V caches it points into
+        self._table: Optional[tuple[tuple[int, ...], ctypes.Array]] = None
         # float64 (len(TIMED_PARTS),): when set, each forward adds its parts' wall seconds
         # (benchmarks/decode_step.py); None in service
         self.seconds: Optional[torch.Tensor] = None
@@ -119,9 +119,13 @@ class FusedDecoder:
         return None if lib is None else cls(module, lib)
 
     def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array:
-        """The per-layer table, made on the first forward (the pool's address is fixed)."""
-        pool = kv_caches[0][0].data_ptr()
-        if self._layers is None or self._pool != pool:
+        """The per-layer table over `kv_caches`, remade when any cache's address changes: a new
+        pool can start where a freed one did with its layers at other offsets. Read and replaced
+        as one attribute, and passed per call, so engines sharing the module on their own
+        threads each run on their own pool."""
+        key = tuple(t.data_ptr() for kv in kv_caches for t in kv)
+        cached = self._table
+        if cached is None or cached[0] != key:
             layers = self.module.model.layers
             table = (_Layer * len(layers))()
             for entry, layer, (k_cache, v_cache) in zip(table, layers, kv_caches):
@@ -131,28 +135,29 @@ class FusedDecoder:
                 entry.qkv, entry.o = _linear(attn.qkv), _linear(attn.o_proj)
                 entry.gate_up, entry.down = _linear(mlp.gate_up), _linear(mlp.down_proj)
                 entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-            self._layers, self._pool = table, pool
-            self.model.layer = table
-        return self._layers
+            cached = self._table = (key, table)
+        return cached[1]
 
     def forward(self, residual: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: CpuMetadata) -> torch.Tensor:
         """residual: (T, hidden) embeddings (updated in place); returns the final hidden states."""
-        self._layer_table(kv_caches)
+        table = self._layer_table(kv_caches)
         T = residual.shape[0]
         empty = residual.new_empty
         scratch = [empty(T, self.hidden), empty(T, self.width), empty(T, self.q_size),
                    empty(T, self.q_size), empty(T, self.hidden), empty(T, 2 * self.inter),
                    empty(T, self.inter)]
         out = empty(T, self.hidden)
-        write_rows = meta.write_rows.contiguous()
+        # the C code reads int64 (the per-layer path takes any integer dtype); no copy when so
+        positions = positions.to(torch.int64).contiguous()
+        write_rows = meta.write_rows.to(torch.int64).contiguous()
         attn = kernel_args(meta, T, self.heads, self.kv_heads, self.head_dim,
                            self.model.scale, bf16=False,
                            kv_int8=kv_caches[0][0].dtype == torch.int8)
         step = _Step(T, residual.data_ptr(), out.data_ptr(), positions.data_ptr(),
                      write_rows.data_ptr(), attn, meta.tile_start.data_ptr(),
-                     meta.tile_start.numel() - 1, *(t.data_ptr() for t in scratch),
+                     meta.tile_start.numel() - 1, table, *(t.data_ptr() for t in scratch),
                      None if self.seconds is None else self.seconds.data_ptr())
         self.lib.rtpkv_decoder_forward(ctypes.byref(self.model), ctypes.byref(step))
         return out

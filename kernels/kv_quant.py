@@ -49,7 +49,9 @@ def write_kv_int8(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
     """Quantize the new tokens' K/V (T, kv_heads, d) into their pool rows ((kv_heads, T)): the
     C kernel where it builds and takes the tensors (CPU, float32/bfloat16), else torch."""
     T, kvh, d = k.shape
-    if T and fused_ops.usable(k, v) and k.stride(1) == d and v.stride(1) == d \
+    if not T:
+        return   # nothing to write (quantize_rows cannot view an empty scale column as bytes)
+    if fused_ops.usable(k, v) and k.stride(1) == d and v.stride(1) == d \
             and k.stride(2) == 1 and v.stride(2) == 1:
         index = rows.to(torch.int64).contiguous()
         fused_ops.library().rtpkv_write_kv_int8(

@@ -48,7 +48,6 @@ typedef struct {
     int64_t int8_panel_rows;
     const float *cos, *sin;        /* (max_positions, head_dim) */
     const float *final_norm;
-    const decoder_layer *layer;
 } decoder_model;
 
 typedef struct {                   /* one forward */
@@ -60,6 +59,8 @@ typedef struct {                   /* one forward */
     attn_args attn;                /* q, caches and out are set per layer */
     const int64_t *tile_start;
     int64_t num_tiles;
+    const decoder_layer *layer;    /* the layers over this step's KV pool (per call: the pool can
+                                      be another one, at another address, at the next call) */
     float *x, *qkv, *q, *att, *h, *gate_up, *act;   /* scratch, T rows each */
     double *seconds;               /* NULL, or sums of wall seconds, added to per SECONDS_* part */
 } decoder_step;
@@ -115,7 +116,7 @@ void rtpkv_decoder_forward(const decoder_model *m, decoder_step *s) {
     const int64_t q_size = m->heads * D, width = q_size + 2 * m->kv_heads * D;
     double t = s->seconds ? clock_now() : 0.0;
     for (int64_t i = 0; i < m->layers; i++) {
-        const decoder_layer *l = &m->layer[i];
+        const decoder_layer *l = &s->layer[i];
         rtpkv_rms_norm(i == 0 ? s->residual : s->h, i == 0 ? NULL : s->residual, l->input_norm,
                        s->x, T, E, m->eps, 0);
         lap(s, SECONDS_ELEMENTWISE, &t);

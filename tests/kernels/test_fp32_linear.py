@@ -9,7 +9,7 @@ from conftest import run
 
 from rtpkv.kernels import fp32_linear
 from rtpkv.kernels.cpu_build import cpu_flags
-from rtpkv.kernels.linear import InferenceLinear
+from rtpkv.kernels.linear import InferenceLinear, linear_path
 
 # (in, out, bias): a layer of the tests' models, channels that are not whole panels, inputs
 # over one K block of 1024 (the partial sums), a single output
@@ -45,6 +45,24 @@ def test_no_rows_give_an_empty_result():
     assert fast(torch.empty(0, 64)).shape == (0, 40)
 
 
+def test_strided_and_three_dimensional_inputs_give_the_bits_of_their_rows():
+    fast = InferenceLinear(_layer(100, 37, True), "avx2")
+    x = torch.randn(3, 5, 200)[..., ::2]
+    with torch.inference_mode():
+        assert torch.equal(fast(x), fast(x.reshape(15, 100)).view(3, 5, 37))
+
+
+@pytest.mark.parametrize("x", [torch.randn(4, 64, dtype=torch.float64),
+                               torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(4, 63)],
+                         ids=["float64", "bfloat16", "width"])
+def test_inputs_the_kernel_cannot_read_are_refused(x):
+    """The kernel reads float32 rows of in_features values: anything else would be read as
+    such (past the end of a bfloat16 tensor), as F.linear refuses it."""
+    fast = InferenceLinear(_layer(64, 40, True), "avx2")
+    with pytest.raises(ValueError):
+        fast(x)
+
+
 def test_thread_counts_give_the_same_bits():
     layer = _layer(512, 1000, True)
     fast = InferenceLinear(layer, "avx2")
@@ -73,6 +91,18 @@ def test_on_an_avx2_cpu_the_bits_are_onednns():
             assert torch.equal(ours, theirs), shape
         else:
             torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("flags,builds", [("fpu sse avx avx2", True), ("fpu avx2 fma", False)],
+                         ids=["no FMA", "no compiler"])
+def test_auto_takes_avx2_only_where_the_kernel_runs(monkeypatch, flags, builds):
+    monkeypatch.setattr(fp32_linear, "cpu_flags", lambda: flags)
+    if not builds:
+        monkeypatch.setattr(fp32_linear, "library", lambda: None)
+    assert not fp32_linear.available()
+    assert linear_path(torch.float32, torch.device("cpu"), "auto") != "avx2"
+    with pytest.raises(ValueError, match="RTPKV_LINEAR=avx2 needs a CPU with AVX2 and FMA"):
+        linear_path(torch.float32, torch.device("cpu"), "avx2")
 
 
 def test_packing_pads_channels_to_whole_panels():

@@ -10,6 +10,7 @@ from attention_batches import attention_batch
 from conftest import load, run
 
 from rtpkv.kernels.kv_quant import quantize_rows
+from rtpkv.model_factory.tiny import build_tiny_checkpoint
 
 
 BLOCK, NUM_BLOCKS = 4, 24
@@ -71,6 +72,14 @@ def test_the_layers_run_one_by_one_where_one_leaves_the_c_kernels(checkpoints, m
     assert load(checkpoints(arch), **options).module.fused is None
 
 
+def test_heads_the_c_rope_does_not_take_run_one_by_one(tmp_path, monkeypatch):
+    """head_dim 24: the paged kernel takes it (a multiple of 8), the C RoPE (16) does not, so
+    the per-layer path rotates with torch and the fused decoder must not run."""
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
+    model = load(build_tiny_checkpoint(tmp_path, hidden_size=96, num_heads=4))
+    assert model.module.attention_name == "cpu-paged" and model.module.fused is None
+
+
 def test_a_pipeline_gives_the_same_tokens_and_logits_fused_or_not(make_pipeline, monkeypatch):
     monkeypatch.setenv("RTPKV_LINEAR", "avx2")
     prompts = [[5, 9, 14, 3, 22, 8] * n for n in (1, 5, 9)]
@@ -88,3 +97,59 @@ def test_a_pipeline_gives_the_same_tokens_and_logits_fused_or_not(make_pipeline,
     for a, b in zip(*outputs):
         assert a.output_ids == b.output_ids
         assert torch.equal(a.logits, b.logits)
+
+
+
+def test_a_new_pool_at_the_old_pools_address_gets_its_own_layer_table(checkpoints, monkeypatch):
+    """A pool freed and another allocated can start at the same address with its layers at other
+    offsets (another block count): the fused decoder must write and read the new layers."""
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
+    module = load(checkpoints("llama")).module
+    spec = module.spec
+    assert module.fused is not None and spec.num_layers > 1
+    batch = attention_batch(TABLES, SEQS, BLOCK, NUM_BLOCKS, spec.num_kv_heads)
+    rows = spec.num_kv_heads * NUM_BLOCKS * BLOCK
+    ids = torch.randint(3, spec.vocab_size, (batch.positions.numel(),),
+                        generator=torch.Generator().manual_seed(1))
+
+    def pool(memory: torch.Tensor, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Layer caches of `slots` rows each, laid out from the start of `memory`."""
+        return [(memory[2 * i * slots:(2 * i + 1) * slots],
+                 memory[(2 * i + 1) * slots:(2 * i + 2) * slots])
+                for i in range(spec.num_layers)]
+
+    def forward(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        with torch.inference_mode():
+            return module(ids, batch.positions, kv, module.attention.build(batch))
+
+    memory = torch.randn(4 * spec.num_layers * rows, spec.head_dim,
+                         generator=torch.Generator().manual_seed(0))
+    forward(pool(memory, 2 * rows))
+    before = memory.clone()
+    fused = forward(pool(memory, rows))
+    module.fused, kept = None, module.fused
+    try:
+        layers = forward(pool(before, rows))
+    finally:
+        module.fused = kept
+    assert torch.equal(fused, layers)
+    assert torch.equal(memory, before)
+
+
+def test_int32_positions_give_the_bits_of_the_layers(checkpoints, monkeypatch):
+    """`CausalLM.forward` takes positions of any integer dtype (the per-layer path does): the C
+    call must not read int32 positions as int64."""
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
+    module = load(checkpoints("llama")).module
+    spec = module.spec
+    batch = attention_batch(TABLES, SEQS, BLOCK, NUM_BLOCKS, spec.num_kv_heads)
+    batch.positions = batch.positions.to(torch.int32)
+    g = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim, generator=g),
+           torch.randn(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim, generator=g))
+          for _ in range(spec.num_layers)]
+    fused, fused_kv = _forward(module, batch, kv, fused=True)
+    layers, layers_kv = _forward(module, batch, kv, fused=False)
+    assert torch.equal(fused, layers)
+    for (k1, v1), (k2, v2) in zip(fused_kv, layers_kv):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)

@@ -72,6 +72,14 @@ def test_without_the_library_the_torch_write_runs(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(fast, slow))
 
 
+def test_a_step_with_no_tokens_writes_nothing():
+    """As the float32 write (an empty index_copy_) does, on either path."""
+    cache = [torch.ones(KVH * 9, 20, dtype=torch.int8) for _ in range(2)]
+    empty = torch.empty(0, KVH, 16)
+    write_kv_int8(*cache, empty, empty, torch.empty(KVH, 0, dtype=torch.int64))
+    assert all(torch.equal(c, torch.ones_like(c)) for c in cache)
+
+
 def _step(window=None):
     """Two decodes and a 21-token chunk after a 10-token prefix (tiles of 16 and 5 tokens)."""
     return attention_batch(TABLES, [(25, 1), (33, 1), (10, 21)], B, NUM_BLOCKS, KVH, window)
