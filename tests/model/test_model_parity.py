@@ -33,9 +33,10 @@ class Int8KVCache(DynamicCache):
                               *args, **kwargs)
 
 
-def _cache(mode, key="past_key_values"):
-    """The cache transformers runs `mode` with, under `key` (generate calls it `cache`)."""
-    return {key: Int8KVCache()} if mode == "int8-kv" else {}
+def _cache(mode):
+    """The cache transformers runs `mode` with (its `cache` argument; `past_key_values` is the
+    deprecated name)."""
+    return {"cache": Int8KVCache()} if mode == "int8-kv" else {}
 
 
 def _hf(path, mode="float32"):
@@ -86,7 +87,7 @@ def test_greedy_generation_matches_transformers(checkpoints, arch, mode):
             ids = model.tokenizer(prompt, return_tensors="pt").input_ids
             expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                    max_new_tokens=32, min_new_tokens=32,
-                                   **_cache(mode, "cache"))[0, ids.shape[1]:].tolist()
+                                   **_cache(mode))[0, ids.shape[1]:].tolist()
             res = run(pipe, prompt, max_new_tokens=32, return_logits=True)
             assert res.output_ids == expected
             with torch.inference_mode():
