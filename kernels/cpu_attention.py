@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from rtpkv.kernels.attention import AttentionBatch
-from rtpkv.kernels.cpu_build import load_library
+from rtpkv.kernels.cpu_build import Signatures, bound_library
 from rtpkv.kernels.kv_store import write_kv
 
 _P = ctypes.c_void_p
@@ -30,14 +31,12 @@ class _Args(ctypes.Structure):
                 ("bf16", ctypes.c_int), ("window", _I), ("kv_int8", ctypes.c_int)]
 
 
-def _library():
-    lib = load_library("paged_attention")
-    if lib is not None:
-        lib.rtpkv_paged_attention.argtypes = [ctypes.POINTER(_Args), _P, _I]
-        lib.rtpkv_paged_attention.restype = None
-        lib.rtpkv_tile_limit.restype = _I
-        lib.rtpkv_head_dim_multiple.restype = _I
-    return lib
+_SIGNATURES: Signatures = {"rtpkv_paged_attention": ([ctypes.POINTER(_Args), _P, _I], None),
+                           "rtpkv_tile_limit": (None, _I), "rtpkv_head_dim_multiple": (None, _I)}
+
+
+def _library() -> Optional[ctypes.CDLL]:
+    return bound_library("paged_attention", _SIGNATURES)
 
 
 def available(head_dim: int) -> bool:

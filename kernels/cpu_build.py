@@ -6,7 +6,8 @@ wherever it is inlined: the kernels write their FMAs out) into the user's cache 
 by the source and the headers of csrc/, the compiler and the CPU's flags. It links the same
 `libgomp.so.1` torch loads, so it runs on torch's own OpenMP thread pool: one pool, sized by
 `torch.set_num_threads`. When no compiler is found or the build fails, `load_library` returns
-None and callers use their pure-torch fallback.
+None and callers use their pure-torch fallback; `bound_library` is how the bindings ask for a
+library, its functions' C signatures set.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import subprocess
 import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from rtpkv.user_cache import user_cache_dir
 
@@ -84,3 +85,19 @@ def load_library(name: str, *linked: str) -> Optional[ctypes.CDLL]:
             return None
         os.replace(tmp, target)  # another process may have built the same file: same bytes
     return ctypes.CDLL(str(target))
+
+
+# function name -> (argtypes, restype) of a library's C functions
+Signatures = dict[str, tuple[Optional[list[Any]], Any]]
+
+
+def bound_library(name: str, signatures: Signatures, *linked: str) -> Optional[ctypes.CDLL]:
+    """`load_library` with the C signatures of its functions set on first use. Every kernel call
+    asks for its library this way, so after the first it is a cache lookup and a flag."""
+    lib = load_library(name, *linked)
+    if lib is not None and not getattr(lib, "_rtpkv_bound", False):
+        for function, (argtypes, restype) in signatures.items():
+            getattr(lib, function).argtypes = argtypes
+            getattr(lib, function).restype = restype
+        lib._rtpkv_bound = True
+    return lib

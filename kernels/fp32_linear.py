@@ -10,26 +10,17 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from rtpkv.kernels.cpu_build import cpu_flags, load_library
+from rtpkv.kernels.cpu_build import Signatures, bound_library, cpu_flags
 
 PANEL = 16   # output channels per packed panel
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-_library: Optional[ctypes.CDLL] = None
+_SIGNATURES: Signatures = {"rtpkv_fp32_linear": ([_P, _I, _I, _P, _I, _P, _P], None)}
 
 
 def library() -> Optional[ctypes.CDLL]:
-    """The loaded kernel (None where it cannot be built); called once per GEMM, so kept cheap."""
-    global _library
-    if _library is None:
-        lib = load_library("fp32_linear")
-        if lib is None:
-            return None
-        lib.rtpkv_fp32_linear.argtypes = [_P, _I, _I, _P, _I, _P, _P]
-        lib.rtpkv_fp32_linear.restype = None
-        _library = lib
-    return _library
+    return bound_library("fp32_linear", _SIGNATURES)
 
 
 def available() -> bool:

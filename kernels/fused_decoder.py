@@ -1,9 +1,9 @@
 """A forward's decoder layers in one C call (csrc/decoder.c) where the model runs on the C
 kernels end to end: float32 on the CPU, linear layers on the avx2 or int8 kernel, the CPU
-paged-attention backend (over a float32 or an int8 KV cache), the fused ops, no q/k norm. It calls the same kernels the per-layer
-Python path calls, in the same order, so the two give the same bits (tests/kernels/
-test_fused_decoder.py); it only removes the Python between them, which dominates the small
-kernels of a one-token decode step. `FusedDecoder.build` returns None for any other model, and
+paged-attention backend (over a float32 or an int8 KV cache), the fused ops, no q/k norm. It
+calls the same kernels the per-layer Python path calls, in the same order, so the two give the
+same bits (tests/kernels/test_fused_decoder.py); it only removes the Python between them, which
+dominates the small kernels of a one-token decode step. `FusedDecoder.build` returns None for any other model, and
 CausalLM then runs its layers one by one."""
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from rtpkv.kernels import fused_ops
 from rtpkv.kernels.cpu_attention import CpuMetadata, CpuPagedAttention, kernel_args, _Args
-from rtpkv.kernels.cpu_build import load_library
+from rtpkv.kernels.cpu_build import Signatures, bound_library
 from rtpkv.kernels.int8_linear import PANEL_MIN_ROWS, Int8Linear
 from rtpkv.kernels.linear import InferenceLinear
 
@@ -45,19 +44,17 @@ class _Model(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("T", _I), ("residual", _P), ("out", _P), ("positions", _P), ("write_rows", _P),
                 ("attn", _Args), ("tile_start", _P), ("num_tiles", _I),
-                ("layer", ctypes.POINTER(_Layer)), ("x", _P), ("qkv", _P), ("q", _P), ("att", _P), ("h", _P), ("gate_up", _P),
-                ("act", _P), ("seconds", _P)]
+                ("layer", ctypes.POINTER(_Layer)), ("x", _P), ("qkv", _P), ("q", _P),
+                ("att", _P), ("h", _P), ("gate_up", _P), ("act", _P), ("seconds", _P)]
 
-# The parts `FusedDecoder.seconds` sums wall time into (SECONDS_* in csrc/decoder.c).
-TIMED_PARTS = ("linear layers", "attention and KV write", "norms, RoPE, SiLU-and-mul")
+
+_SIGNATURES: Signatures = {
+    "rtpkv_decoder_forward": ([ctypes.POINTER(_Model), ctypes.POINTER(_Step)], None)}
 
 
 def _library() -> Optional[ctypes.CDLL]:
-    lib = load_library("decoder", "fused_ops", "fp32_linear", "int8_linear", "paged_attention")
-    if lib is not None and lib.rtpkv_decoder_forward.argtypes is None:
-        lib.rtpkv_decoder_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
-        lib.rtpkv_decoder_forward.restype = None
-    return lib
+    return bound_library("decoder", _SIGNATURES, "fused_ops", "fp32_linear", "int8_linear",
+                         "paged_attention")
 
 
 def _linear(layer: torch.nn.Module) -> _Linear:
@@ -80,17 +77,24 @@ class FusedDecoder:
         self.head_dim, self.inter = spec.head_dim, spec.intermediate_size
         self.q_size = self.heads * self.head_dim
         self.width = self.q_size + 2 * self.kv_heads * self.head_dim
+        # a forward's scratch, T rows each of x, qkv, q, attention out, h, gate_up, act, in one
+        # buffer: where each starts, in floats per row of T, and the floats per row of all
+        widths = (self.hidden, self.width, self.q_size, self.q_size, self.hidden,
+                  2 * self.inter, self.inter)
+        self.scratch_starts = [sum(widths[:i]) for i in range(len(widths))]
+        self.scratch_width = sum(widths)
         first = backbone.layers[0].mlp.gate_up
         int8 = isinstance(first, Int8Linear)
         self.model = _Model(
             len(backbone.layers), self.hidden, self.heads, self.kv_heads, self.head_dim,
-            self.inter, backbone.norm.eps, backbone.layers[0].self_attn.scale,
+            self.inter, spec.rms_norm_eps, backbone.layers[0].self_attn.scale,
             first.group_size if int8 else 0, PANEL_MIN_ROWS if int8 else 0,
             module.cos.data_ptr(), module.sin.data_ptr(), backbone.norm.weight.data_ptr())
         # the last layer table made, with the addresses of the K/V caches it points into
         self._table: Optional[tuple[tuple[int, ...], ctypes.Array]] = None
-        # float64 (len(TIMED_PARTS),): when set, each forward adds its parts' wall seconds
-        # (benchmarks/decode_step.py); None in service
+        # float64 (3,): when set, each forward adds the wall seconds of its linear layers,
+        # attention with the KV write, and elementwise kernels (SECONDS_* in csrc/decoder.c;
+        # benchmarks/decode_step.py); None in service
         self.seconds: Optional[torch.Tensor] = None
 
     @classmethod
@@ -108,11 +112,7 @@ class FusedDecoder:
             and (all(isinstance(m, Int8Linear) for m in linears)
                  or all(isinstance(m, InferenceLinear) and m.path == "avx2" for m in linears))
             and spec.head_dim % 16 == 0 and spec.hidden_size % 8 == 0
-            and spec.intermediate_size % 8 == 0
-            and len({layer.input_layernorm.eps for layer in backbone.layers}
-                    | {layer.post_attention_layernorm.eps for layer in backbone.layers}
-                    | {backbone.norm.eps}) == 1
-            and fused_ops.library() is not None)
+            and spec.intermediate_size % 8 == 0)
         if not eligible:
             return None
         lib = _library()
@@ -144,11 +144,9 @@ class FusedDecoder:
         """residual: (T, hidden) embeddings (updated in place); returns the final hidden states."""
         table = self._layer_table(kv_caches)
         T = residual.shape[0]
-        empty = residual.new_empty
-        scratch = [empty(T, self.hidden), empty(T, self.width), empty(T, self.q_size),
-                   empty(T, self.q_size), empty(T, self.hidden), empty(T, 2 * self.inter),
-                   empty(T, self.inter)]
-        out = empty(T, self.hidden)
+        buffer = residual.new_empty(T * self.scratch_width)
+        scratch = [buffer.data_ptr() + 4 * T * start for start in self.scratch_starts]
+        out = residual.new_empty(T, self.hidden)
         # the C code reads int64 (the per-layer path takes any integer dtype); no copy when so
         positions = positions.to(torch.int64).contiguous()
         write_rows = meta.write_rows.to(torch.int64).contiguous()
@@ -157,7 +155,7 @@ class FusedDecoder:
                            kv_int8=kv_caches[0][0].dtype == torch.int8)
         step = _Step(T, residual.data_ptr(), out.data_ptr(), positions.data_ptr(),
                      write_rows.data_ptr(), attn, meta.tile_start.data_ptr(),
-                     meta.tile_start.numel() - 1, table, *(t.data_ptr() for t in scratch),
+                     meta.tile_start.numel() - 1, table, *scratch,
                      None if self.seconds is None else self.seconds.data_ptr())
         self.lib.rtpkv_decoder_forward(ctypes.byref(self.model), ctypes.byref(step))
         return out

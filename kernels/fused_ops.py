@@ -10,30 +10,21 @@ from typing import Optional
 
 import torch
 
-from rtpkv.kernels.cpu_build import load_library
+from rtpkv.kernels.cpu_build import Signatures, bound_library
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _DTYPES = (torch.float32, torch.bfloat16)
-_library: Optional[ctypes.CDLL] = None
+_SIGNATURES: Signatures = {
+    "rtpkv_rms_norm": ([_P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int], None),
+    "rtpkv_silu_and_mul": ([_P, _P, _I, _I, ctypes.c_int], None),
+    "rtpkv_rope": ([_P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int], None),
+    "rtpkv_write_kv_int8": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int], None),
+}
 
 
 def library() -> Optional[ctypes.CDLL]:
-    """The loaded library with its signatures set (called once per kernel call: kept cheap)."""
-    global _library
-    if _library is None:
-        lib = load_library("fused_ops")
-        if lib is None:
-            return None
-        lib.rtpkv_rms_norm.argtypes = [_P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int]
-        lib.rtpkv_silu_and_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int]
-        lib.rtpkv_rope.argtypes = [_P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int]
-        lib.rtpkv_write_kv_int8.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int]
-        for fn in (lib.rtpkv_rms_norm, lib.rtpkv_silu_and_mul, lib.rtpkv_rope,
-                   lib.rtpkv_write_kv_int8):
-            fn.restype = None
-        _library = lib
-    return _library
+    return bound_library("fused_ops", _SIGNATURES)
 
 
 def usable(*tensors: torch.Tensor, multiple: int = 8) -> bool:

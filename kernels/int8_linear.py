@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rtpkv.kernels.cpu_build import load_library
+from rtpkv.kernels.cpu_build import Signatures, bound_library
 
 GROUP_SIZE = 32        # input values per scale: the measured choice (docs/BENCHMARKS.md)
 LANES = 8              # output channels per packed block (one AVX2 register of float32)
@@ -28,12 +28,12 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
 
+_SIGNATURES: Signatures = {
+    "rtpkv_int8_linear": ([_P, _I, _I, _P, _P, _I, _I, _P, _P, _I], None)}
+
+
 def library() -> Optional[ctypes.CDLL]:
-    lib = load_library("int8_linear")
-    if lib is not None and lib.rtpkv_int8_linear.argtypes is None:
-        lib.rtpkv_int8_linear.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P, _P, _I]
-        lib.rtpkv_int8_linear.restype = None
-    return lib
+    return bound_library("int8_linear", _SIGNATURES)
 
 
 def quantize(weight: torch.Tensor,
