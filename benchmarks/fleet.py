@@ -6,7 +6,9 @@ vllm-router to N `rtpkv serve` replicas (rtpkv.fleet.Fleet) and prints, per setu
 rate (sum of cached_tokens / sum of prompt tokens), TTFT p50/p90/p99, output tokens/s and
 requests failed. Setups: round_robin; round_robin with every replica on one Redis tier;
 cache_aware (the router's approximate tree over request text); kv_aware (fed by the replicas'
-KV events); and one replica alone without a router, with every replica's threads (the
+KV events); kv_aware+sessions (the same, with the router's session affinity: a conversation's
+first request is placed by the events, its later turns stay on that replica); and one replica
+alone without a router, with every replica's threads (the
 ceiling: it sees every turn).
 
 Trace scaled down: each 512-token hash id becomes a fixed run of --words-per-id words drawn from
@@ -22,7 +24,7 @@ enough that the trace evicts.
 
     python benchmarks/fleet.py --trace PATH/mooncake-conversation.jsonl [--requests 1000]
         [--replicas 2] [--concurrency 4 | --arrivals trace --speedup 2]
-        [--setups round_robin round_robin+redis cache_aware kv_aware alone]
+        [--setups round_robin round_robin+redis cache_aware kv_aware kv_aware+sessions alone]
 
 Method and machine: docs/BENCHMARKS.md.
 """
@@ -48,7 +50,9 @@ from redis_server import RedisServer  # noqa: E402
 
 from rtpkv.fleet.launcher import Fleet  # noqa: E402
 
-SETUPS = ("round_robin", "round_robin+redis", "cache_aware", "kv_aware", "alone")
+SETUPS = ("round_robin", "round_robin+redis", "cache_aware", "kv_aware", "kv_aware+sessions",
+          "alone")
+SESSION_TTL_S = 600   # kv_aware+sessions: vllm-router's --kv-aware-session-affinity-ttl-secs
 WORDS = ("the of and to in is was for on are with as by at from his her they this that have "
          "not but what all were when we there can an your which their said if will each about "
          "how up out them then she many some so these would other into has more two like him "
@@ -58,11 +62,16 @@ WORDS = ("the of and to in is was for on are with as by at from his her they thi
          "look think also around another came come work three word must because does part").split()
 
 
+Request = tuple[str, int, float, str]   # prompt text, output tokens, arrival s, conversation
+
+
 def load_trace(path: Path, requests: int, words_per_id: int, max_ids: int, max_new_tokens: int
-               ) -> list[tuple[str, int, float]]:
-    """(prompt text, output tokens, arrival seconds) of the first `requests` requests, in trace
-    order; a prompt keeps its first `max_ids` hash ids (a prefix: what it shares with others
-    stays shared)."""
+               ) -> list[Request]:
+    """(prompt text, output tokens, arrival seconds, conversation) of the first `requests`
+    requests, in trace order; a prompt keeps its first `max_ids` hash ids (a prefix: what it
+    shares with others stays shared). The conversation is the prompt's second hash id: the
+    first is the prompt every request shares, and a later turn repeats its conversation's
+    earlier prompt, so it is what a chat client knows as its session."""
     runs: dict[int, str] = {}
     out = []
     with open(path) as f:
@@ -77,23 +86,25 @@ def load_trace(path: Path, requests: int, words_per_id: int, max_ids: int, max_n
                     runs[h] = " ".join(rng.choice(WORDS) for _ in range(words_per_id))
             text = " ".join(runs[h] for h in ids)
             out.append((text, max(1, min(rec["output_length"], max_new_tokens)),
-                        rec["timestamp"] / 1000))
+                        rec["timestamp"] / 1000, str(rec["hash_ids"][1 if len(ids) > 1 else 0])))
     if len(out) < requests:
         raise SystemExit(f"--requests {requests}: the trace has only {len(out)}")
     return out
 
 
-async def replay(url: str, model: str, trace: list[tuple[str, int, float]], concurrency: int,
+async def replay(url: str, model: str, trace: list[Request], concurrency: int,
                  timeout: float, speedup: Optional[float] = None) -> dict[str, Any]:
-    """Streams one completion per trace request. Closed loop (`speedup` None): `concurrency`
-    clients take the requests in order, one at a time each. Open loop: each request is sent at
-    its arrival time divided by `speedup`. TTFT is the time from sending to the first chunk with
-    text."""
+    """Streams one completion per trace request, with its conversation in `x-session-id` as a
+    chat client would send it (only a router set up for sessions reads it). Closed loop
+    (`speedup` None): `concurrency` clients take the requests in order, one at a time each.
+    Open loop: each request is sent at its arrival time divided by `speedup`. TTFT is the time
+    from sending to the first chunk with text."""
     ttfts: list[float] = []
     errors: Counter[str] = Counter()
     prompt = cached = generated = failed = 0
 
-    async def request(http: httpx.AsyncClient, text: str, new_tokens: int) -> None:
+    async def request(http: httpx.AsyncClient, text: str, new_tokens: int, session: str
+                      ) -> None:
         nonlocal prompt, cached, generated, failed
         body = {"model": model, "prompt": text, "max_tokens": new_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}
@@ -101,7 +112,8 @@ async def replay(url: str, model: str, trace: list[tuple[str, int, float]], conc
         first: Optional[float] = None
         usage = None
         try:
-            async with http.stream("POST", url + "/v1/completions", json=body) as res:
+            async with http.stream("POST", url + "/v1/completions", json=body,
+                                   headers={"x-session-id": session}) as res:
                 if res.status_code != 200:
                     failed += 1
                     errors[f"{res.status_code} {(await res.aread())[:160]!r}"] += 1
@@ -127,21 +139,24 @@ async def replay(url: str, model: str, trace: list[tuple[str, int, float]], conc
         generated += usage["completion_tokens"]
 
     async def client(http: httpx.AsyncClient, queue: Any) -> None:
-        for text, new_tokens, _ in queue:
-            await request(http, text, new_tokens)
+        for text, new_tokens, _, session in queue:
+            await request(http, text, new_tokens, session)
 
     async def arrivals(http: httpx.AsyncClient) -> None:
         start = time.perf_counter()
         first_arrival = trace[0][2]
         sent = []
-        for text, new_tokens, arrival in trace:
+        for text, new_tokens, arrival, session in trace:
             await asyncio.sleep(max(0.0, start + (arrival - first_arrival) / speedup
                                     - time.perf_counter()))
-            sent.append(asyncio.create_task(request(http, text, new_tokens)))
+            sent.append(asyncio.create_task(request(http, text, new_tokens, session)))
         await asyncio.gather(*sent)
 
     t0 = time.perf_counter()
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    # idle connections are let go after 2 s, before the server's 5 s keep-alive ends: a request
+    # sent on a connection the server is closing fails with a ReadError, a client artifact
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                          keepalive_expiry=2.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
         if speedup is None:
             queue = iter(trace)
@@ -155,7 +170,7 @@ async def replay(url: str, model: str, trace: list[tuple[str, int, float]], conc
             "requests": len(ttfts) + failed, "wall_s": wall, "errors": errors}
 
 
-def run_setup(setup: str, args: Any, trace: list[tuple[str, int, float]], redis: RedisServer,
+def run_setup(setup: str, args: Any, trace: list[Request], redis: RedisServer,
               log_dir: Path) -> dict[str, Any]:
     replicas = 1 if setup == "alone" else args.replicas
     redis_url = redis.url if setup.endswith("+redis") else None   # the one setup that uses it
@@ -172,7 +187,9 @@ def run_setup(setup: str, args: Any, trace: list[tuple[str, int, float]], redis:
         fleet.start_replicas()
         url = fleet.replicas[0].url
         if setup != "alone":
-            fleet.start_router("vllm", setup.split("+")[0])
+            sessions = ["--kv-aware-session-affinity-ttl-secs", str(SESSION_TTL_S)]
+            fleet.start_router("vllm", setup.split("+")[0],
+                               router_args=sessions if setup.endswith("+sessions") else ())
             url = fleet.router_url
         return asyncio.run(replay(url, "bench", trace, args.concurrency, args.request_timeout,
                                   args.speedup if open_loop else None))

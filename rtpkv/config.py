@@ -32,7 +32,9 @@ _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdi
 _TRUE = {"1", "true", "on"}
 WEIGHT_TYPES = ("auto", "int8")
 KV_CACHE_DTYPES = ("auto", "int8")
-_CHOICES = {"weight_type": WEIGHT_TYPES, "kv_cache_dtype": KV_CACHE_DTYPES}   # lower-cased
+KV_EVENTS_LAYOUTS = ("map", "array")   # the KV events' layouts (rtpkv.fleet.wire)
+_CHOICES = {"weight_type": WEIGHT_TYPES, "kv_cache_dtype": KV_CACHE_DTYPES,
+            "kv_events_layout": KV_EVENTS_LAYOUTS}   # lower-cased
 _FALSE = {"0", "false", "off"}
 
 
@@ -222,6 +224,7 @@ class RuntimeConfig(BaseModel):
     kv_events_replay_endpoint: Optional[str] = None   # ROUTER for replay requests (binds)
     kv_events_topic: str = Field("", max_length=256)
     kv_events_buffer_steps: int = Field(10000, ge=1, le=1000000)  # batches kept for replay
+    kv_events_layout: str = "map"   # "map" (vllm-router) or "array" (llm-d): rtpkv.fleet.wire
 
     @field_validator("reuse_cache", "enable_partial_reuse", "enable_memory_cache",
                      "enable_memory_cache_disk", "write_cache_sync", "enable_remote_cache",
@@ -247,7 +250,7 @@ class RuntimeConfig(BaseModel):
     def _lower(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value
 
-    @field_validator("weight_type", "kv_cache_dtype", mode="before")
+    @field_validator("weight_type", "kv_cache_dtype", "kv_events_layout", mode="before")
     @classmethod
     def _choice(cls, value: Any, info: ValidationInfo) -> Any:
         accepted = _CHOICES[info.field_name]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -153,7 +154,10 @@ class Fleet:
                 time.sleep(0.2)
 
     def router_command(self, router: str, policy: str,
-                       replicas: Optional[Sequence[Replica]] = None) -> list[str]:
+                       replicas: Optional[Sequence[Replica]] = None,
+                       router_args: Sequence[str] = ()) -> list[str]:
+        """The router's command line; `router_args` are appended unchanged (the router's own
+        options, e.g. vllm-router's `--kv-aware-session-affinity-ttl-secs 600`)."""
         if policy not in ROUTERS.get(router, ()):
             raise ValueError(f"router={router!r} policy={policy!r}: accepted: "
                              + "; ".join(f"{r}: {', '.join(p)}" for r, p in ROUTERS.items()))
@@ -164,7 +168,7 @@ class Fleet:
                     "--port", str(self.router_port), "--policy", policy,
                     "--prometheus-host", self.host, "--prometheus-port", str(self.router_port + 1),
                     "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-                    "--worker-urls", *urls]
+                    "--worker-urls", *urls, *router_args]
         argv = [sys.executable, "-m", "vllm_router.launch_router", "--host", self.host,
                 "--port", str(self.router_port), "--policy", policy,
                 "--prometheus-host", self.host, "--prometheus-port", str(self.router_port + 1),
@@ -176,14 +180,15 @@ class Fleet:
                          "--kv-event-replay-source", f"{r.url}={r.replay_endpoint}"]
             argv += ["--kv-event-block-size", str(self.block_size),
                      "--kv-event-model", self.served_model_name]
-        return argv
+        return argv + list(router_args)
 
     def start_router(self, router: str = "vllm", policy: str = "kv_aware",
-                     timeout: float = 60.0) -> None:
+                     timeout: float = 60.0, router_args: Sequence[str] = ()) -> None:
         """Start the router in front of the replicas; wait until it answers /health."""
         self.stop_router()
         log = self.log_dir / f"router-{router}-{policy}.log"
-        self.router = self._spawn(self.router_command(router, policy), log)
+        self.router = self._spawn(self.router_command(router, policy, router_args=router_args),
+                                  log)
         deadline = time.monotonic() + timeout
         while not _healthy(self.router_url + "/health"):
             if self.router.poll() is not None or time.monotonic() > deadline:
@@ -229,7 +234,7 @@ def main(args: argparse.Namespace) -> None:
         signal.signal(sig, lambda *_: stop.append(True))
     try:
         fleet.start_replicas()
-        fleet.start_router(args.router, args.policy)
+        fleet.start_router(args.router, args.policy, router_args=shlex.split(args.router_args))
         for r in fleet.replicas:
             print(f"replica {r.index}: {r.url}  events {r.events_endpoint}  "
                   f"replay {r.replay_endpoint}", flush=True)
@@ -252,6 +257,9 @@ def add_parser(sub: "argparse._SubParsersAction", parents: list) -> None:
     p.add_argument("--policy", default="kv_aware",
                    help="vllm: round_robin, cache_aware, kv_aware; "
                         "sglang: round_robin, cache_aware")
+    p.add_argument("--router-args", default="",
+                   help="more options for the router, passed as they are (one string), e.g. "
+                        "'--kv-aware-session-affinity-ttl-secs 600'")
     p.add_argument("--redis", help="redis:// URL every replica shares as its remote KV tier")
     p.add_argument("--host", default="127.0.0.1", help="address everything listens on")
     p.add_argument("--port", type=int, default=30000, help="the router's port (+1: its metrics)")

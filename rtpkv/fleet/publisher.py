@@ -3,7 +3,8 @@ them, so the consumers of vLLM's events read an rtpkv replica unchanged (vllm-ro
 `kv_aware` is tested against it).
 
 Each message is three frames: the topic, an 8-byte big-endian sequence number (0, 1, 2, ... per
-batch), and a msgpack `KVEventBatch` (`rtpkv.fleet.wire`). The last `buffer_steps` batches are
+batch), and a msgpack `KVEventBatch` (`rtpkv.fleet.wire`) with its events in `layout`: "map"
+(vllm-router, Dynamo) or "array" (llm-d, Dynamo). The last `buffer_steps` batches are
 kept; a ROUTER socket (optional) answers a replay request `[identity, b"", start_seq]` with every
 kept batch from `start_seq` on, each as `[identity, b"", topic, seq, payload]`, then
 `[identity, b"", topic, -1 (8 bytes, signed), b""]` — how a consumer that joined late or saw a
@@ -51,7 +52,10 @@ HEARTBEAT_S = 1.0   # while idle, the last batch is sent again this often (see t
 class KVEventPublisher:
     def __init__(self, events: KVEventBuffer, block_size: int, root_key: bytes, endpoint: str,
                  replay_endpoint: Optional[str] = None, topic: str = "",
-                 buffer_steps: int = 10000, hwm: int = 100000):
+                 buffer_steps: int = 10000, hwm: int = 100000, layout: str = "map"):
+        if layout not in wire.LAYOUTS:
+            raise ValueError(f"KV event layout {layout!r}: accepted: {', '.join(wire.LAYOUTS)}")
+        self.layout = layout
         self.block_size = block_size
         self.root_key = root_key
         self.topic = topic.encode()
@@ -81,15 +85,15 @@ class KVEventPublisher:
         events.add_listener(self._queue.put)
         self._thread = threading.Thread(target=self._run, name="rtpkv-kv-events", daemon=True)
         self._thread.start()
-        log.info("KV events: publishing on %s (replay: %s, topic %r)", self.endpoint,
-                 self.replay_endpoint, topic)
+        log.info("KV events: publishing on %s (replay: %s, topic %r, %s layout)", self.endpoint,
+                 self.replay_endpoint, topic, layout)
 
     @classmethod
     def from_config(cls, config: Any, events: KVEventBuffer, block_size: int,
                     root_key: bytes) -> "KVEventPublisher":
         return cls(events, block_size, root_key, config.kv_events_endpoint,
                    config.kv_events_replay_endpoint, config.kv_events_topic,
-                   config.kv_events_buffer_steps)
+                   config.kv_events_buffer_steps, layout=config.kv_events_layout)
 
     # ------------------------------------------------------------------ translation
     def to_wire(self, event: dict[str, Any]) -> Optional[wire.Event]:
@@ -97,13 +101,15 @@ class KVEventPublisher:
         medium = wire.MEDIUMS.get(event["tier"], event["tier"].upper())
         if event["type"] == "stored":
             parent = bytes.fromhex(event["parent_hash"])
-            extra = event.get("extra", "")
+            # the salt as the request gave it (its UTF-8 bytes are the key's extra), as vLLM
+            # publishes a cache_salt
+            salt = bytes.fromhex(event.get("extra", "")).decode()
             tokens = [t for block in event["token_ids"] for t in block]
             return wire.block_stored(
                 [wire.wire_hash(bytes.fromhex(h)) for h in event["block_hashes"]],
                 None if parent == self.root_key else wire.wire_hash(parent), tokens,
                 self.block_size, medium,
-                [[extra]] + [None] * (len(event["block_hashes"]) - 1) if extra else None)
+                [[salt]] + [None] * (len(event["block_hashes"]) - 1) if salt else None)
         if event["type"] == "removed":
             return wire.block_removed([wire.wire_hash(bytes.fromhex(h))
                                        for h in event["block_hashes"]], medium)
@@ -136,7 +142,7 @@ class KVEventPublisher:
                 self._send(events)
 
     def _send(self, events: list[wire.Event]) -> None:
-        payload = wire.encode_batch(time.time(), events)
+        payload = wire.encode_batch(time.time(), events, layout=self.layout)
         seq = self._seq.to_bytes(8, "big")
         self._pub.send_multipart((self.topic, seq, payload))
         self._last_send = time.monotonic()

@@ -1,22 +1,31 @@
 """vLLM's KV event wire format, encoded with msgpack (no vLLM or msgspec needed).
 
 vLLM declares the batch as a msgspec struct with `array_like=True` (an array of its fields in
-order) and each event as a struct with `tag=True` (a map whose "type" entry is the class name):
+order) and each event as a tagged struct; the events come in two layouts (`LAYOUTS`,
+KV_EVENTS_LAYOUT), because the consumers disagree:
 
     [ts, [event, ...], data_parallel_rank]
-    {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-     "lora_id", "medium", "lora_name", "extra_keys"}
-    {"type": "BlockRemoved", "block_hashes", "medium"}
-    {"type": "AllBlocksCleared"}
+    "map":   {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
+              "block_size", "lora_id", "medium", "lora_name", "extra_keys"}
+             {"type": "BlockRemoved", "block_hashes", "medium"}
+             {"type": "AllBlocksCleared"}
+    "array": ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+              medium, lora_name, extra_keys]
+             ["BlockRemoved", block_hashes, medium]
+             ["AllBlocksCleared"]
 
-which is what vllm-router's `kv_aware` subscriber decodes (it refuses array events: "KV event
-must be a tagged map"). A block hash on the wire is an unsigned 63-bit int derived from rtpkv's
-chained SHA-256 key (`wire_hash`): consumers use it to chain a block to its parent and to find
-it again on removal, and index the block by its `token_ids` (vllm-router hashes each block's
-tokens with SHA-256 and walks them as a chain from the root), so a router that tokenizes the
-request with the same tokenizer and block size finds what a replica holds. The key carries the
-model, the block size and the request's `cache_salt`, so tenants' blocks never share a hash; a
-salted first block also carries the salt in `extra_keys`, as vLLM does.
+vllm-router's `kv_aware` subscriber decodes only maps ("KV event must be a tagged map"); llm-d's
+precise prefix scorer decodes only arrays (the tag first, the fields in vLLM's order: its
+`vllm_adapter.go`); NVIDIA Dynamo's relay reads either.
+
+A block hash on the wire is a positive 63-bit int derived from rtpkv's chained SHA-256 key
+(`wire_hash`): consumers use it to chain a block to its parent and to find it again on
+removal, and index the block by its `token_ids` (vllm-router hashes each block's tokens with
+SHA-256, llm-d with FNV-64a over CBOR, Dynamo with XXH3, each chaining them from the root), so a
+router that tokenizes the request with the same tokenizer and block size finds what a replica
+holds, and no hash seed is shared. The key carries the model, the block size and the request's
+`cache_salt`, so tenants' blocks never share a hash; a salted first block also carries the salt
+in `extra_keys`, as the string the request gave, as vLLM does.
 """
 
 from __future__ import annotations
@@ -25,15 +34,25 @@ from typing import Any, Optional, Sequence
 
 import msgpack
 
+from rtpkv.config import KV_EVENTS_LAYOUTS as LAYOUTS
+
 # Where a block lives, in vLLM's `medium` names: the device pool is the engine's "GPU" (the
 # tier a router credits fully, whatever the device), host memory "CPU", the disk tier "DISK".
 MEDIUMS = {"device": "GPU", "memory": "CPU", "disk": "DISK"}
 
 
+# Each event's fields after its tag, in vLLM's order: the "array" layout's positions.
+FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
+                          "lora_id", "medium", "lora_name", "extra_keys"),
+          "BlockRemoved": ("block_hashes", "medium"),
+          "AllBlocksCleared": ()}
+
+
 def wire_hash(key: bytes) -> int:
-    """The block hash published for a chained key: its first 8 bytes, big-endian, shifted to 63
-    bits so that signed (i64) and unsigned (u64) consumers read the same number."""
-    return int.from_bytes(key[:8], "big") >> 1
+    """The block hash published for a chained key: its first 8 bytes, big-endian, with the top
+    bit cleared and the next one set, so that signed (i64) and unsigned (u64) consumers read the
+    same number and msgpack always packs it in 8 bytes (llm-d refuses hashes packed shorter)."""
+    return int.from_bytes(key[:8], "big") >> 2 | 1 << 62
 
 
 Event = dict[str, Any]
@@ -54,11 +73,17 @@ def all_blocks_cleared() -> Event:
     return {"type": "AllBlocksCleared"}
 
 
-def encode_batch(ts: float, events: Sequence[Event], data_parallel_rank: int = 0) -> bytes:
+def encode_batch(ts: float, events: Sequence[Event], data_parallel_rank: int = 0,
+                 layout: str = "map") -> bytes:
+    """The msgpack batch of `events` (maps as built above) in `layout`."""
+    if layout == "array":
+        events = [[e["type"], *(e[f] for f in FIELDS[e["type"]])] for e in events]
     return msgpack.packb([ts, list(events), data_parallel_rank], use_bin_type=True)
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[Event], Optional[int]]:
-    """(ts, events, data_parallel_rank) of an encoded batch."""
+    """(ts, events as maps, data_parallel_rank) of an encoded batch, in either layout."""
     batch = msgpack.unpackb(payload, raw=False)
-    return batch[0], batch[1], batch[2] if len(batch) > 2 else None
+    events = [e if isinstance(e, dict) else
+              {"type": e[0], **dict(zip(FIELDS[e[0]], e[1:]))} for e in batch[1]]
+    return batch[0], events, batch[2] if len(batch) > 2 else None

@@ -62,6 +62,7 @@ NON_DEFAULT = {
     "kv_events_replay_endpoint": ("tcp://127.0.0.1:5558", "tcp://127.0.0.1:5558"),
     "kv_events_topic": ("kv@", "kv@"),
     "kv_events_buffer_steps": ("500", 500),
+    "kv_events_layout": ("Array", "array"),
 }
 
 

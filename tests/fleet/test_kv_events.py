@@ -114,6 +114,67 @@ def test_cache_salt_keeps_tenants_apart_in_the_events(model):
         view.close()
 
 
+def raw_events(sub: zmq.Socket, stored_hashes: int, timeout_s: float = 10.0) -> list[bytes]:
+    """The msgpack bytes of each event in the batches `sub` receives, until BlockStored events
+    with `stored_hashes` hashes in all have come (a heartbeat repeats a batch: taken once)."""
+    seen, events, hashes = set(), [], 0
+    while hashes < stored_hashes:
+        assert sub.poll(int(timeout_s * 1000)), f"{hashes} stored hashes of {stored_hashes}"
+        _, seq, payload = sub.recv_multipart()
+        if seq in seen:
+            continue
+        seen.add(seq)
+        unpacker = msgpack.Unpacker(raw=False)
+        unpacker.feed(payload)
+        assert unpacker.read_array_header() == 3
+        unpacker.skip()   # ts
+        for _ in range(unpacker.read_array_header()):
+            start = unpacker.tell()
+            unpacker.skip()
+            events.append(payload[start:unpacker.tell()])
+            event = msgpack.unpackb(events[-1], raw=False)
+            hashes += len(event[1]) if event[0] == "BlockStored" else 0
+    return events
+
+
+def test_the_array_layout_is_what_llm_d_decodes(model):
+    """KV_EVENTS_LAYOUT=array: each event an array, its tag first and vLLM's fields at the
+    positions llm-d's vllm_adapter.go reads them (1 hashes, 2 parent, 3 token_ids, 4 block size,
+    6 medium, 8 extra_keys); hashes packed as 8-byte ints (it refuses shorter ones); the salt
+    as the request gave it; ReplicaView reads this layout too."""
+    pub, rep = endpoints()
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    with Pipeline(model, reuse_cache=True, seq_size_per_block=B, kv_events_endpoint=pub,
+                  kv_events_replay_endpoint=rep, kv_events_layout="array") as pipeline:
+        sub.connect(pub)
+        view = ReplicaView(pub, rep)
+        assert wait_until(lambda: sub.poll(200), 10)   # the subscription is up: a heartbeat
+        prompt = list(range(60, 69))    # 2 full blocks
+        run(pipeline, prompt)
+        run(pipeline, prompt, cache_salt="tenant-ä")
+        raw = [e for e in raw_events(sub, 4) if msgpack.unpackb(e, raw=False)[0] == "BlockStored"]
+        stored = [msgpack.unpackb(e, raw=False) for e in raw]
+        for event in stored:
+            assert event[4] == B and event[5] is None and event[6] == "GPU" and event[7] is None
+        first_salted = next(i for i, e in enumerate(stored) if e[8] is not None)
+        plain, salted = stored[:first_salted], stored[first_salted:]   # the runs in order
+        assert [t for e in plain for t in e[3]] == prompt[:2 * B] and plain[0][2] is None
+        assert [t for e in salted for t in e[3]] == prompt[:2 * B]
+        assert salted[0][8] == [["tenant-ä"]] + [None] * (len(salted[0][1]) - 1)
+        plain_hashes = [h for e in plain for h in e[1]]
+        salted_hashes = [h for e in salted for h in e[1]]
+        assert not set(plain_hashes) & set(salted_hashes)
+        for event, decoded in zip(raw, stored):   # uint64 on the wire: 0xcf and 8 bytes
+            assert all(b"\xcf" + h.to_bytes(8, "big") in event for h in decoded[1])
+        assert wait_until(lambda: view.poll(0.05) >= 0 and len(view.blocks["GPU"]) == 4, 10)
+        assert view.blocks["GPU"] == set(plain_hashes) | set(salted_hashes)
+        view.close()
+    sub.close()
+
+
 def test_a_subscriber_rebuilds_the_cached_set_after_evictions(model, tmp_path):
     """A small device pool, host tier and disk tier: blocks are evicted from all three,
     offloaded to host memory (BlockStored, medium CPU), handed to disk (DISK; the disk tier also
@@ -203,6 +264,14 @@ def test_endpoints_are_validated_with_the_variable_name(monkeypatch):
     monkeypatch.setenv("KV_EVENTS_ENDPOINT", "tcp://*:5557")
     monkeypatch.setenv("KV_EVENTS_REPLAY_ENDPOINT", "tcp://127.0.0.1:70000")
     with pytest.raises(ConfigError, match="KV_EVENTS_REPLAY_ENDPOINT.*PORT 1 to 65535"):
+        Settings.from_env()
+
+
+def test_the_layout_is_validated_with_the_variable_name(monkeypatch):
+    monkeypatch.setenv("KV_EVENTS_LAYOUT", "ARRAY")
+    assert Settings.from_env().kv_events_layout == "array"
+    monkeypatch.setenv("KV_EVENTS_LAYOUT", "list")
+    with pytest.raises(ConfigError, match="KV_EVENTS_LAYOUT.*map, array"):
         Settings.from_env()
 
 

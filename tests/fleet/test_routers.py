@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import socket
 import time
-from typing import Any
+from typing import Any, Optional
 
 import httpx
 import pytest
@@ -61,11 +61,12 @@ def fleet(checkpoints, redis_server, tmp_path_factory):
         f.stop()
 
 
-def complete(url: str, prompt: str, **extra: Any) -> dict[str, Any]:
+def complete(url: str, prompt: str, headers: Optional[dict[str, str]] = None,
+             **extra: Any) -> dict[str, Any]:
     """A greedy completion. vllm-router's kv_aware credits cache only to requests without
     fields it does not know, so extras (enable_remote_cache, ...) are for the other tests."""
     body = {"model": "qwen2", "prompt": prompt, "max_tokens": 6, "temperature": 0, **extra}
-    res = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    res = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
     assert res.status_code == 200, res.text
     return res.json()
 
@@ -152,6 +153,25 @@ def test_greedy_outputs_through_the_router_equal_one_replica_alone(fleet):
     answers = [httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).json()
                for url in (fleet.replicas[1].url, fleet.router_url)]
     assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+
+
+def test_kv_aware_session_affinity_keeps_a_conversation_where_it_began(fleet):
+    """With the router's own option passed through (`router_args`), a request carrying a
+    session id stays on the replica its session began on, even when the other replica holds
+    its prefix; without a session id the same kind of request goes to the holder."""
+    fleet.start_router("vllm", "kv_aware",
+                       router_args=["--kv-aware-session-affinity-ttl-secs", "60"])
+    session = {"x-session-id": "conversation-1"}
+    home, _ = served_by(fleet, fleet.router_url, text(800) + " hello", headers=session)
+    other = 1 - home
+    shared = [text(801), text(802)]
+    for prefix in shared:   # the other replica holds both
+        complete(fleet.replicas[other].url, prefix + " first")
+    time.sleep(EVENT_DELAY_S)
+    who, res = served_by(fleet, fleet.router_url, shared[0] + " no session")
+    assert who == other and cached(res) >= 4 * B, (other, who, res["usage"])
+    who, res = served_by(fleet, fleet.router_url, shared[1] + " next turn", headers=session)
+    assert who == home, (home, who, res["usage"])   # (its prefix may come from the Redis tier)
 
 
 class DiskFleet(Fleet):
