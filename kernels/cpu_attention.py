@@ -79,16 +79,26 @@ class CpuPagedAttention:
         self.dtype = dtype
 
     def build(self, batch: AttentionBatch) -> CpuMetadata:
+        """The kernel's arrays, computed on Python ints and made as two tensors (int32 and
+        int64) that the fields view: a decode step's metadata is a few dozen numbers, and a
+        torch op per array would cost more than the arithmetic."""
+        positions, row_seq = batch.positions.tolist(), batch.row_seq.tolist()
+        tables = batch.block_tables.tolist()
+        T, B, S = len(positions), batch.block_size, batch.num_slots
         starts: list[int] = []
         for row, n in zip(batch.query_start, batch.query_len):
             starts.extend(range(row, row + n, self.tile))
-        starts.append(int(batch.positions.numel()))
+        starts.append(T)
+        slots = [tables[s][p // B] * B + p % B for s, p in zip(row_seq, positions)]
+        rows = [h * S + slot for h in range(batch.kv_heads) for slot in slots]
+        small = torch.tensor(row_seq + positions + [b for t in tables for b in t],
+                             dtype=torch.int32)
+        large = torch.tensor(rows + starts, dtype=torch.int64)
         return CpuMetadata(
-            write_rows=batch.write_rows(), row_seq=batch.row_seq.to(torch.int32),
-            positions=batch.positions.to(torch.int32),
-            tables=batch.block_tables.to(torch.int32).contiguous(),
-            tile_start=torch.tensor(starts, dtype=torch.int64),
-            num_slots=batch.num_slots, block_size=batch.block_size, window=batch.window or 0)
+            write_rows=large[:len(rows)].view(batch.kv_heads, T), row_seq=small[:T],
+            positions=small[T:2 * T], tables=small[2 * T:].view(len(tables), -1),
+            tile_start=large[len(rows):],
+            num_slots=S, block_size=B, window=batch.window or 0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: CpuMetadata, scale: float) -> torch.Tensor:
