@@ -38,6 +38,14 @@ def run(pipeline: Pipeline, prompt, **config) -> dict:
     return res.aux_info
 
 
+def subscriber(topic: bytes) -> zmq.Socket:
+    """A SUB socket for `topic` (to connect once the publisher is up)."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    return sub
+
+
 def replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, bytes]]:
     """A replay request as vLLM's consumers send it: [b"", start_seq] from a DEALER."""
     dealer = ctx.socket(zmq.DEALER)
@@ -59,9 +67,7 @@ def replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, bytes
 def test_events_decode_as_vllm_consumers_decode_them(model):
     pub, rep = endpoints()
     ctx = zmq.Context.instance()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub = subscriber(b"kv@")
     with Pipeline(model, reuse_cache=True, seq_size_per_block=B, kv_events_endpoint=pub,
                   kv_events_replay_endpoint=rep, kv_events_topic="kv@") as pipeline:
         sub.connect(pub)
@@ -143,10 +149,7 @@ def test_the_array_layout_is_what_llm_d_decodes(model):
     6 medium, 8 extra_keys); hashes packed as 8-byte ints (it refuses shorter ones); the salt
     as the request gave it; ReplicaView reads this layout too."""
     pub, rep = endpoints()
-    ctx = zmq.Context.instance()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub = subscriber(b"")
     with Pipeline(model, reuse_cache=True, seq_size_per_block=B, kv_events_endpoint=pub,
                   kv_events_replay_endpoint=rep, kv_events_layout="array") as pipeline:
         sub.connect(pub)
