@@ -225,7 +225,7 @@ RUNNER = textwrap.dedent("""
                         return_logits=True):
             pass
         pipe.check_integrity()
-        stats = pipe.cache_stats()
+    stats = pipe.cache_stats()   # after stop, which waits for the queued writes (async writer)
     print(json.dumps({"ids": res.output_ids, "logits": res.logits.tolist(), "aux": res.aux_info,
                       "disk_writes": stats["disk_writes"]}))
 """)
