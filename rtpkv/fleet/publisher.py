@@ -102,8 +102,10 @@ class KVEventPublisher:
         if event["type"] == "stored":
             parent = bytes.fromhex(event["parent_hash"])
             # the salt as the request gave it (its UTF-8 bytes are the key's extra), as vLLM
-            # publishes a cache_salt
-            salt = bytes.fromhex(event.get("extra", "")).decode()
+            # publishes a cache_salt; bytes that are not UTF-8 (a disk record's header is
+            # announced as read) must not raise here: this thread would end, and every event
+            # after it would be lost
+            salt = bytes.fromhex(event.get("extra", "")).decode(errors="replace")
             tokens = [t for block in event["token_ids"] for t in block]
             return wire.block_stored(
                 [wire.wire_hash(bytes.fromhex(h)) for h in event["block_hashes"]],
