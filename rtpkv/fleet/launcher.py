@@ -123,6 +123,8 @@ class Fleet:
         replay = f"tcp://{self.host}:{self.events_port + 2 * index + 1}"
         env = {**os.environ, "REUSE_CACHE": "1", "SEQ_SIZE_PER_BLOCK": str(self.block_size),
                "KV_EVENTS_ENDPOINT": events, "KV_EVENTS_REPLAY_ENDPOINT": replay,
+               # the routers started here read tagged maps only (an `env` entry still wins)
+               "KV_EVENTS_LAYOUT": "map",
                "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
         if self.redis_url:
             env.update(ENABLE_REMOTE_CACHE="1", REMOTE_CACHE_URL=self.redis_url)

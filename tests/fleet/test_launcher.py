@@ -35,6 +35,21 @@ def test_replica_environment_names_its_own_sockets(tmp_path):
     assert env["REMOTE_CACHE_URL"] == "redis://h:1/0" and env["KV_CACHE_MAX_TOKENS"] == "4096"
 
 
+def test_replicas_publish_the_layout_the_routers_read(tmp_path, monkeypatch):
+    """vllm-router reads only tagged maps: a KV_EVENTS_LAYOUT=array left in the caller's
+    environment (for llm-d) must not reach the replicas the launcher starts for it."""
+    monkeypatch.setenv("KV_EVENTS_LAYOUT", "array")
+    assert fleet_with_two(tmp_path).replica_env(0)["KV_EVENTS_LAYOUT"] == "map"
+
+
+def test_router_args_are_appended_unchanged(tmp_path):
+    extra = ["--kv-aware-session-affinity-ttl-secs", "600"]
+    for router, policy in (("vllm", "kv_aware"), ("vllm", "round_robin"),
+                           ("sglang", "cache_aware")):
+        argv = fleet_with_two(tmp_path).router_command(router, policy, router_args=extra)
+        assert argv[-2:] == extra, (router, policy, argv)
+
+
 @pytest.mark.parametrize("router, policy", [("sglang", "kv_aware"), ("nginx", "round_robin")])
 def test_an_unknown_router_or_policy_names_the_accepted_ones(tmp_path, router, policy):
     with pytest.raises(ValueError, match="accepted: vllm: round_robin, cache_aware, kv_aware"):
