@@ -41,6 +41,7 @@ import zmq
 
 from rtpkv.cache.events import KVEventBuffer
 from rtpkv.fleet import wire
+from rtpkv.log_limit import RateLimitedLog
 
 log = logging.getLogger("rtpkv")
 
@@ -80,6 +81,7 @@ class KVEventPublisher:
         self.replay_endpoint = (self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
                                 if self._replay is not None else None)
         self._events = events
+        self._failed = RateLimitedLog(log, logging.ERROR)
         self._stopping = threading.Event()
         self._send([wire.all_blocks_cleared()])
         events.add_listener(self._queue.put)
@@ -139,9 +141,19 @@ class KVEventPublisher:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            events = [e for e in map(self.to_wire, batch) if e is not None]
+            events = [e for e in map(self._translated, batch) if e is not None]
             if events:
                 self._send(events)
+
+    def _translated(self, event: dict[str, Any]) -> Optional[wire.Event]:
+        """to_wire, or None (logged, at most once a minute) for an event it fails on: the
+        thread must outlive one bad event, or every later event is lost with it."""
+        try:
+            return self.to_wire(event)
+        except Exception:
+            self._failed("KV events: an event could not be translated and was not published",
+                         exc_info=True)
+            return None
 
     def _send(self, events: list[wire.Event]) -> None:
         payload = wire.encode_batch(time.time(), events, layout=self.layout)

@@ -294,6 +294,32 @@ def test_a_salt_that_is_not_utf8_does_not_stop_the_publisher():
     assert KVEventPublisher.to_wire(publisher, event)["extra_keys"] == [["tenant-ä"]]
 
 
+def test_an_event_that_fails_to_translate_is_logged_and_the_next_ones_still_go_out(
+        model, caplog):
+    pub, rep = endpoints()
+    with Pipeline(model, reuse_cache=True, seq_size_per_block=B, kv_events_endpoint=pub,
+                  kv_events_replay_endpoint=rep) as pipeline:
+        publisher = pipeline.kv_event_publisher
+        to_wire, calls = publisher.to_wire, []
+
+        def first_one_fails(event):
+            calls.append(event)
+            if len(calls) == 1:
+                raise ValueError("a bad event")
+            return to_wire(event)
+
+        publisher.to_wire = first_one_fails
+        view = ReplicaView(pub, rep)
+        run(pipeline, list(range(80, 89)))    # its stored event fails
+        assert wait_until(lambda: calls, 10)
+        run(pipeline, list(range(90, 99)))
+        assert wait_until(lambda: view.poll(0.05) >= 0 and any(
+            view.tokens[h] == list(range(90, 90 + B)) for h in view.blocks["GPU"]), 10)
+        assert publisher._thread.is_alive()
+        assert "could not be translated" in caplog.text
+        view.close()
+
+
 def test_the_layout_is_validated_with_the_variable_name(monkeypatch):
     monkeypatch.setenv("KV_EVENTS_LAYOUT", "ARRAY")
     assert Settings.from_env().kv_events_layout == "array"
