@@ -189,11 +189,11 @@ def measure(dtype: str, args: argparse.Namespace, jobs: dict[str, dict[str, Any]
         e: {w: [] for w in jobs if e not in peers or w in peers[e].workloads} for e in engines}
     try:
         for name in engines:  # warm-up: first-call costs (allocations, kernels) off the clock
-            warm = workloads()["a"] if "a" in results[name] else None
-            if warm is None:
-                engines[name].run("d", {**jobs.get("d", workloads()["d"]), "new": 8})
-            else:
+            if "a" in results[name]:
+                warm = workloads()["a"]
                 engines[name].run("a", {**warm, "questions": warm["questions"][:2]})
+            else:   # a peer that runs d only
+                engines[name].run("d", {**workloads()["d"], "new": 8})
         for run in range(args.runs):
             for w, job in jobs.items():
                 order = list(engines) if run % 2 == 0 else list(engines)[::-1]

@@ -54,8 +54,6 @@ class KVEventPublisher:
     def __init__(self, events: KVEventBuffer, block_size: int, root_key: bytes, endpoint: str,
                  replay_endpoint: Optional[str] = None, topic: str = "",
                  buffer_steps: int = 10000, hwm: int = 100000, layout: str = "map"):
-        if layout not in wire.LAYOUTS:
-            raise ValueError(f"KV event layout {layout!r}: accepted: {', '.join(wire.LAYOUTS)}")
         self.layout = layout
         self.block_size = block_size
         self.root_key = root_key
@@ -104,10 +102,9 @@ class KVEventPublisher:
         if event["type"] == "stored":
             parent = bytes.fromhex(event["parent_hash"])
             # the salt as the request gave it (its UTF-8 bytes are the key's extra), as vLLM
-            # publishes a cache_salt; bytes that are not UTF-8 (a disk record's header is
-            # announced as read) must not raise here: this thread would end, and every event
-            # after it would be lost
-            salt = bytes.fromhex(event.get("extra", "")).decode(errors="replace")
+            # publishes a cache_salt (bytes that are not UTF-8, from a corrupt disk record's
+            # header, raise: _translated drops that event and logs it)
+            salt = bytes.fromhex(event.get("extra", "")).decode()
             tokens = [t for block in event["token_ids"] for t in block]
             return wire.block_stored(
                 [wire.wire_hash(bytes.fromhex(h)) for h in event["block_hashes"]],

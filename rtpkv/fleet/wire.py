@@ -1,8 +1,8 @@
 """vLLM's KV event wire format, encoded with msgpack (no vLLM or msgspec needed).
 
 vLLM declares the batch as a msgspec struct with `array_like=True` (an array of its fields in
-order) and each event as a tagged struct; the events come in two layouts (`LAYOUTS`,
-KV_EVENTS_LAYOUT), because the consumers disagree:
+order) and each event as a tagged struct; the events come in two layouts (KV_EVENTS_LAYOUT,
+validated by rtpkv.config), because the consumers disagree:
 
     [ts, [event, ...], data_parallel_rank]
     "map":   {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
@@ -33,8 +33,6 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import msgpack
-
-from rtpkv.config import KV_EVENTS_LAYOUTS as LAYOUTS
 
 # Where a block lives, in vLLM's `medium` names: the device pool is the engine's "GPU" (the
 # tier a router credits fully, whatever the device), host memory "CPU", the disk tier "DISK".

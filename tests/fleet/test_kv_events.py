@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import threading
-from types import SimpleNamespace
 
 import msgpack
 import pytest
@@ -14,7 +13,7 @@ import zmq
 
 from rtpkv.config import Settings
 from rtpkv.errors import ConfigError
-from rtpkv.fleet.publisher import END_SEQ, KVEventPublisher
+from rtpkv.fleet.publisher import END_SEQ
 from rtpkv.fleet.view import ReplicaView
 from rtpkv.fleet.wire import wire_hash
 from rtpkv.model_factory import ModelConfig, ModelFactory
@@ -279,19 +278,6 @@ def test_wire_hashes_are_positive_int64_packed_in_8_bytes():
         assert 1 << 62 <= h < 1 << 63
         assert msgpack.packb(h) == b"\xcf" + h.to_bytes(8, "big")
     assert wire_hash(bytes(32)) != wire_hash(b"\x00\x00\x00\x00\x00\x00\x00\x04" + bytes(24))
-
-
-def test_a_salt_that_is_not_utf8_does_not_stop_the_publisher():
-    """to_wire runs on the publisher's thread: extra bytes that do not decode (a corrupt disk
-    record's header, announced as read) give a replaced string, not an exception."""
-    publisher = SimpleNamespace(block_size=B, root_key=bytes(32))
-    event = {"type": "stored", "tier": "disk", "block_hashes": [(b"\x01" * 32).hex()],
-             "parent_hash": bytes(32).hex(), "token_ids": [[1, 2, 3, 4]],
-             "extra": b"\xff\xfe".hex()}
-    stored = KVEventPublisher.to_wire(publisher, event)
-    assert stored["extra_keys"] == [["\ufffd\ufffd"]] and stored["medium"] == "DISK"
-    event["extra"] = "tenant-ä".encode().hex()
-    assert KVEventPublisher.to_wire(publisher, event)["extra_keys"] == [["tenant-ä"]]
 
 
 def test_an_event_that_fails_to_translate_is_logged_and_the_next_ones_still_go_out(
