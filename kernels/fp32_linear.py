@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from rtpkv.kernels.cpu_build import Signatures, bound_library, cpu_flags
+from rtpkv.kernels.fused_ops import ptr
 
 PANEL = 16   # output channels per packed panel
 
@@ -56,6 +57,5 @@ def fp32_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tens
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
     library().rtpkv_fp32_linear(x.data_ptr(), x.numel() // in_features, in_features,
-                               packed.data_ptr(), out_features,
-                               None if bias is None else bias.data_ptr(), y.data_ptr())
+                               packed.data_ptr(), out_features, ptr(bias), y.data_ptr())
     return y

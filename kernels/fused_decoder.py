@@ -15,6 +15,7 @@ import torch
 
 from rtpkv.kernels.cpu_attention import CpuMetadata, CpuPagedAttention, kernel_args, _Args
 from rtpkv.kernels.cpu_build import Signatures, bound_library
+from rtpkv.kernels.fused_ops import ptr
 from rtpkv.kernels.int8_linear import PANEL_MIN_ROWS, Int8Linear
 from rtpkv.kernels.linear import InferenceLinear
 
@@ -59,10 +60,8 @@ def _library() -> Optional[ctypes.CDLL]:
 
 def _linear(layer: torch.nn.Module) -> _Linear:
     if isinstance(layer, Int8Linear):
-        return _Linear(layer.q.data_ptr(), layer.scale.data_ptr(),
-                       None if layer.bias is None else layer.bias.data_ptr())
-    return _Linear(layer.packed.data_ptr(), None,
-                   None if layer.bias is None else layer.bias.data_ptr())
+        return _Linear(layer.q.data_ptr(), layer.scale.data_ptr(), ptr(layer.bias))
+    return _Linear(layer.packed.data_ptr(), None, ptr(layer.bias))
 
 
 class FusedDecoder:
@@ -156,6 +155,6 @@ class FusedDecoder:
         step = _Step(T, residual.data_ptr(), out.data_ptr(), positions.data_ptr(),
                      write_rows.data_ptr(), attn, meta.tile_start.data_ptr(),
                      meta.tile_start.numel() - 1, table, *scratch,
-                     None if self.seconds is None else self.seconds.data_ptr())
+                     ptr(self.seconds))
         self.lib.rtpkv_decoder_forward(ctypes.byref(self.model), ctypes.byref(step))
         return out

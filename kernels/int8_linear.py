@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rtpkv.kernels.cpu_build import Signatures, bound_library
+from rtpkv.kernels.fused_ops import ptr
 
 GROUP_SIZE = 32        # input values per scale: the measured choice (docs/BENCHMARKS.md)
 LANES = 8              # output channels per packed block (one AVX2 register of float32)
@@ -105,6 +106,5 @@ class Int8Linear(nn.Module):
         y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
         lib.rtpkv_int8_linear(x.data_ptr(), rows, self.in_features, self.q.data_ptr(),
                               self.scale.data_ptr(), self.out_features, self.group_size,
-                              None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
-                              PANEL_MIN_ROWS)
+                              ptr(self.bias), y.data_ptr(), PANEL_MIN_ROWS)
         return y
