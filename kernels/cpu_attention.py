@@ -47,7 +47,7 @@ def available(head_dim: int) -> bool:
 
 @dataclass
 class CpuMetadata:
-    write_rows: torch.Tensor     # (kv_heads, T) pool rows of the new tokens' K/V
+    write_rows: torch.Tensor     # (kv_heads, T) int64, contiguous: pool rows of the new K/V
     row_seq: torch.Tensor        # (T,) int32
     positions: torch.Tensor      # (T,) int32
     tables: torch.Tensor         # (num_seqs, max_blocks) int32

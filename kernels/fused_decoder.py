@@ -38,7 +38,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I),
                 ("head_dim", _I), ("inter", _I), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("int8_group", _I), ("int8_panel_rows", _I),
+                ("int8_group", _I), ("int8_panel_rows", _I),
                 ("cos", _P), ("sin", _P), ("final_norm", _P)]
 
 
@@ -73,21 +73,21 @@ class FusedDecoder:
         self.lib = lib
         self.module = module
         self.hidden, self.heads, self.kv_heads = spec.hidden_size, spec.num_heads, spec.num_kv_heads
-        self.head_dim, self.inter = spec.head_dim, spec.intermediate_size
-        self.q_size = self.heads * self.head_dim
-        self.width = self.q_size + 2 * self.kv_heads * self.head_dim
+        self.head_dim, inter = spec.head_dim, spec.intermediate_size
+        self.scale = backbone.layers[0].self_attn.scale
+        q_size = self.heads * self.head_dim
         # a forward's scratch, T rows each of x, qkv, q, attention out, h, gate_up, act, in one
         # buffer: where each starts, in floats per row of T, and the floats per row of all
-        widths = (self.hidden, self.width, self.q_size, self.q_size, self.hidden,
-                  2 * self.inter, self.inter)
+        widths = (self.hidden, q_size + 2 * self.kv_heads * self.head_dim, q_size, q_size,
+                  self.hidden, 2 * inter, inter)
         self.scratch_starts = [sum(widths[:i]) for i in range(len(widths))]
         self.scratch_width = sum(widths)
         first = backbone.layers[0].mlp.gate_up
         int8 = isinstance(first, Int8Linear)
         self.model = _Model(
             len(backbone.layers), self.hidden, self.heads, self.kv_heads, self.head_dim,
-            self.inter, spec.rms_norm_eps, backbone.layers[0].self_attn.scale,
-            first.group_size if int8 else 0, PANEL_MIN_ROWS if int8 else 0,
+            inter, spec.rms_norm_eps, first.group_size if int8 else 0,
+            PANEL_MIN_ROWS if int8 else 0,
             module.cos.data_ptr(), module.sin.data_ptr(), backbone.norm.weight.data_ptr())
         # the last layer table made, with the addresses of the K/V caches it points into
         self._table: Optional[tuple[tuple[int, ...], ctypes.Array]] = None
@@ -146,15 +146,13 @@ class FusedDecoder:
         buffer = residual.new_empty(T * self.scratch_width)
         scratch = [buffer.data_ptr() + 4 * T * start for start in self.scratch_starts]
         out = residual.new_empty(T, self.hidden)
-        # the C code reads int64 (the per-layer path takes any integer dtype); no copy when so
+        # the C code reads int64 (the per-layer path takes any integer dtype); no copy when so.
+        # meta.write_rows is int64 and contiguous as CpuPagedAttention.build makes it.
         positions = positions.to(torch.int64).contiguous()
-        write_rows = meta.write_rows.to(torch.int64).contiguous()
-        attn = kernel_args(meta, T, self.heads, self.kv_heads, self.head_dim,
-                           self.model.scale, bf16=False,
-                           kv_int8=kv_caches[0][0].dtype == torch.int8)
+        attn = kernel_args(meta, T, self.heads, self.kv_heads, self.head_dim, self.scale,
+                           bf16=False, kv_int8=kv_caches[0][0].dtype == torch.int8)
         step = _Step(T, residual.data_ptr(), out.data_ptr(), positions.data_ptr(),
-                     write_rows.data_ptr(), attn, meta.tile_start.data_ptr(),
-                     meta.tile_start.numel() - 1, table, *scratch,
-                     ptr(self.seconds))
+                     meta.write_rows.data_ptr(), attn, meta.tile_start.data_ptr(),
+                     meta.tile_start.numel() - 1, table, *scratch, ptr(self.seconds))
         self.lib.rtpkv_decoder_forward(ctypes.byref(self.model), ctypes.byref(step))
         return out

@@ -43,7 +43,7 @@ typedef struct {                   /* one decoder layer, fixed at load */
 
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter;
-    float eps, scale;
+    float eps;
     int64_t int8_group;            /* 0: float32 weights */
     int64_t int8_panel_rows;
     const float *cos, *sin;        /* (max_positions, head_dim) */
