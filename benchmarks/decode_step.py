@@ -79,7 +79,7 @@ def one_run(options: dict[str, Any], layers: bool) -> dict[str, float]:
         if fused is not None:
             fused.seconds = torch.zeros(len(FUSED_PARTS), dtype=torch.float64)
         linear = next(type(m) for m in module.modules()
-                      if type(m).__name__ in ("InferenceLinear", "Int8Linear"))
+                      if type(m).__name__ in ("InferenceLinear", "Int8Linear", "W8A8Linear"))
         attention = module.attention
         per_step: list[dict[str, float]] = []
         last_end = [None]

@@ -2,7 +2,7 @@
 
     python benchmarks/peers.py [--vllm /path/to/vllm-venv/bin/python] [--runs 3]
                                [--dtypes float32,bfloat16] [--block 32] [--check-reuse a,b]
-                               [--workloads a,b,c,d] [--weight-types auto,int8]
+                               [--workloads a,b,c,d] [--weight-types auto,int8,w8a8_int8]
                                [--linear-paths auto,onednn]
                                [--llama-cpp /path/to/venv/bin/python --gguf A.gguf,B.gguf]
 
@@ -14,10 +14,10 @@
   d  one 512-token prompt alone, 128 new tokens: TTFT, decode tok/s (tokens after the first
      over the time after the first), inter-token p50 and p99. Bound by reading the weights.
 
-`--weight-types auto,int8` runs rtpkv once per weight type (WEIGHT_TYPE) as engines side by
-side, with the int8 / auto ratio (`--linear-paths auto,onednn` likewise adds an engine per
-RTPKV_LINEAR path); int8 computes in float32, so it runs with the float32 dtype
-only; vLLM runs the float weights.
+`--weight-types auto,int8,w8a8_int8` runs rtpkv once per weight type (WEIGHT_TYPE) as engines
+side by side, with each one's ratio to the first (`--linear-paths auto,onednn` likewise adds an
+engine per RTPKV_LINEAR path); the int8 types run with the float32 dtype only (their
+activations, and their accumulation across groups, are float32); vLLM runs the float weights.
 
 Both engines get the same checkpoint (the BENCHMARKS.md model), the same token ids, greedy
 decoding with EOS ignored, prefix reuse on, 2 threads. Runs alternate between the engines (and

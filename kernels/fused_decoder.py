@@ -16,8 +16,9 @@ import torch
 from rtpkv.kernels.cpu_attention import CpuMetadata, CpuPagedAttention, kernel_args, _Args
 from rtpkv.kernels.cpu_build import Signatures, bound_library
 from rtpkv.kernels.fused_ops import ptr
-from rtpkv.kernels.int8_linear import PANEL_MIN_ROWS, Int8Linear
-from rtpkv.kernels.linear import InferenceLinear
+from rtpkv.kernels import int8_linear, w8a8_linear
+from rtpkv.kernels.int8_linear import Int8Linear
+from rtpkv.kernels.w8a8_linear import W8A8Linear
 
 if TYPE_CHECKING:
     from rtpkv.model_factory.llama import CausalLM
@@ -38,7 +39,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I),
                 ("head_dim", _I), ("inter", _I), ("eps", ctypes.c_float),
-                ("int8_group", _I), ("int8_panel_rows", _I),
+                ("linear_kind", _I), ("int8_group", _I), ("panel_rows", _I),
                 ("cos", _P), ("sin", _P), ("final_norm", _P)]
 
 
@@ -49,17 +50,21 @@ class _Step(ctypes.Structure):
                 ("att", _P), ("h", _P), ("gate_up", _P), ("act", _P), ("seconds", _P)]
 
 
+# the linear layers' path -> (LINEAR_* of csrc/decoder.c, the fewest rows of its prefill tiles)
+_LINEAR_KINDS = {"avx2": (0, 0), Int8Linear.path: (1, int8_linear.PANEL_MIN_ROWS),
+                 W8A8Linear.path: (2, w8a8_linear.MANY_ROWS_FROM)}
+
 _SIGNATURES: Signatures = {
     "rtpkv_decoder_forward": ([ctypes.POINTER(_Model), ctypes.POINTER(_Step)], None)}
 
 
 def _library() -> Optional[ctypes.CDLL]:
     return bound_library("decoder", _SIGNATURES, "fused_ops", "fp32_linear", "int8_linear",
-                         "paged_attention")
+                         "w8a8_linear", "paged_attention")
 
 
 def _linear(layer: torch.nn.Module) -> _Linear:
-    if isinstance(layer, Int8Linear):
+    if isinstance(layer, (Int8Linear, W8A8Linear)):
         return _Linear(layer.q.data_ptr(), layer.scale.data_ptr(), ptr(layer.bias))
     return _Linear(layer.packed.data_ptr(), None, ptr(layer.bias))
 
@@ -83,11 +88,10 @@ class FusedDecoder:
         self.scratch_starts = [sum(widths[:i]) for i in range(len(widths))]
         self.scratch_width = sum(widths)
         first = backbone.layers[0].mlp.gate_up
-        int8 = isinstance(first, Int8Linear)
+        kind, panel_rows = _LINEAR_KINDS[first.path]
         self.model = _Model(
             len(backbone.layers), self.hidden, self.heads, self.kv_heads, self.head_dim,
-            inter, spec.rms_norm_eps, first.group_size if int8 else 0,
-            PANEL_MIN_ROWS if int8 else 0,
+            inter, spec.rms_norm_eps, kind, getattr(first, "group_size", 0), panel_rows,
             module.cos.data_ptr(), module.sin.data_ptr(), backbone.norm.weight.data_ptr())
         # the last layer table made, with the addresses of the K/V caches it points into
         self._table: Optional[tuple[tuple[int, ...], ctypes.Array]] = None
@@ -108,8 +112,7 @@ class FusedDecoder:
         eligible = (
             weight.device.type == "cpu" and weight.dtype == torch.float32
             and isinstance(module.attention, CpuPagedAttention) and not spec.qk_norm
-            and (all(isinstance(m, Int8Linear) for m in linears)
-                 or all(isinstance(m, InferenceLinear) and m.path == "avx2" for m in linears))
+            and len({m.path for m in linears}) == 1 and linears[0].path in _LINEAR_KINDS
             and spec.head_dim % 16 == 0 and spec.hidden_size % 8 == 0
             and spec.intermediate_size % 8 == 0)
         if not eligible:

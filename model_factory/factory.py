@@ -83,14 +83,15 @@ def _pick_device(name: str) -> torch.device:
 
 
 def _pick_dtype(name: str, spec: ModelSpec, device: torch.device,
-                int8_weights: bool = False) -> torch.dtype:
+                weight_quantization: Optional[str] = None) -> torch.dtype:
     """"auto": the checkpoint's dtype, except on a CPU, where a 16-bit checkpoint runs in
     bfloat16 only if the CPU has native bf16 GEMMs (AVX512-BF16, AMX) and in float32 otherwise:
     the fastest dtype there, and reuse stays bit-exact in both (kernels/linear.py). Int8 weights
-    compute in float32 on a CPU (kernels/int8_linear.py): any other device or dtype is refused."""
-    if int8_weights:
+    compute in float32 on a CPU (kernels/int8_linear.py, kernels/w8a8_linear.py): any other
+    device or dtype is refused."""
+    if weight_quantization:
         if device.type != "cpu" or name not in ("auto", "float32"):
-            raise ConfigError(f"WEIGHT_TYPE=INT8 (or INT8_MODE=1) runs on a CPU in float32; "
+            raise ConfigError(f"WEIGHT_TYPE={weight_quantization.upper()} runs on a CPU in float32; "
                               f"device={device.type}, dtype={name} is not supported with it")
         return torch.float32
     if name != "auto":
@@ -146,7 +147,7 @@ def _load_module(spec: ModelSpec, files: list[Path], device: torch.device, dtype
     module.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False,
                            assign=True)
     module.prepare(max_seq_len, attention=config.rtpkv_attention, linear=config.rtpkv_linear,
-                   int8_weights=config.int8_weights, kv_dtype=kv_dtype)
+                   weight_quantization=config.weight_quantization, kv_dtype=kv_dtype)
     return module.eval()
 
 
@@ -169,7 +170,7 @@ class ModelFactory:
             raise FileNotFoundError(f"{model_dir}: no config.json")
         spec = ModelSpec.from_config(json.loads(config_path.read_text()), str(config_path))
         device = _pick_device(config.device)
-        dtype = _pick_dtype(config.dtype, spec, device, config.int8_weights)
+        dtype = _pick_dtype(config.dtype, spec, device, config.weight_quantization)
         kv_dtype = _pick_kv_dtype(config, device, dtype)
         max_seq_len = _max_seq_len(config, spec)
         config = config.replace(max_seq_len=max_seq_len)
@@ -183,15 +184,16 @@ class ModelFactory:
 
         # locked: the pipeline's engine thread and the caller's threads share it
         tokenizer = LockedTokenizer(AutoTokenizer.from_pretrained(str(model_dir)))
-        # int8 weights give other K/V than the float ones, and an int8 KV cache other blocks:
-        # their blocks must never be shared with another setting's
-        weights = f"|int8-g{GROUP_SIZE}" if config.int8_weights else ""
+        # quantized layers give other K/V than the float ones, and an int8 KV cache other
+        # blocks: their blocks must never be shared with another setting's
+        quantized = config.weight_quantization
+        weights = f"|{quantized}-g{GROUP_SIZE}" if quantized else ""
         kv = "|kv-int8" if kv_dtype == torch.int8 else ""
         fingerprint = hashlib.sha256(
             f"{spec.architecture}|{weights_digest(files)}|{dtype}{weights}{kv}".encode()
         ).hexdigest()
         log.info("loaded %s from %s (%s%s%s, %s, max_seq_len=%d)", spec.architecture, model_dir,
-                 dtype, ", int8 weights" if config.int8_weights else "",
+                 dtype, f", {quantized} linear layers" if quantized else "",
                  ", int8 KV cache" if kv else "", device, max_seq_len)
         return Model(module=module, spec=spec, tokenizer=tokenizer, config=config, path=model_dir,
                      fingerprint=fingerprint, tasks=model_config.tasks, device=device, dtype=dtype,

@@ -17,6 +17,7 @@ from rtpkv.kernels import (AttentionBackend, apply_rope_, attention_backend, rms
                            silu_and_mul)
 from rtpkv.kernels.fused_decoder import FusedDecoder
 from rtpkv.kernels.int8_linear import GROUP_SIZE, Int8Linear
+from rtpkv.kernels.w8a8_linear import W8A8Linear
 from rtpkv.kernels.linear import InferenceLinear, linear_path
 from rtpkv.model_factory.spec import ModelSpec
 
@@ -132,26 +133,29 @@ class CausalLM(nn.Module):
         self.fused: Optional[FusedDecoder] = None   # the layers as one C call, where they can be
 
     def prepare(self, max_positions: int, attention: str = "auto", linear: str = "auto",
-                int8_weights: bool = False, kv_dtype: Optional[torch.dtype] = None) -> None:
+                weight_quantization: Optional[str] = None,
+                kv_dtype: Optional[torch.dtype] = None) -> None:
         """After weights are loaded: tie, fuse, choose the GEMM path (kernels/linear.py; `linear`
-        is RTPKV_LINEAR) or quantize the linear layers (`int8_weights`, kernels/int8_linear.py),
+        is RTPKV_LINEAR) or quantize the linear layers (`weight_quantization`: "int8",
+        kernels/int8_linear.py, or "w8a8_int8", kernels/w8a8_linear.py),
         build the RoPE table, pick the attention backend (`attention` is RTPKV_ATTENTION) for
         the pool's `kv_dtype` (torch.int8: the int8 KV cache; default: the model's dtype) and,
         where every layer runs on the C kernels, the fused decoder (kernels/fused_decoder.py)."""
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         weight = self.model.embed_tokens.weight
-        self.linear_path = "int8" if int8_weights else linear_path(weight.dtype, weight.device,
-                                                                   linear)
+        quantized = {"int8": Int8Linear, "w8a8_int8": W8A8Linear}.get(weight_quantization or "")
+        self.linear_path = (quantized.path if quantized
+                            else linear_path(weight.dtype, weight.device, linear))
         freed = 0   # bytes of float weights the quantized layers free
 
         def convert(layer: nn.Linear, shared: bool = False) -> nn.Module:
             nonlocal freed
-            if not int8_weights:
+            if quantized is None:
                 return InferenceLinear(layer, self.linear_path)
             if not shared:
                 freed += sum(p.numel() * p.element_size() for p in layer.parameters())
-            return Int8Linear(layer)
+            return quantized(layer)
 
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -163,13 +167,16 @@ class CausalLM(nn.Module):
             mlp.down_proj = convert(mlp.down_proj)
         tied = self.spec.tie_word_embeddings
         self.lm_head = convert(self.lm_head, shared=tied)
-        if int8_weights:
-            held = sum(m.nbytes for m in self.modules() if isinstance(m, Int8Linear))
-            log.info("WEIGHT_TYPE=INT8: %d linear layers (the LM head included) quantized to "
-                     "int8, one scale per output channel and %d inputs: %.1f MiB of float32 "
+        if quantized:
+            held = sum(m.nbytes for m in self.modules() if isinstance(m, quantized))
+            log.info("WEIGHT_TYPE=%s: %d linear layers (the LM head included) quantized to "
+                     "int8, one scale per output channel and %d inputs%s: %.1f MiB of float32 "
                      "weights freed, %.1f MiB of int8 weights and scales held (%.1f MiB saved%s); "
-                     "embeddings and norms stay float32", 4 * len(self.model.layers) + 1,
-                     GROUP_SIZE, freed / 2**20, held / 2**20, (freed - held) / 2**20,
+                     "embeddings and norms stay float32", weight_quantization.upper(),
+                     4 * len(self.model.layers) + 1, GROUP_SIZE,
+                     ", activations quantized per row and group at each call"
+                     if quantized is W8A8Linear else "",
+                     freed / 2**20, held / 2**20, (freed - held) / 2**20,
                      "; the tied LM head is an int8 copy of the float32 embedding" if tied else "")
         self.cos, self.sin = rope_table(self.spec.inv_freq(), max_positions, weight.dtype, weight.device)
         self.attention = attention_backend(weight.device, weight.dtype, self.spec.head_dim,

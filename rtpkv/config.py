@@ -30,7 +30,7 @@ _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdi
     4, 200, 200, 10, 10
 
 _TRUE = {"1", "true", "on"}
-WEIGHT_TYPES = ("auto", "int8")
+WEIGHT_TYPES = ("auto", "int8", "w8a8_int8")
 KV_CACHE_DTYPES = ("auto", "int8")
 KV_EVENTS_LAYOUTS = ("map", "array")   # the KV events' layouts (rtpkv.fleet.wire)
 _CHOICES = {"weight_type": WEIGHT_TYPES, "kv_cache_dtype": KV_CACHE_DTYPES,
@@ -194,8 +194,9 @@ class RuntimeConfig(BaseModel):
     # seconds between malloc_trim(0) calls from the engine thread (rtpkv.engine.heap_trim), which
     # keep glibc's freed activations from staying resident under load; 0: off
     rtpkv_malloc_trim_s: float = Field(10.0, ge=0)
-    # rtp-llm's switches for weight-only int8 linear layers (rtpkv.kernels.int8_linear):
-    # WEIGHT_TYPE=INT8, or INT8_MODE=1 (its older alias); "auto" keeps the model's dtype
+    # int8 linear layers: rtp-llm's weight-only int8 (rtpkv.kernels.int8_linear), WEIGHT_TYPE=INT8
+    # or INT8_MODE=1 (its older alias); or int8 weights and activations
+    # (rtpkv.kernels.w8a8_linear), WEIGHT_TYPE=W8A8_INT8; "auto" keeps the model's dtype
     weight_type: str = "auto"
     int8_mode: bool = False
     # the KV cache's storage (rtpkv.kernels.kv_quant): KV_CACHE_DTYPE=int8, or rtp-llm's
@@ -260,9 +261,13 @@ class RuntimeConfig(BaseModel):
         return text
 
     @property
-    def int8_weights(self) -> bool:
-        """Whether the linear layers run on int8 weights (WEIGHT_TYPE=INT8 or INT8_MODE=1)."""
-        return self.weight_type == "int8" or self.int8_mode
+    def weight_quantization(self) -> Optional[str]:
+        """How the linear layers are quantized: "int8" (weight-only: WEIGHT_TYPE=INT8 or
+        INT8_MODE=1), "w8a8_int8" (weights and activations: WEIGHT_TYPE=W8A8_INT8; it wins over
+        INT8_MODE=1), or None (the model's dtype)."""
+        if self.weight_type != "auto":
+            return self.weight_type
+        return "int8" if self.int8_mode else None
 
     @property
     def int8_kv(self) -> bool:

@@ -3,7 +3,7 @@
  * projection, RMSNorm, gate_up, SiLU-and-mul and the down projection; then the final norm.
  *
  * It calls the very kernels the per-layer path calls from Python (fused_ops.c, fp32_linear.c,
- * int8_linear.c, paged_attention.c, linked into this library), in the same order on the same
+ * int8_linear.c, w8a8_linear.c, paged_attention.c, linked into this library), in the same order on the same
  * values, so its results are bit-identical to that path's: what it removes is the Python between
  * them, which in a one-token decode step costs more than the small kernels it calls
  * (docs/BENCHMARKS.md, "Single-stream decode").
@@ -27,9 +27,12 @@ void rtpkv_fp32_linear(const float *x, int64_t M, int64_t K, const float *w, int
                        const float *bias, float *y);
 void rtpkv_int8_linear(const float *x, int64_t m, int64_t k, const int8_t *q, const float *s,
                        int64_t n, int64_t group, const float *bias, float *y, int64_t panel_rows);
+void rtpkv_w8a8_linear(const float *x, int64_t m, int64_t k, const int8_t *qw, const float *sw,
+                       int64_t n, const float *bias, float *y, int64_t many_rows_from);
 
 typedef struct {                   /* a linear layer as its kernel holds it */
-    const void *weight;            /* float32 panels (fp32_linear) or int8 blocks (int8_linear) */
+    const void *weight;            /* float32 panels (fp32_linear) or int8 blocks (int8_linear,
+                                      w8a8_linear) */
     const float *scale;            /* int8 scales; NULL for float32 */
     const float *bias;             /* NULL without */
 } linear_layer;
@@ -44,8 +47,9 @@ typedef struct {                   /* one decoder layer, fixed at load */
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter;
     float eps;
-    int64_t int8_group;            /* 0: float32 weights */
-    int64_t int8_panel_rows;
+    int64_t linear_kind;           /* LINEAR_*: the kernel of every linear layer */
+    int64_t int8_group;            /* LINEAR_INT8's group size */
+    int64_t panel_rows;            /* the fewest rows the int8 kernels' prefill tiles take */
     const float *cos, *sin;        /* (max_positions, head_dim) */
     const float *final_norm;
 } decoder_model;
@@ -66,6 +70,7 @@ typedef struct {                   /* one forward */
 } decoder_step;
 
 enum { SECONDS_LINEAR, SECONDS_ATTENTION, SECONDS_ELEMENTWISE };   /* benchmarks/decode_step.py */
+enum { LINEAR_FP32, LINEAR_INT8, LINEAR_W8A8 };                     /* kernels/fused_decoder.py */
 
 static inline double clock_now(void) {
     struct timespec t;
@@ -83,11 +88,18 @@ static inline void lap(decoder_step *s, int part, double *last) {
 
 static void linear(const decoder_model *m, const linear_layer *l, const float *x, int64_t T,
                    int64_t K, int64_t N, float *y) {
-    if (m->int8_group)
+    switch (m->linear_kind) {
+    case LINEAR_INT8:
         rtpkv_int8_linear(x, T, K, (const int8_t *)l->weight, l->scale, N, m->int8_group, l->bias,
-                          y, m->int8_panel_rows);
-    else
+                          y, m->panel_rows);
+        break;
+    case LINEAR_W8A8:
+        rtpkv_w8a8_linear(x, T, K, (const int8_t *)l->weight, l->scale, N, l->bias, y,
+                          m->panel_rows);
+        break;
+    default:
         rtpkv_fp32_linear(x, T, K, (const float *)l->weight, N, l->bias, y);
+    }
 }
 
 /* The new tokens' K and V (rows of the qkv output) into the pool, q into its own rows; into an

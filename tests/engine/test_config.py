@@ -54,7 +54,7 @@ NON_DEFAULT = {
     "rtpkv_attention": ("torch", "torch"),
     "rtpkv_linear": ("native", "native"),
     "rtpkv_malloc_trim_s": ("2.5", 2.5),
-    "weight_type": ("INT8", "int8"),
+    "weight_type": ("W8A8_INT8", "w8a8_int8"),
     "int8_mode": ("1", True),
     "kv_cache_dtype": ("INT8", "int8"),
     "int8_kv_cache": ("on", True),

@@ -1,7 +1,7 @@
 """The fused decoder (kernels/fused_decoder.py) gives the bits of the layers run one by one:
 hidden states and the KV it writes, on a batch of decodes, a chunk after a cached prefix and a
 fresh prompt, for each architecture it takes (qkv bias, tied embeddings, GQA, a window), in
-float32, with int8 weights and with the int8 KV cache; it is not used where a layer would leave
+float32, with int8 weights (weight-only and W8A8) and with the int8 KV cache; it is not used where a layer would leave
 the C kernels."""
 
 import pytest
@@ -37,6 +37,8 @@ def _forward(module, batch, kv, fused):
     ("llama_linear_rope", {}, None), ("llama", {"weight_type": "INT8"}, None), ("llama", {}, 6),
     ("llama", {"kv_cache_dtype": "int8"}, None),
     ("qwen2", {"kv_cache_dtype": "int8", "weight_type": "INT8"}, 6),
+    ("llama", {"weight_type": "W8A8_INT8"}, None),
+    ("qwen2", {"kv_cache_dtype": "int8", "weight_type": "W8A8_INT8"}, 6),
 ])
 def test_the_fused_decoder_gives_the_bits_of_the_layers(checkpoints, monkeypatch, arch, options,
                                                         window):

@@ -89,7 +89,7 @@ def test_int8_mode_is_an_alias_and_gives_the_same_tokens(llama_path, make_pipeli
                   return_logits=True)
     monkeypatch.setenv("INT8_MODE", "1")
     model = load(llama_path)
-    assert model.config.int8_weights
+    assert model.config.weight_quantization == "int8"
     by_alias = run(make_pipeline(), "hello what's your name", max_new_tokens=8,
                    return_logits=True)
     assert by_alias.output_ids == by_name.output_ids
@@ -98,7 +98,7 @@ def test_int8_mode_is_an_alias_and_gives_the_same_tokens(llama_path, make_pipeli
 
 def test_bad_weight_types_are_refused_by_name(llama_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"weight_type='int4' is invalid: accepted values are "
-                                          r"auto, int8"):
+                                          r"auto, int8, w8a8_int8"):
         load(llama_path, weight_type="int4")
     monkeypatch.setenv("WEIGHT_TYPE", "FP8")
     with pytest.raises(ConfigError, match=r"WEIGHT_TYPE='FP8' is invalid"):

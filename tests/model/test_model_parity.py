@@ -1,7 +1,13 @@
 """Each supported architecture matches transformers on the same weights: prefill logits within
 1e-4 (float32) and 32 greedy tokens, token for token. With int8 weights (WEIGHT_TYPE=INT8) the
 reference is transformers holding the same quantized weights: each linear layer's weight
-replaced by `dequantize(quantize(w))`, the values the int8 kernel computes with. With the int8
+replaced by `dequantize(quantize(w))`, the values the int8 kernel computes with. With int8
+weights and activations (WEIGHT_TYPE=W8A8_INT8) every linear layer of transformers computes
+`w8a8_linear.reference`, the kernel's bits in torch; there the logits' tolerance is 0.02: the
+activation quantizer is a step function, so where a norm or a softmax differs from
+transformers' by an ulp at a rounding boundary, one input moves by a whole step (1/127 of its
+group's largest value), which moves these models' logits by up to about 0.01 (Qwen3's q/k norms
+do it on one prompt position). With the int8
 KV cache (KV_CACHE_DTYPE=int8) it is transformers with a cache that stores every new K and V as
 `dequantize_rows(quantize_rows(x))`, the values the paged kernel reads; the tolerance is the same,
 but a K/V value whose float32 rounding differs by an ulp at a rounding boundary of the
@@ -17,11 +23,26 @@ from transformers.cache_utils import DynamicCache
 from rtpkv.kernels import AttentionBatch
 from rtpkv.kernels.int8_linear import dequantize, quantize
 from rtpkv.kernels.kv_quant import dequantize_rows, quantize_rows, row_width
+from rtpkv.kernels.w8a8_linear import reference
 from conftest import ARCHITECTURES, load, run
 from rtpkv.pipeline import Pipeline
 
 PROMPTS = ["hello, what's your name? tell me about the river city", "The cat sat on"]
-MODES = {"float32": {}, "int8": {"weight_type": "INT8"}, "int8-kv": {"kv_cache_dtype": "int8"}}
+MODES = {"float32": {}, "int8": {"weight_type": "INT8"}, "w8a8": {"weight_type": "W8A8_INT8"},
+         "int8-kv": {"kv_cache_dtype": "int8"}}
+ATOL = {"w8a8": 0.02}   # logits; 1e-4 for the other modes (see above)
+
+
+class W8A8Reference(nn.Module):
+    """A transformers linear layer computing as the W8A8 kernel does."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.q, self.scale = quantize(linear.weight)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x):
+        return reference(x, self.q, self.scale, self.bias)
 
 
 class Int8KVCache(DynamicCache):
@@ -41,13 +62,18 @@ def _cache(mode):
 
 def _hf(path, mode="float32"):
     """transformers on the checkpoint; for int8, every linear layer (the LM head too, untied
-    from the embedding) holds its quantized weight."""
+    from the embedding) holds its quantized weight; for w8a8, every one is a W8A8Reference."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if mode == "int8":
         for module in list(hf.modules()):
             if isinstance(module, nn.Linear):
                 module.weight = nn.Parameter(dequantize(*quantize(module.weight)),
                                              requires_grad=False)
+    if mode == "w8a8":
+        for parent in list(hf.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, W8A8Reference(child))
     return hf
 
 
@@ -73,7 +99,7 @@ def test_prefill_logits_match_transformers(checkpoints, arch, mode):
         ours = model.module.logits(model.module(ids[0], torch.arange(n), caches, meta))
         theirs = hf(ids, **_cache(mode)).logits[0]
     assert ours.shape == theirs.shape
-    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours, theirs, atol=ATOL.get(mode, 1e-4), rtol=0)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -92,4 +118,4 @@ def test_greedy_generation_matches_transformers(checkpoints, arch, mode):
             assert res.output_ids == expected
             with torch.inference_mode():
                 first = hf(ids, **_cache(mode)).logits[0, -1]
-            torch.testing.assert_close(res.logits[0], first, atol=1e-4, rtol=0)
+            torch.testing.assert_close(res.logits[0], first, atol=ATOL.get(mode, 1e-4), rtol=0)

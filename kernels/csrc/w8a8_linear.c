@@ -1,0 +1,181 @@
+/* y = x W^T + b with int8 weights and int8 activations (WEIGHT_TYPE=W8A8_INT8): W quantized at
+ * load, symmetric, a float32 scale per output channel and group of GROUP inputs; x quantized at
+ * each call the same way, a scale per row and group. The products are integer, so the AVX2
+ * integer multiply-adds compute 32 of them in the time the weight-only kernel (int8_linear.c)
+ * widens and multiplies 8: a one-row GEMV reads the weights as fast as memory gives them, where
+ * the widening kept the weight-only kernel at half that (docs/BENCHMARKS.md).
+ *
+ * Quantizing a row's group of x: a = max |x|; sx = a / 127; qx = round-half-even(x / sx),
+ * clamped to [-127, 127] (all 0 where sx is 0). The last group is padded with zeros.
+ *
+ * Arithmetic of one output (row m, channel n), whatever the number of rows, the tile or the
+ * thread count: acc = 0; for each group g in order: isum = sum over the group of
+ * qx[m][k] * qw[n][k] (int32, exact, so its order is free); acc = acc + (float)isum *
+ * (sw[n][g] * sx[m][g]) (a multiply and an add, not an FMA); then y = acc + b[n]. Every value
+ * of isum is below 2^24 in magnitude, so a float32 matmul of the int8 values computes it exactly
+ * too: a torch reference gives these bits (kernels/w8a8_linear.py). Batch-invariant by
+ * construction, no padding of rows.
+ *
+ * Packing (kernels/w8a8_linear.py): channels in blocks of 8, blocks in tiles of TILE_BLOCKS
+ * (zero-padded to whole tiles), inputs zero-padded to whole groups; tile t holds
+ * qw[t][k / 4][b][c][k % 4], so one 32-byte vector is 4 consecutive inputs of a block's 8
+ * channels and a tile's weights are one stream in reading order (4 streams, one per block, read
+ * 10-25% slower: the prefetchers follow one stream better); scales sw[j][g][c] per block j. A
+ * step broadcasts 4 bytes of x, and vpmaddubsw (|w| times x with w's sign) then vpmaddwd (pairs)
+ * gives each channel's sum of 4 products in its 32-bit lane: nothing is summed across lanes.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "the w8a8 linear kernel needs AVX2"
+#endif
+
+#define LANES 8                 /* channels per block */
+#define GROUP 32                /* inputs per scale */
+#define STEP 4                  /* inputs per vector step */
+#define MANY_BLOCKS 2           /* blocks per tile when sweeping rows over them (prefill) */
+#define MANY_ROWS 4             /* rows per tile then */
+#define TILE_BLOCKS 4           /* blocks interleaved in one weight stream: a GEMV tile */
+#define PREFETCH 4096           /* bytes ahead in the weight stream (measured: 2-8 KB alike, a
+                                   quarter faster than the hardware prefetchers alone) */
+#define CHANNEL_MULTIPLE (TILE_BLOCKS * LANES)
+
+/* Quantizes m rows of k floats into rows of kp int8 (kp: k rounded up to whole groups, zeros
+ * after k) and their scales, groups per row. */
+static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t kp, int8_t *qx,
+                          float *sx) {
+    const int64_t groups = kp / GROUP;
+#pragma omp parallel for schedule(static) if (m > 1)
+    for (int64_t r = 0; r < m; r++) {
+        float buf[GROUP];
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t k0 = g * GROUP, valid = k - k0 < GROUP ? k - k0 : GROUP;
+            memset(buf, 0, sizeof buf);
+            memcpy(buf, x + r * k + k0, (size_t)valid * sizeof(float));
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            __m256 amax = _mm256_setzero_ps();
+            for (int i = 0; i < GROUP; i += LANES)
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(buf + i)));
+            float lanes[LANES];
+            _mm256_storeu_ps(lanes, amax);
+            float a = 0.0f;
+            for (int i = 0; i < LANES; i++) a = lanes[i] > a ? lanes[i] : a;
+            const float s = a / 127.0f;
+            sx[r * groups + g] = s;
+            int8_t *q = qx + r * kp + k0;
+            if (s == 0.0f) {
+                memset(q, 0, GROUP);
+                continue;
+            }
+            const __m256 sv = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f),
+                         hi = _mm256_set1_ps(127.0f);
+            int32_t ints[GROUP];
+            for (int i = 0; i < GROUP; i += LANES) {
+                __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(buf + i), sv),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+                _mm256_storeu_si256((__m256i *)(ints + i), _mm256_cvtps_epi32(v));
+            }
+            for (int i = 0; i < GROUP; i++) q[i] = (int8_t)ints[i];
+        }
+    }
+}
+
+/* Rows [0, R) of qx against blocks [b0, b0 + B): y rows at y + r * n. The weight of a step is
+ * read once for the R rows; the float accumulators live in `acc` between groups. */
+static inline __attribute__((always_inline)) void tile(
+        const int R, const int B, const int8_t *qx, const float *sx, int64_t kp, int64_t groups,
+        const int8_t *qw, const float *sw, int64_t b0, const float *bias, float *y, int64_t n) {
+    __m256 acc[MANY_ROWS * TILE_BLOCKS];
+    for (int i = 0; i < R * B; i++) acc[i] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    /* this tile's stream; block b0 % TILE_BLOCKS + b of a step at `+ b * LANES * STEP` */
+    const int8_t *stream = qw + (b0 / TILE_BLOCKS) * kp * LANES * TILE_BLOCKS
+                           + (b0 % TILE_BLOCKS) * LANES * STEP;
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i isum[MANY_ROWS * TILE_BLOCKS];
+        for (int i = 0; i < R * B; i++) isum[i] = _mm256_setzero_si256();
+        for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += STEP) {
+            __m256i xb[MANY_ROWS];
+            for (int r = 0; r < R; r++) xb[r] = _mm256_set1_epi32(*(const int32_t *)(qx + r * kp + k));
+            const int8_t *step = stream + k * TILE_BLOCKS * LANES;
+            _mm_prefetch((const char *)step + PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)step + PREFETCH + 64, _MM_HINT_T0);
+            for (int b = 0; b < B; b++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(step + b * LANES * STEP));
+                const __m256i aw = _mm256_abs_epi8(w);
+                for (int r = 0; r < R; r++) {
+                    const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb[r], w));
+                    isum[r * B + b] = _mm256_add_epi32(isum[r * B + b], _mm256_madd_epi16(p, ones));
+                }
+            }
+        }
+        for (int b = 0; b < B; b++) {
+            const __m256 s = _mm256_loadu_ps(sw + ((b0 + b) * groups + g) * LANES);
+            for (int r = 0; r < R; r++) {
+                const __m256 d = _mm256_mul_ps(s, _mm256_set1_ps(sx[r * groups + g]));
+                acc[r * B + b] = _mm256_add_ps(
+                    acc[r * B + b], _mm256_mul_ps(_mm256_cvtepi32_ps(isum[r * B + b]), d));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < B; b++) {
+            const int64_t n0 = (b0 + b) * LANES;
+            if (n0 >= n) continue;
+            const int64_t valid = n - n0 < LANES ? n - n0 : LANES;
+            float out[LANES];
+            _mm256_storeu_ps(out, acc[r * B + b]);
+            for (int64_t i = 0; i < valid; i++)
+                y[r * n + n0 + i] = bias ? out[i] + bias[n0 + i] : out[i];
+        }
+}
+
+static void few_rows(const int8_t *qx, const float *sx, int64_t m, int64_t kp, const int8_t *qw,
+                     const float *sw, int64_t n, const float *bias, float *y) {
+    const int64_t groups = kp / GROUP, tiles = (n + CHANNEL_MULTIPLE - 1) / CHANNEL_MULTIPLE;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t b0 = t * TILE_BLOCKS;
+        for (int64_t r = 0; r < m; r++)
+            tile(1, TILE_BLOCKS, qx + r * kp, sx + r * groups, kp, groups, qw, sw, b0, bias,
+                 y + r * n, n);
+    }
+}
+
+static void many_rows(const int8_t *qx, const float *sx, int64_t m, int64_t kp, const int8_t *qw,
+                      const float *sw, int64_t n, const float *bias, float *y) {
+    const int64_t groups = kp / GROUP;
+    const int64_t tiles = (n + MANY_BLOCKS * LANES - 1) / (MANY_BLOCKS * LANES);
+    const int64_t full = m / MANY_ROWS * MANY_ROWS;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t b0 = t * MANY_BLOCKS;
+        for (int64_t r = 0; r < full; r += MANY_ROWS)
+            tile(MANY_ROWS, MANY_BLOCKS, qx + r * kp, sx + r * groups, kp, groups, qw, sw, b0,
+                 bias, y + r * n, n);
+        for (int64_t r = full; r < m; r++)
+            tile(1, MANY_BLOCKS, qx + r * kp, sx + r * groups, kp, groups, qw, sw, b0, bias,
+                 y + r * n, n);
+    }
+}
+
+/* x: m rows of k float32 (contiguous); qw, sw: packed as above for n channels and
+ * kp = k rounded up to whole groups; bias: n float32 or NULL; y: m rows of n float32.
+ * `many_rows_from`: the fewest rows that take the prefill tiles. */
+void rtpkv_w8a8_linear(const float *x, int64_t m, int64_t k, const int8_t *qw, const float *sw,
+                       int64_t n, const float *bias, float *y, int64_t many_rows_from) {
+    const int64_t kp = (k + GROUP - 1) / GROUP * GROUP;
+    int8_t *qx = aligned_alloc(32, (size_t)((m * kp + 31) / 32 * 32));
+    float *sx = malloc((size_t)(m * (kp / GROUP)) * sizeof(float));
+    quantize_rows(x, m, k, kp, qx, sx);
+    if (m >= many_rows_from)
+        many_rows(qx, sx, m, kp, qw, sw, n, bias, y);
+    else
+        few_rows(qx, sx, m, kp, qw, sw, n, bias, y);
+    free(sx);
+    free(qx);
+}
