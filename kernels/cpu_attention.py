@@ -58,7 +58,7 @@ class CpuMetadata:
 
 
 def kernel_args(meta: CpuMetadata, T: int, H: int, KVH: int, D: int, scale: float,
-                bf16: bool, kv_int8: bool = False) -> _Args:
+                bf16: bool, kv_int8: bool) -> _Args:
     """The kernel's arguments for this step's batch (`kv_int8`: the int8 KV cache's rows); q,
     the caches and out are left to set."""
     return _Args(None, None, None, None, meta.row_seq.data_ptr(), meta.positions.data_ptr(),

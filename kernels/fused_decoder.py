@@ -91,7 +91,9 @@ class FusedDecoder:
         kind, panel_rows = _LINEAR_KINDS[first.path]
         self.model = _Model(
             len(backbone.layers), self.hidden, self.heads, self.kv_heads, self.head_dim,
-            inter, spec.rms_norm_eps, kind, getattr(first, "group_size", 0), panel_rows,
+            inter, spec.rms_norm_eps, kind,
+            first.group_size if kind == 1 else 0,   # int8_group: LINEAR_INT8's only
+            panel_rows,
             module.cos.data_ptr(), module.sin.data_ptr(), backbone.norm.weight.data_ptr())
         # the last layer table made, with the addresses of the K/V caches it points into
         self._table: Optional[tuple[tuple[int, ...], ctypes.Array]] = None

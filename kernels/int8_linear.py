@@ -37,18 +37,28 @@ def library() -> Optional[ctypes.CDLL]:
     return bound_library("int8_linear", _SIGNATURES)
 
 
+def padded_groups(t: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """(rows, groups, group_size) view of `t` (rows, in), zero-padded to whole groups."""
+    rows, width = t.shape
+    groups = -(-width // group_size)
+    return F.pad(t, (0, groups * group_size - width)).view(rows, groups, group_size)
+
+
 def quantize(weight: torch.Tensor,
              group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale) of a (out, in) weight: q int8 (out, in), scale float32 (out, groups), the last
-    group of a row possibly shorter. An all-zero group gets scale 0."""
+    group of a row possibly shorter. scale = max|w| / 127, q = round-half-even(w / scale)
+    clamped to +-127; an all-zero group gets scale 0, a group holding a NaN or an infinity gets
+    scale NaN (q 0), so what it multiplies becomes NaN, as in float32."""
     w = weight.detach().float()
-    out_features, in_features = w.shape
-    groups = -(-in_features // group_size)
-    padded = F.pad(w, (0, groups * group_size - in_features)).view(out_features, groups, group_size)
+    padded = padded_groups(w, group_size)
     scale = padded.abs().amax(dim=-1) / 127.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(padded / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-    return q.view(out_features, -1)[:, :in_features].contiguous(), scale
+    scale = torch.where(torch.isfinite(scale), scale, torch.full_like(scale, float("nan")))
+    usable = (scale > 0).unsqueeze(-1)
+    safe = torch.where(usable, scale.unsqueeze(-1), torch.ones_like(padded))
+    q = torch.where(usable, torch.round(padded / safe), torch.zeros_like(padded))
+    q = q.clamp_(-127, 127).to(torch.int8).view(w.shape[0], -1)[:, :w.shape[1]]
+    return q.contiguous(), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
@@ -67,7 +77,31 @@ def pack(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q_blocks, s_blocks
 
 
-class Int8Linear(nn.Module):
+class QuantizedLinear(nn.Module):
+    """What the int8 layers share: the weight quantized at load (`quantize`) and held packed
+    for a kernel as `q` and `scale`, a float32 bias; `path` names the kind."""
+
+    path = ""
+
+    def __init__(self, linear: nn.Linear, group_size: int, q: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group_size = group_size
+        self.q, self.scale = q, scale
+        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_features}, {self.out_features}, path={self.path}, "
+                f"group={self.group_size}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the layer holds: int8 weights, scales and bias."""
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.bias)
+                   if t is not None)
+
+
+class Int8Linear(QuantizedLinear):
     """y = x W^T + b with W held as int8 and per-group scales; float32 activations. The C kernel
     where it builds, else a torch reference over the dequantized weight (correct, slower, and
     not batch-invariant in the last bits)."""
@@ -75,21 +109,7 @@ class Int8Linear(nn.Module):
     path = "int8"
 
     def __init__(self, linear: nn.Linear, group_size: int = GROUP_SIZE):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.group_size = group_size
-        q, scale = quantize(linear.weight, group_size)
-        self.q, self.scale = pack(q, scale)
-        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
-
-    def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, path=int8, group={self.group_size}"
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the layer holds: int8 weights, scales and bias."""
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.bias)
-                   if t is not None)
+        super().__init__(linear, group_size, *pack(*quantize(linear.weight, group_size)))
 
     def dequantized(self) -> torch.Tensor:
         """The (out, in) float32 weight this layer computes with."""

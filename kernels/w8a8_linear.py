@@ -21,8 +21,9 @@ from torch import nn
 
 from rtpkv.kernels.cpu_build import Signatures, bound_library
 from rtpkv.kernels.fused_ops import ptr
-from rtpkv.kernels.int8_linear import GROUP_SIZE, quantize
+from rtpkv.kernels.int8_linear import QuantizedLinear, padded_groups, quantize
 
+GROUP_SIZE = 32        # inputs per scale, fixed by the kernel (GROUP in csrc/w8a8_linear.c)
 LANES = 8              # output channels per packed block
 STEP = 4               # inputs per vector step of the kernel
 TILE_BLOCKS = 4        # blocks interleaved in one weight stream (a GEMV tile: 32 channels)
@@ -40,22 +41,12 @@ def library() -> Optional[ctypes.CDLL]:
     return bound_library("w8a8_linear", _SIGNATURES)
 
 
-def _padded_groups(t: torch.Tensor) -> torch.Tensor:
-    """(rows, groups, GROUP_SIZE) view of `t` (rows, in), zero-padded to whole groups."""
-    rows, width = t.shape
-    groups = -(-width // GROUP_SIZE)
-    return F.pad(t, (0, groups * GROUP_SIZE - width)).view(rows, groups, GROUP_SIZE)
-
-
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(qx, sx) of float32 rows (rows, in): qx int8 (rows, groups, GROUP_SIZE), zero-padded;
-    sx float32 (rows, groups). sx = max|x| / 127 and qx = round-half-even(x / sx), clamped to
-    +-127; a group of zeros gets sx = 0 and qx = 0 (the C kernel's rule, bit for bit)."""
-    groups = _padded_groups(x.float())
-    scale = groups.abs().amax(dim=-1) / 127.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
-    q = torch.where(scale.unsqueeze(-1) > 0, torch.round(groups / safe), torch.zeros_like(groups))
-    return q.clamp_(-127, 127).to(torch.int8), scale
+    """(qx, sx) of float32 rows (rows, in) by the weights' rule (`int8_linear.quantize`, the C
+    kernel's bit for bit): qx int8 (rows, groups, GROUP_SIZE), zero-padded; sx float32
+    (rows, groups)."""
+    q, scale = quantize(x, GROUP_SIZE)
+    return padded_groups(q, GROUP_SIZE), scale
 
 
 def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -64,7 +55,7 @@ def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     (q (out, in), scale (out, groups)): the same bits, in torch."""
     rows = x.reshape(-1, q.shape[1]).float()
     qx, sx = quantize_activations(rows)
-    qw = _padded_groups(q).float()
+    qw = padded_groups(q, GROUP_SIZE).float()
     acc = torch.zeros(rows.shape[0], q.shape[0])
     for g in range(qw.shape[1]):
         isum = qx[:, g].float() @ qw[:, g].T          # exact: integers below 2^24
@@ -81,7 +72,7 @@ def pack(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     (blocks, groups, LANES)."""
     tiles = -(-q.shape[0] // CHANNEL_MULTIPLE)
     pad = tiles * CHANNEL_MULTIPLE - q.shape[0]
-    padded = F.pad(_padded_groups(q).reshape(q.shape[0], -1), (0, 0, 0, pad))
+    padded = F.pad(padded_groups(q, GROUP_SIZE).reshape(q.shape[0], -1), (0, 0, 0, pad))
     q_tiles = padded.view(tiles, TILE_BLOCKS, LANES, -1, STEP).permute(0, 3, 1, 2, 4).contiguous()
     blocks = tiles * TILE_BLOCKS
     s_blocks = F.pad(scale, (0, 0, 0, pad)).view(blocks, LANES, -1).transpose(1, 2).contiguous()
@@ -96,27 +87,14 @@ def unpack(q_tiles: torch.Tensor, s_blocks: torch.Tensor, out_features: int,
     return q[:out_features, :in_features], scale[:out_features]
 
 
-class W8A8Linear(nn.Module):
+class W8A8Linear(QuantizedLinear):
     """y = x W^T + b with W held as int8 with per-group scales and x quantized per row and group
     at each call. The C kernel where it builds, else `reference` (the same bits, slower)."""
 
     path = "w8a8"
 
     def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.group_size = GROUP_SIZE
-        self.q, self.scale = pack(*quantize(linear.weight))
-        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
-
-    def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, path=w8a8, group={self.group_size}"
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the layer holds: int8 weights, scales and bias."""
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.bias)
-                   if t is not None)
+        super().__init__(linear, GROUP_SIZE, *pack(*quantize(linear.weight, GROUP_SIZE)))
 
     def quantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q (out, in) int8, scale (out, groups)): the weight as `int8_linear.quantize` gave it."""

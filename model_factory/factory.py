@@ -15,7 +15,6 @@ import torch
 
 from rtpkv.config import RuntimeConfig, Settings, resolve
 from rtpkv.errors import ConfigError
-from rtpkv.kernels.int8_linear import GROUP_SIZE
 from rtpkv.kernels.linear import bf16_gemm_supported
 from rtpkv.locked_tokenizer import LockedTokenizer
 from rtpkv.model_factory.llama import CausalLM
@@ -91,7 +90,9 @@ def _pick_dtype(name: str, spec: ModelSpec, device: torch.device,
     device or dtype is refused."""
     if weight_quantization:
         if device.type != "cpu" or name not in ("auto", "float32"):
-            raise ConfigError(f"WEIGHT_TYPE={weight_quantization.upper()} runs on a CPU in float32; "
+            switch = f"WEIGHT_TYPE={weight_quantization.upper()}" + (
+                " (or INT8_MODE=1)" if weight_quantization == "int8" else "")
+            raise ConfigError(f"{switch} runs on a CPU in float32; "
                               f"device={device.type}, dtype={name} is not supported with it")
         return torch.float32
     if name != "auto":
@@ -187,7 +188,7 @@ class ModelFactory:
         # quantized layers give other K/V than the float ones, and an int8 KV cache other
         # blocks: their blocks must never be shared with another setting's
         quantized = config.weight_quantization
-        weights = f"|{quantized}-g{GROUP_SIZE}" if quantized else ""
+        weights = f"|{quantized}-g{module.lm_head.group_size}" if quantized else ""
         kv = "|kv-int8" if kv_dtype == torch.int8 else ""
         fingerprint = hashlib.sha256(
             f"{spec.architecture}|{weights_digest(files)}|{dtype}{weights}{kv}".encode()

@@ -16,7 +16,7 @@ from torch import nn
 from rtpkv.kernels import (AttentionBackend, apply_rope_, attention_backend, rms_norm, rope_table,
                            silu_and_mul)
 from rtpkv.kernels.fused_decoder import FusedDecoder
-from rtpkv.kernels.int8_linear import GROUP_SIZE, Int8Linear
+from rtpkv.kernels.int8_linear import Int8Linear
 from rtpkv.kernels.w8a8_linear import W8A8Linear
 from rtpkv.kernels.linear import InferenceLinear, linear_path
 from rtpkv.model_factory.spec import ModelSpec
@@ -144,7 +144,8 @@ class CausalLM(nn.Module):
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         weight = self.model.embed_tokens.weight
-        quantized = {"int8": Int8Linear, "w8a8_int8": W8A8Linear}.get(weight_quantization or "")
+        quantized = ({"int8": Int8Linear, "w8a8_int8": W8A8Linear}[weight_quantization]
+                     if weight_quantization else None)
         self.linear_path = (quantized.path if quantized
                             else linear_path(weight.dtype, weight.device, linear))
         freed = 0   # bytes of float weights the quantized layers free
@@ -173,7 +174,7 @@ class CausalLM(nn.Module):
                      "int8, one scale per output channel and %d inputs%s: %.1f MiB of float32 "
                      "weights freed, %.1f MiB of int8 weights and scales held (%.1f MiB saved%s); "
                      "embeddings and norms stay float32", weight_quantization.upper(),
-                     4 * len(self.model.layers) + 1, GROUP_SIZE,
+                     4 * len(self.model.layers) + 1, self.lm_head.group_size,
                      ", activations quantized per row and group at each call"
                      if quantized is W8A8Linear else "",
                      freed / 2**20, held / 2**20, (freed - held) / 2**20,

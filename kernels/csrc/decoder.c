@@ -9,6 +9,7 @@
  * (docs/BENCHMARKS.md, "Single-stream decode").
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -48,7 +49,7 @@ typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter;
     float eps;
     int64_t linear_kind;           /* LINEAR_*: the kernel of every linear layer */
-    int64_t int8_group;            /* LINEAR_INT8's group size */
+    int64_t int8_group;            /* LINEAR_INT8's group size (LINEAR_W8A8's is fixed) */
     int64_t panel_rows;            /* the fewest rows the int8 kernels' prefill tiles take */
     const float *cos, *sin;        /* (max_positions, head_dim) */
     const float *final_norm;
@@ -97,8 +98,11 @@ static void linear(const decoder_model *m, const linear_layer *l, const float *x
         rtpkv_w8a8_linear(x, T, K, (const int8_t *)l->weight, l->scale, N, l->bias, y,
                           m->panel_rows);
         break;
-    default:
+    case LINEAR_FP32:
         rtpkv_fp32_linear(x, T, K, (const float *)l->weight, N, l->bias, y);
+        break;
+    default:
+        abort();   /* kernels/fused_decoder.py sets one of LINEAR_* */
     }
 }
 

@@ -2,11 +2,14 @@
  * load, symmetric, a float32 scale per output channel and group of GROUP inputs; x quantized at
  * each call the same way, a scale per row and group. The products are integer, so the AVX2
  * integer multiply-adds compute 32 of them in the time the weight-only kernel (int8_linear.c)
- * widens and multiplies 8: a one-row GEMV reads the weights as fast as memory gives them, where
- * the widening kept the weight-only kernel at half that (docs/BENCHMARKS.md).
+ * widens and multiplies 8: a one-row GEMV streams about 1.8x the bytes per second of the
+ * weight-only kernel, near the ceiling of the one port both multiply-adds issue on (about
+ * 48 GB/s on the benchmark EPYC; docs/BENCHMARKS.md).
  *
  * Quantizing a row's group of x: a = max |x|; sx = a / 127; qx = round-half-even(x / sx),
- * clamped to [-127, 127] (all 0 where sx is 0). The last group is padded with zeros.
+ * clamped to [-127, 127] (all 0 where sx is 0). The last group is padded with zeros. A group
+ * holding a NaN or an infinity gets sx = NaN and qx = 0, so every output of its row is NaN, as
+ * in float32 (a NaN never turns into a finite value).
  *
  * Arithmetic of one output (row m, channel n), whatever the number of rows, the tile or the
  * thread count: acc = 0; for each group g in order: isum = sum over the group of
@@ -19,17 +22,20 @@
  * Packing (kernels/w8a8_linear.py): channels in blocks of 8, blocks in tiles of TILE_BLOCKS
  * (zero-padded to whole tiles), inputs zero-padded to whole groups; tile t holds
  * qw[t][k / 4][b][c][k % 4], so one 32-byte vector is 4 consecutive inputs of a block's 8
- * channels and a tile's weights are one stream in reading order (4 streams, one per block, read
- * 10-25% slower: the prefetchers follow one stream better); scales sw[j][g][c] per block j. A
- * step broadcasts 4 bytes of x, and vpmaddubsw (|w| times x with w's sign) then vpmaddwd (pairs)
- * gives each channel's sum of 4 products in its 32-bit lane: nothing is summed across lanes.
+ * channels and a tile's weights are one stream in reading order (4 streams, one per block, took
+ * 1.4 ms for the bench model's 33 GEMVs against 1.0: the prefetchers follow one stream better);
+ * scales sw[j][g][c] per block j. A step broadcasts 4 bytes of x, and vpmaddubsw (|w| times x
+ * with w's sign) then vpmaddwd (pairs) gives each channel's sum of 4 products in its 32-bit
+ * lane: nothing is summed across lanes.
  */
+#include <float.h>
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if !defined(__AVX2__) || !defined(__FMA__)
+#if !defined(__AVX2__)
 #error "the w8a8 linear kernel needs AVX2"
 #endif
 
@@ -55,18 +61,21 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t kp, int8
             const int64_t k0 = g * GROUP, valid = k - k0 < GROUP ? k - k0 : GROUP;
             memset(buf, 0, sizeof buf);
             memcpy(buf, x + r * k + k0, (size_t)valid * sizeof(float));
-            const __m256 sign = _mm256_set1_ps(-0.0f);
-            __m256 amax = _mm256_setzero_ps();
-            for (int i = 0; i < GROUP; i += LANES)
-                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(buf + i)));
+            const __m256 sign = _mm256_set1_ps(-0.0f), finite = _mm256_set1_ps(FLT_MAX);
+            __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+            for (int i = 0; i < GROUP; i += LANES) {
+                const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(buf + i));
+                amax = _mm256_max_ps(amax, v);
+                bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, finite, _CMP_NLE_UQ));   /* NaN, inf */
+            }
             float lanes[LANES];
             _mm256_storeu_ps(lanes, amax);
             float a = 0.0f;
             for (int i = 0; i < LANES; i++) a = lanes[i] > a ? lanes[i] : a;
-            const float s = a / 127.0f;
+            const float s = _mm256_movemask_ps(bad) ? NAN : a / 127.0f;
             sx[r * groups + g] = s;
             int8_t *q = qx + r * kp + k0;
-            if (s == 0.0f) {
+            if (!(s > 0.0f)) {   /* zeros, or NaN */
                 memset(q, 0, GROUP);
                 continue;
             }
@@ -100,7 +109,11 @@ static inline __attribute__((always_inline)) void tile(
         for (int i = 0; i < R * B; i++) isum[i] = _mm256_setzero_si256();
         for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += STEP) {
             __m256i xb[MANY_ROWS];
-            for (int r = 0; r < R; r++) xb[r] = _mm256_set1_epi32(*(const int32_t *)(qx + r * kp + k));
+            for (int r = 0; r < R; r++) {
+                int32_t four;   /* 4 int8 inputs */
+                memcpy(&four, qx + r * kp + k, sizeof four);
+                xb[r] = _mm256_set1_epi32(four);
+            }
             const int8_t *step = stream + k * TILE_BLOCKS * LANES;
             _mm_prefetch((const char *)step + PREFETCH, _MM_HINT_T0);
             _mm_prefetch((const char *)step + PREFETCH + 64, _MM_HINT_T0);
@@ -169,8 +182,9 @@ static void many_rows(const int8_t *qx, const float *sx, int64_t m, int64_t kp, 
 void rtpkv_w8a8_linear(const float *x, int64_t m, int64_t k, const int8_t *qw, const float *sw,
                        int64_t n, const float *bias, float *y, int64_t many_rows_from) {
     const int64_t kp = (k + GROUP - 1) / GROUP * GROUP;
-    int8_t *qx = aligned_alloc(32, (size_t)((m * kp + 31) / 32 * 32));
-    float *sx = malloc((size_t)(m * (kp / GROUP)) * sizeof(float));
+    int8_t *qx = malloc((size_t)(m * kp) + 1);
+    float *sx = malloc((size_t)(m * (kp / GROUP)) * sizeof(float) + 1);
+    if (!qx || !sx) abort();   /* a quarter of x's bytes: out of memory is fatal anyway */
     quantize_rows(x, m, k, kp, qx, sx);
     if (m >= many_rows_from)
         many_rows(qx, sx, m, kp, qw, sw, n, bias, y);

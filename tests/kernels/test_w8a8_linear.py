@@ -63,6 +63,23 @@ def test_kernel_gives_the_bits_of_its_torch_reference(shape, rows):
     assert torch.equal(layer(x), reference(x, q, scale, layer.bias))
 
 
+@pytest.mark.parametrize("rows", [1, MANY_ROWS_FROM + 1])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_nan_or_infinite_input_makes_its_row_nan_as_in_float32(bad, rows):
+    """Not a finite value out of garbage: the group's scale becomes NaN, so every output of the
+    row is NaN (float32 gives NaN or +-inf there), in the kernel and its reference alike; the
+    other rows keep their bits."""
+    linear = _linear(37, 70, True)
+    layer = W8A8Linear(linear)
+    x = _x(rows, 70)
+    x[0, 40] = bad
+    got = layer(x)
+    assert torch.isnan(got[0]).all()
+    assert torch.isnan(reference(x, *layer.quantized(), layer.bias)[0]).all()
+    assert not torch.isfinite(linear(x).detach()[0]).all()
+    assert torch.equal(got[1:], layer(x[1:]))
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_layer_stays_close_to_the_float_layer(shape):
     """Tolerance: each weight and each input is within half a step of its group's scale (1/254
