@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "the float32 linear kernel needs AVX2 and FMA"
 #endif

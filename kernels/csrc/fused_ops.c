@@ -13,6 +13,8 @@
 
 #include "vec_math.h"
 
+#include "kernels.h"
+
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "the fused CPU ops need AVX2 and FMA"
 #endif

@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "the int8 linear kernel needs AVX2 and FMA"
 #endif

@@ -35,6 +35,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #if !defined(__AVX2__)
 #error "the w8a8 linear kernel needs AVX2"
 #endif
