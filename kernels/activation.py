@@ -11,7 +11,8 @@ from rtpkv.kernels import fused_ops
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """(..., 2 * inter) -> (..., inter): the C kernel when it takes the tensor, else torch."""
     inter = gate_up.shape[-1] // 2
-    if not (gate_up.is_contiguous() and inter % 8 == 0 and fused_ops.usable(gate_up)):
+    if not (gate_up.is_contiguous() and inter % fused_ops.ROW_MULTIPLE == 0
+            and fused_ops.usable(gate_up)):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
     out = gate_up.new_empty(*gate_up.shape[:-1], inter)

@@ -16,7 +16,7 @@ import torch
 from rtpkv.kernels.cpu_attention import CpuMetadata, CpuPagedAttention, kernel_args, _Args
 from rtpkv.kernels.cpu_build import Signatures, bound_library
 from rtpkv.kernels.fused_ops import ptr
-from rtpkv.kernels import int8_linear, w8a8_linear
+from rtpkv.kernels import fused_ops, int8_linear, w8a8_linear
 from rtpkv.kernels.int8_linear import Int8Linear
 from rtpkv.kernels.w8a8_linear import W8A8Linear
 
@@ -115,8 +115,9 @@ class FusedDecoder:
             weight.device.type == "cpu" and weight.dtype == torch.float32
             and isinstance(module.attention, CpuPagedAttention) and not spec.qk_norm
             and len({m.path for m in linears}) == 1 and linears[0].path in _LINEAR_KINDS
-            and spec.head_dim % 16 == 0 and spec.hidden_size % 8 == 0
-            and spec.intermediate_size % 8 == 0)
+            and spec.head_dim % fused_ops.ROPE_MULTIPLE == 0
+            and spec.hidden_size % fused_ops.ROW_MULTIPLE == 0
+            and spec.intermediate_size % fused_ops.ROW_MULTIPLE == 0)
         if not eligible:
             return None
         lib = _library()

@@ -27,7 +27,11 @@ def library() -> Optional[ctypes.CDLL]:
     return bound_library("fused_ops", _SIGNATURES)
 
 
-def usable(*tensors: torch.Tensor, multiple: int = 8) -> bool:
+ROW_MULTIPLE = 8    # the fused ops' rows: whole vectors of 8 floats (RMSNorm, SiLU-and-mul)
+ROPE_MULTIPLE = 16  # RoPE's head dim: two halves of whole vectors
+
+
+def usable(*tensors: torch.Tensor, multiple: int = ROW_MULTIPLE) -> bool:
     """Whether the C kernels take these tensors: CPU, float32 or bfloat16 alike, the last
     dimension a multiple of `multiple`, and the library built."""
     first = tensors[0]

@@ -29,7 +29,7 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     if (q.stride(1) == q.shape[2] and q.stride(2) == 1 and k.stride(1) == k.shape[2]
             and k.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()
             and positions.dtype == torch.int64 and positions.is_contiguous()
-            and fused_ops.usable(q, k, cos, sin, multiple=16)):
+            and fused_ops.usable(q, k, cos, sin, multiple=fused_ops.ROPE_MULTIPLE)):
         fused_ops.library().rtpkv_rope(q.data_ptr(), k.data_ptr(), q.shape[0], q.shape[1],
                                        k.shape[1], q.stride(0), k.stride(0), q.shape[2],
                                        cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
