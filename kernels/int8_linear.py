@@ -82,7 +82,6 @@ class QuantizedLinear(nn.Module):
     for a kernel as `q` and `scale`, a float32 bias; `path` names the kind."""
 
     path = ""
-    streamed = ("q", "scale")   # what a call reads in full (huge_pages.gather_weights)
 
     def __init__(self, linear: nn.Linear, group_size: int, q: torch.Tensor, scale: torch.Tensor):
         super().__init__()

@@ -185,12 +185,6 @@ class InferenceLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, path={self.path}, min_rows={self.min_rows}"
 
-    @property
-    def streamed(self) -> tuple[str, ...]:
-        """The attributes holding what a call reads in full (`huge_pages.gather_weights`): the
-        avx2 path's panels; oneDNN's and the native weights stay where their library put them."""
-        return ("packed",) if self.path == "avx2" else ()
-
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         if self.path == "avx2":
             return fp32_linear.fp32_linear(x, self.packed, self.bias, self.out_features)

@@ -16,7 +16,6 @@ from torch import nn
 from rtpkv.kernels import (AttentionBackend, apply_rope_, attention_backend, rms_norm, rope_table,
                            silu_and_mul)
 from rtpkv.kernels.fused_decoder import FusedDecoder
-from rtpkv.kernels.huge_pages import gather_weights
 from rtpkv.kernels.int8_linear import Int8Linear
 from rtpkv.kernels.w8a8_linear import W8A8Linear
 from rtpkv.kernels.linear import InferenceLinear, linear_path
@@ -132,15 +131,14 @@ class CausalLM(nn.Module):
         self.cos: Optional[torch.Tensor] = None
         self.sin: Optional[torch.Tensor] = None
         self.fused: Optional[FusedDecoder] = None   # the layers as one C call, where they can be
-        self.weight_buffer: Optional[torch.Tensor] = None   # the streamed weights (huge_pages)
 
     def prepare(self, max_positions: int, attention: str = "auto", linear: str = "auto",
                 weight_quantization: Optional[str] = None,
                 kv_dtype: Optional[torch.dtype] = None) -> None:
         """After weights are loaded: tie, fuse, choose the GEMM path (kernels/linear.py; `linear`
         is RTPKV_LINEAR) or quantize the linear layers (`weight_quantization`: "int8",
-        kernels/int8_linear.py, or "w8a8_int8", kernels/w8a8_linear.py), on a CPU gather the
-        weights the kernels stream onto 2 MiB pages (kernels/huge_pages.py), build the RoPE table, pick the attention backend (`attention` is RTPKV_ATTENTION) for
+        kernels/int8_linear.py, or "w8a8_int8", kernels/w8a8_linear.py),
+        build the RoPE table, pick the attention backend (`attention` is RTPKV_ATTENTION) for
         the pool's `kv_dtype` (torch.int8: the int8 KV cache; default: the model's dtype) and,
         where every layer runs on the C kernels, the fused decoder (kernels/fused_decoder.py)."""
         if self.spec.tie_word_embeddings:
@@ -181,22 +179,10 @@ class CausalLM(nn.Module):
                      if quantized is W8A8Linear else "",
                      freed / 2**20, held / 2**20, (freed - held) / 2**20,
                      "; the tied LM head is an int8 copy of the float32 embedding" if tied else "")
-        if weight.device.type == "cpu":
-            self._gather_weights()
         self.cos, self.sin = rope_table(self.spec.inv_freq(), max_positions, weight.dtype, weight.device)
         self.attention = attention_backend(weight.device, weight.dtype, self.spec.head_dim,
                                            attention, kv_dtype)
         self.fused = FusedDecoder.build(self)
-
-    def _gather_weights(self) -> None:
-        """The linear layers' streamed weights into one buffer on 2 MiB pages, in the order a
-        forward reads them (kernels/huge_pages.py)."""
-        order = [m for layer in self.model.layers
-                 for m in (layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up,
-                           layer.mlp.down_proj)] + [self.lm_head]
-        fields = [(m, name) for m in order for name in getattr(m, "streamed", ())]
-        if fields:
-            self.weight_buffer = gather_weights(fields)
 
     @property
     def attention_name(self) -> str:
