@@ -1,10 +1,10 @@
 """A forward's decoder layers in one C call (csrc/decoder.c) where the model runs on the C
-kernels end to end: float32 on the CPU, linear layers on the avx2 or int8 kernel, the CPU
-paged-attention backend (over a float32 or an int8 KV cache), the fused ops, no q/k norm. It
-calls the same kernels the per-layer Python path calls, in the same order, so the two give the
-same bits (tests/kernels/test_fused_decoder.py); it only removes the Python between them, which
-dominates the small kernels of a one-token decode step. `FusedDecoder.build` returns None for any other model, and
-CausalLM then runs its layers one by one."""
+kernels end to end: float32 on the CPU, linear layers all on the avx2, the int8 or the w8a8
+kernel, the CPU paged-attention backend (over a float32 or an int8 KV cache), the fused ops, no
+q/k norm. It calls the same kernels the per-layer Python path calls, in the same order, so the
+two give the same bits (tests/kernels/test_fused_decoder.py); it only removes the Python between
+them, which dominates the small kernels of a one-token decode step. `FusedDecoder.build`
+returns None for any other model, and CausalLM then runs its layers one by one."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from rtpkv.kernels.cpu_attention import CpuMetadata, CpuPagedAttention, kernel_a
 from rtpkv.kernels.cpu_build import Signatures, bound_library
 from rtpkv.kernels.fused_ops import ptr
 from rtpkv.kernels import fused_ops, int8_linear, w8a8_linear
-from rtpkv.kernels.int8_linear import Int8Linear
+from rtpkv.kernels.int8_linear import Int8Linear, QuantizedLinear
 from rtpkv.kernels.w8a8_linear import W8A8Linear
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ def _library() -> Optional[ctypes.CDLL]:
 
 
 def _linear(layer: torch.nn.Module) -> _Linear:
-    if isinstance(layer, (Int8Linear, W8A8Linear)):
+    if isinstance(layer, QuantizedLinear):
         return _Linear(layer.q.data_ptr(), layer.scale.data_ptr(), ptr(layer.bias))
     return _Linear(layer.packed.data_ptr(), None, ptr(layer.bias))
 
@@ -92,7 +92,7 @@ class FusedDecoder:
         self.model = _Model(
             len(backbone.layers), self.hidden, self.heads, self.kv_heads, self.head_dim,
             inter, spec.rms_norm_eps, kind,
-            first.group_size if kind == 1 else 0,   # int8_group: LINEAR_INT8's only
+            first.group_size if isinstance(first, Int8Linear) else 0,   # LINEAR_INT8's only
             panel_rows,
             module.cos.data_ptr(), module.sin.data_ptr(), backbone.norm.weight.data_ptr())
         # the last layer table made, with the addresses of the K/V caches it points into

@@ -79,7 +79,9 @@ def pack(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 class QuantizedLinear(nn.Module):
     """What the int8 layers share: the weight quantized at load (`quantize`) and held packed
-    for a kernel as `q` and `scale`, a float32 bias; `path` names the kind."""
+    for a kernel as `q` and `scale`, a float32 bias, and the call: the kernel (`_kernel`) on
+    contiguous float32 rows on the CPU, else the layer's torch path (`_torch`); `path` names the
+    kind."""
 
     path = ""
 
@@ -100,6 +102,24 @@ class QuantizedLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.bias)
                    if t is not None)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = self._library()
+        if lib is None or x.device.type != "cpu" or x.dtype != torch.float32:
+            return self._torch(x)
+        x = x.contiguous()
+        y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
+        self._kernel(lib, x, x.numel() // self.in_features, y)
+        return y
+
+    def _library(self) -> Optional[ctypes.CDLL]:
+        raise NotImplementedError
+
+    def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, rows: int, y: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
 
 class Int8Linear(QuantizedLinear):
     """y = x W^T + b with W held as int8 and per-group scales; float32 activations. The C kernel
@@ -117,14 +137,13 @@ class Int8Linear(QuantizedLinear):
         scale = self.scale.transpose(1, 2).reshape(-1, self.scale.shape[1])[:self.out_features]
         return dequantize(q, scale, self.group_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lib = library()
-        if lib is None or x.device.type != "cpu" or x.dtype != torch.float32:
-            return F.linear(x.float(), self.dequantized(), self.bias)
-        x = x.contiguous()
-        rows = x.numel() // self.in_features
-        y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
+    def _library(self) -> Optional[ctypes.CDLL]:
+        return library()
+
+    def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, rows: int, y: torch.Tensor) -> None:
         lib.rtpkv_int8_linear(x.data_ptr(), rows, self.in_features, self.q.data_ptr(),
                               self.scale.data_ptr(), self.out_features, self.group_size,
                               ptr(self.bias), y.data_ptr(), PANEL_MIN_ROWS)
-        return y
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.dequantized(), self.bias)

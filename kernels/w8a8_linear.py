@@ -100,14 +100,13 @@ class W8A8Linear(QuantizedLinear):
         """(q (out, in) int8, scale (out, groups)): the weight as `int8_linear.quantize` gave it."""
         return unpack(self.q, self.scale, self.out_features, self.in_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lib = library()
-        if lib is None or x.device.type != "cpu" or x.dtype != torch.float32:
-            return reference(x, *self.quantized(), self.bias)
-        x = x.contiguous()
-        rows = x.numel() // self.in_features
-        y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)
+    def _library(self) -> Optional[ctypes.CDLL]:
+        return library()
+
+    def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, rows: int, y: torch.Tensor) -> None:
         lib.rtpkv_w8a8_linear(x.data_ptr(), rows, self.in_features, self.q.data_ptr(),
                               self.scale.data_ptr(), self.out_features, ptr(self.bias),
                               y.data_ptr(), MANY_ROWS_FROM)
-        return y
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
+        return reference(x, *self.quantized(), self.bias)

@@ -3,10 +3,10 @@
  * projection, RMSNorm, gate_up, SiLU-and-mul and the down projection; then the final norm.
  *
  * It calls the very kernels the per-layer path calls from Python (fused_ops.c, fp32_linear.c,
- * int8_linear.c, w8a8_linear.c, paged_attention.c, linked into this library), in the same order on the same
- * values, so its results are bit-identical to that path's: what it removes is the Python between
- * them, which in a one-token decode step costs more than the small kernels it calls
- * (docs/BENCHMARKS.md, "Single-stream decode").
+ * int8_linear.c, w8a8_linear.c, paged_attention.c, linked into this library), in the same
+ * order on the same values, so its results are bit-identical to that path's: what it removes is
+ * the Python between them, which in a one-token decode step costs more than the small kernels
+ * it calls (docs/BENCHMARKS.md, "Single-stream decode").
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "vec_math.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "the int8 linear kernel needs AVX2 and FMA"
@@ -40,16 +41,6 @@ typedef __m256 v8;
 static inline v8 widen(const int8_t *q, v8 scale) {
     const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(w), scale);
-}
-
-/* Adds the bias and stores the 8 channels of block `block` (the last ones may be padding). */
-static inline void store_block(float *y, int64_t n, int64_t block, v8 acc, const float *bias) {
-    const int64_t n0 = block * LANES;
-    if (n0 >= n) return;
-    const int64_t valid = n - n0 < LANES ? n - n0 : LANES;
-    float out[LANES];
-    _mm256_storeu_ps(out, acc);
-    for (int64_t i = 0; i < valid; i++) y[n0 + i] = bias ? out[i] + bias[n0 + i] : out[i];
 }
 
 /* One row of x against channel blocks [b0, b0 + 8), weights widened in registers. */
@@ -80,7 +71,7 @@ static void gemv_tile(const float *x, const int8_t *q, const float *s, int64_t k
         }
     }
     const v8 acc[GEMV_BLOCKS] = {a0, a1, a2, a3, a4, a5, a6, a7};
-    for (int b = 0; b < GEMV_BLOCKS; b++) store_block(y, n, b0 + b, acc[b], bias);
+    for (int b = 0; b < GEMV_BLOCKS; b++) store_lanes(y, n, (b0 + b) * LANES, acc[b], bias);
 }
 
 static void gemv(const float *x, int64_t m, int64_t k, const int8_t *q, const float *s,
@@ -115,7 +106,8 @@ static void panel_tile(const float *x, int64_t ldx, int rows, const float *panel
     const v8 acc[PANEL_ROWS][PANEL_BLOCKS] = {{c00, c01}, {c10, c11}, {c20, c21},
                                               {c30, c31}, {c40, c41}, {c50, c51}};
     for (int r = 0; r < rows; r++)
-        for (int b = 0; b < PANEL_BLOCKS; b++) store_block(y + r * n, n, b0 + b, acc[r][b], bias);
+        for (int b = 0; b < PANEL_BLOCKS; b++)
+            store_lanes(y + r * n, n, (b0 + b) * LANES, acc[r][b], bias);
 }
 
 static void panels(const float *x, int64_t m, int64_t k, const int8_t *q, const float *s,

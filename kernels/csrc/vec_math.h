@@ -30,4 +30,14 @@ static inline __m256 exp_clamped(__m256 c) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+/* Stores the 8 lanes of `acc` as outputs n0 .. n0 + 7 of a row y of n, plus the bias where
+ * there is one; lanes past n are zero-padded channels and are dropped. */
+static inline void store_lanes(float *y, int64_t n, int64_t n0, __m256 acc, const float *bias) {
+    if (n0 >= n) return;
+    const int64_t valid = n - n0 < 8 ? n - n0 : 8;
+    float out[8];
+    _mm256_storeu_ps(out, acc);
+    for (int64_t i = 0; i < valid; i++) y[n0 + i] = bias ? out[i] + bias[n0 + i] : out[i];
+}
+
 #endif

@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "vec_math.h"
 
 #if !defined(__AVX2__)
 #error "the w8a8 linear kernel needs AVX2"
@@ -61,7 +62,7 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t kp, int8
         float buf[GROUP];
         for (int64_t g = 0; g < groups; g++) {
             const int64_t k0 = g * GROUP, valid = k - k0 < GROUP ? k - k0 : GROUP;
-            memset(buf, 0, sizeof buf);
+            if (valid < GROUP) memset(buf + valid, 0, (size_t)(GROUP - valid) * sizeof(float));
             memcpy(buf, x + r * k + k0, (size_t)valid * sizeof(float));
             const __m256 sign = _mm256_set1_ps(-0.0f), finite = _mm256_set1_ps(FLT_MAX);
             __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
@@ -138,15 +139,8 @@ static inline __attribute__((always_inline)) void tile(
         }
     }
     for (int r = 0; r < R; r++)
-        for (int b = 0; b < B; b++) {
-            const int64_t n0 = (b0 + b) * LANES;
-            if (n0 >= n) continue;
-            const int64_t valid = n - n0 < LANES ? n - n0 : LANES;
-            float out[LANES];
-            _mm256_storeu_ps(out, acc[r * B + b]);
-            for (int64_t i = 0; i < valid; i++)
-                y[r * n + n0 + i] = bias ? out[i] + bias[n0 + i] : out[i];
-        }
+        for (int b = 0; b < B; b++)
+            store_lanes(y + r * n, n, (b0 + b) * LANES, acc[r * B + b], bias);
 }
 
 static void few_rows(const int8_t *qx, const float *sx, int64_t m, int64_t kp, const int8_t *qw,
