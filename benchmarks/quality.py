@@ -103,8 +103,7 @@ def token_nll(model, ids: list[int], window: int) -> torch.Tensor:
         caches = [(torch.zeros(spec.num_kv_heads * n, row, dtype=model.kv_dtype),
                    torch.zeros(spec.num_kv_heads * n, row, dtype=model.kv_dtype))
                   for _ in range(spec.num_layers)]
-        batch = AttentionBatch(positions=torch.arange(n), row_seq=torch.zeros(n, dtype=torch.long),
-                               block_tables=torch.zeros((1, 1), dtype=torch.long),
+        batch = AttentionBatch(positions=list(range(n)), row_seq=[0] * n, block_tables=[[0]],
                                query_start=[0], query_len=[n], context_len=[n], block_size=n,
                                num_blocks=1, kv_heads=spec.num_kv_heads)
         with torch.inference_mode():

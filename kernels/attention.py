@@ -20,6 +20,7 @@ batch-invariance guarantee (see cpu_attention).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Optional, Protocol
 
 import torch
@@ -32,11 +33,12 @@ from rtpkv.kernels.kv_store import head_major_rows, write_kv
 @dataclass
 class AttentionBatch:
     """One step's batch as the ModelRunner sees it; rows are the flat token rows of the forward,
-    sequences own consecutive rows."""
+    sequences own consecutive rows. Held as Python ints, which the CPU backend reads as they
+    are; the torch backends take the `*_tensor` views, made on first use."""
 
-    positions: torch.Tensor         # (T,) int64 position of each row's token
-    row_seq: torch.Tensor           # (T,) int64 index of each row's sequence
-    block_tables: torch.Tensor      # (num_seqs, max_blocks) int64, padded with block 0
+    positions: list[int]            # position of each row's token
+    row_seq: list[int]              # index of each row's sequence
+    block_tables: list[list[int]]   # per sequence: its block table (at least its context's)
     query_start: list[int]          # per sequence: its first row
     query_len: list[int]            # per sequence: its rows (tokens computed this step)
     context_len: list[int]          # per sequence: positions attended by its last row
@@ -47,6 +49,7 @@ class AttentionBatch:
     # None: the whole sequence. Table entries of blocks wholly before a query's window may be
     # released (see KVCacheManager): a backend must not read them.
     window: Optional[int] = None
+    device: torch.device = torch.device("cpu")   # where the `*_tensor` views are made
 
     def first_key(self, position: int) -> int:
         """The oldest position a query at `position` attends to."""
@@ -56,10 +59,27 @@ class AttentionBatch:
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
+    @cached_property
+    def positions_tensor(self) -> torch.Tensor:
+        """(T,) int64."""
+        return torch.tensor(self.positions, dtype=torch.int64, device=self.device)
+
+    @cached_property
+    def row_seq_tensor(self) -> torch.Tensor:
+        """(T,) int64."""
+        return torch.tensor(self.row_seq, dtype=torch.int64, device=self.device)
+
+    @cached_property
+    def block_tables_tensor(self) -> torch.Tensor:
+        """(num_seqs, max_blocks) int64, padded with block 0."""
+        width = max(map(len, self.block_tables))
+        return torch.tensor([t + [0] * (width - len(t)) for t in self.block_tables],
+                            dtype=torch.int64, device=self.device)
+
     def slots(self) -> torch.Tensor:
         """(T,) pool slot of each row's new token."""
-        B = self.block_size
-        return self.block_tables[self.row_seq, self.positions // B] * B + self.positions % B
+        B, positions = self.block_size, self.positions_tensor
+        return self.block_tables_tensor[self.row_seq_tensor, positions // B] * B + positions % B
 
     def write_rows(self) -> torch.Tensor:
         """(kv_heads, T) rows of each new token's K/V in a head-major pool layer."""
@@ -152,7 +172,7 @@ class TorchAttention:
         return self._k_buffer, self._v_buffer
 
     def build(self, batch: AttentionBatch) -> TorchMetadata:
-        B, device = batch.block_size, batch.positions.device
+        B, device = batch.block_size, batch.device
         decodes = [i for i, n in enumerate(batch.query_len) if n == 1]
         if decodes != list(range(len(decodes))):
             raise ValueError("TorchAttention needs the single-token sequences first in the batch")
@@ -164,7 +184,7 @@ class TorchAttention:
             chunk = PrefillChunk(row, row + n)
             first = batch.first_key(end - n) // B * B    # the chunk's oldest key, block-aligned
             if end > n:
-                blocks = batch.block_tables[i, first // B: -(-end // B)]
+                blocks = batch.block_tables_tensor[i, first // B: -(-end // B)]
                 chunk.ctx_blocks = head_major_rows(blocks, batch.kv_heads, batch.num_blocks)
             if end > n or batch.first_key(end - 1) > 0:
                 q_pos = torch.arange(end - n, end, device=device)[:, None]
@@ -179,11 +199,11 @@ class TorchAttention:
     def _build_decodes(batch: AttentionBatch, meta: TorchMetadata, n: int) -> None:
         """Each decode gathers the blocks from its window's first one (padded with block 0 to
         the widest), masked outside [first key, its position]."""
-        B, device = batch.block_size, batch.positions.device
+        B, device = batch.block_size, batch.device
         ctx = batch.context_len[:n]
         first = [batch.first_key(c - 1) // B for c in ctx]
         width = max(-(-c // B) - f for c, f in zip(ctx, first))
-        tables = batch.block_tables[:n]
+        tables = batch.block_tables_tensor[:n]
         if any(first):
             index = torch.tensor(first, device=device)[:, None] + torch.arange(width, device=device)
             tables = torch.cat([tables, tables.new_zeros(n, width)], dim=1).gather(1, index)

@@ -82,8 +82,7 @@ class CpuPagedAttention:
         """The kernel's arrays, computed on Python ints and made as two tensors (int32 and
         int64) that the fields view: a decode step's metadata is a few dozen numbers, and a
         torch op per array would cost more than the arithmetic."""
-        positions, row_seq = batch.positions.tolist(), batch.row_seq.tolist()
-        tables = batch.block_tables.tolist()
+        positions, row_seq, tables = batch.positions, batch.row_seq, batch.block_tables
         T, B, S = len(positions), batch.block_size, batch.num_slots
         starts: list[int] = []
         for row, n in zip(batch.query_start, batch.query_len):
@@ -91,12 +90,14 @@ class CpuPagedAttention:
         starts.append(T)
         slots = [tables[s][p // B] * B + p % B for s, p in zip(row_seq, positions)]
         rows = [h * S + slot for h in range(batch.kv_heads) for slot in slots]
-        small = torch.tensor(row_seq + positions + [b for t in tables for b in t],
+        width = max(map(len, tables))
+        small = torch.tensor(row_seq + positions + [b for t in tables
+                                                    for b in t + [0] * (width - len(t))],
                              dtype=torch.int32)
         large = torch.tensor(rows + starts, dtype=torch.int64)
         return CpuMetadata(
             write_rows=large[:len(rows)].view(batch.kv_heads, T), row_seq=small[:T],
-            positions=small[T:2 * T], tables=small[2 * T:].view(len(tables), -1),
+            positions=small[T:2 * T], tables=small[2 * T:].view(len(tables), width),
             tile_start=large[len(rows):],
             num_slots=S, block_size=B, window=batch.window or 0)
 

@@ -145,7 +145,7 @@ class FlashAttention:
         decodes = [i for i, n in enumerate(batch.query_len) if n == 1]
         if decodes != list(range(len(decodes))):
             raise ValueError("FlashAttention needs the single-token sequences first in the batch")
-        tables = batch.block_tables.clamp(min=0).to(torch.int32)
+        tables = batch.block_tables_tensor.clamp(min=0).to(torch.int32)
         lens = torch.tensor(batch.context_len, dtype=torch.int32, device=tables.device)
         n = meta.num_decodes = len(decodes)
         if n:
@@ -159,12 +159,12 @@ class FlashAttention:
     def _build_gathered(batch: AttentionBatch, meta: FlashMetadata) -> None:
         """The slots of each sequence's keys, from its window's first block (whole blocks before
         it may be released) to its last position, concatenated in batch order."""
-        B, device = batch.block_size, batch.positions.device
+        B, device = batch.block_size, batch.device
         offsets = torch.arange(B, device=device)
         slots, q_lens, k_lens = [], [], []
         for i, (n, ctx) in enumerate(zip(batch.query_len, batch.context_len)):
             first = batch.first_key(ctx - n) // B
-            blocks = batch.block_tables[i, first: -(-ctx // B)]   # on the device: no sync
+            blocks = batch.block_tables_tensor[i, first: -(-ctx // B)]   # on the device: no sync
             k_len = ctx - first * B
             slots.append((blocks[:, None] * B + offsets).flatten()[:k_len])
             q_lens.append(n)

@@ -4,12 +4,20 @@ kernel, the CPU paged-attention backend (over a float32 or an int8 KV cache), th
 q/k norm. It calls the same kernels the per-layer Python path calls, in the same order, so the
 two give the same bits (tests/kernels/test_fused_decoder.py); it only removes the Python between
 them, which dominates the small kernels of a one-token decode step. `FusedDecoder.build`
-returns None for any other model, and CausalLM then runs its layers one by one."""
+returns None for any other model, and CausalLM then runs its layers one by one.
+
+`logits` is the engine's call: from token ids to the LM head's logits of the rows that sample
+in that one call, on Python ints and a per-thread scratch buffer, so a decode step makes one
+torch op (the logits' tensor) where it made a dozen. Each torch op costs tens of microseconds
+there, not the few it costs in a loop: the weights streamed through the caches every step have
+evicted the code and data of torch's dispatcher (docs/BENCHMARKS.md, "Single-stream decode")."""
 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Optional
+import threading
+from array import array
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -40,11 +48,13 @@ class _Model(ctypes.Structure):
     _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I),
                 ("head_dim", _I), ("inter", _I), ("eps", ctypes.c_float),
                 ("linear_kind", _I), ("int8_group", _I), ("panel_rows", _I),
-                ("cos", _P), ("sin", _P), ("final_norm", _P)]
+                ("cos", _P), ("sin", _P), ("final_norm", _P), ("embedding", _P),
+                ("lm_head", _Linear), ("vocab", _I)]
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("T", _I), ("residual", _P), ("out", _P), ("positions", _P), ("write_rows", _P),
+    _fields_ = [("T", _I), ("ids", _P), ("residual", _P), ("out", _P), ("num_logits", _I),
+                ("logit_rows", _P), ("logits", _P), ("positions", _P), ("write_rows", _P),
                 ("attn", _Args), ("tile_start", _P), ("num_tiles", _I),
                 ("layer", ctypes.POINTER(_Layer)), ("x", _P), ("qkv", _P), ("q", _P),
                 ("att", _P), ("h", _P), ("gate_up", _P), ("act", _P), ("seconds", _P)]
@@ -79,6 +89,7 @@ class FusedDecoder:
         self.module = module
         self.hidden, self.heads, self.kv_heads = spec.hidden_size, spec.num_heads, spec.num_kv_heads
         self.head_dim, inter = spec.head_dim, spec.intermediate_size
+        self.vocab = spec.vocab_size
         self.scale = backbone.layers[0].self_attn.scale
         q_size = self.heads * self.head_dim
         # a forward's scratch, T rows each of x, qkv, q, attention out, h, gate_up, act, in one
@@ -94,9 +105,12 @@ class FusedDecoder:
             inter, spec.rms_norm_eps, kind,
             first.group_size if isinstance(first, Int8Linear) else 0,   # LINEAR_INT8's only
             panel_rows,
-            module.cos.data_ptr(), module.sin.data_ptr(), backbone.norm.weight.data_ptr())
+            module.cos.data_ptr(), module.sin.data_ptr(), backbone.norm.weight.data_ptr(),
+            backbone.embed_tokens.weight.data_ptr(), _linear(module.lm_head), self.vocab)
         # the last layer table made, with the addresses of the K/V caches it points into
         self._table: Optional[tuple[tuple[int, ...], ctypes.Array]] = None
+        # each thread's float32 buffer for `logits`: residual, final hidden and scratch rows
+        self._buffers = threading.local()
         # float64 (3,): when set, each forward adds the wall seconds of its linear layers,
         # attention with the KV write, and elementwise kernels (SECONDS_* in csrc/decoder.c;
         # benchmarks/decode_step.py); None in service
@@ -110,9 +124,10 @@ class FusedDecoder:
         weight = backbone.embed_tokens.weight
         linears = [m for layer in backbone.layers
                    for m in (layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up,
-                             layer.mlp.down_proj)]
+                             layer.mlp.down_proj)] + [module.lm_head]
         eligible = (
             weight.device.type == "cpu" and weight.dtype == torch.float32
+            and weight.is_contiguous()
             and isinstance(module.attention, CpuPagedAttention) and not spec.qk_norm
             and len({m.path for m in linears}) == 1 and linears[0].path in _LINEAR_KINDS
             and spec.head_dim % fused_ops.ROPE_MULTIPLE == 0
@@ -143,22 +158,52 @@ class FusedDecoder:
             cached = self._table = (key, table)
         return cached[1]
 
+    def _run(self, T: int, positions: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+             meta: CpuMetadata, residual: int, out: int, scratch: int, ids: Optional[int] = None,
+             logit_rows: Optional[int] = None, num_logits: int = 0,
+             logits: Optional[int] = None) -> None:
+        """One C forward over addresses: `positions`, `ids` and `logit_rows` of int64 values,
+        `scratch` of T * scratch_width floats."""
+        attn = kernel_args(meta, T, self.heads, self.kv_heads, self.head_dim, self.scale,
+                           bf16=False, kv_int8=kv_caches[0][0].dtype == torch.int8)
+        step = _Step(T, ids, residual, out, num_logits, logit_rows, logits, positions,
+                     meta.write_rows.data_ptr(), attn, meta.tile_start.data_ptr(),
+                     meta.tile_start.numel() - 1, self._layer_table(kv_caches),
+                     *(scratch + 4 * T * start for start in self.scratch_starts),
+                     ptr(self.seconds))
+        self.lib.rtpkv_decoder_forward(ctypes.byref(self.model), ctypes.byref(step))
+
     def forward(self, residual: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: CpuMetadata) -> torch.Tensor:
         """residual: (T, hidden) embeddings (updated in place); returns the final hidden states."""
-        table = self._layer_table(kv_caches)
         T = residual.shape[0]
         buffer = residual.new_empty(T * self.scratch_width)
-        scratch = [buffer.data_ptr() + 4 * T * start for start in self.scratch_starts]
         out = residual.new_empty(T, self.hidden)
         # the C code reads int64 (the per-layer path takes any integer dtype); no copy when so.
         # meta.write_rows is int64 and contiguous as CpuPagedAttention.build makes it.
         positions = positions.to(torch.int64).contiguous()
-        attn = kernel_args(meta, T, self.heads, self.kv_heads, self.head_dim, self.scale,
-                           bf16=False, kv_int8=kv_caches[0][0].dtype == torch.int8)
-        step = _Step(T, residual.data_ptr(), out.data_ptr(), positions.data_ptr(),
-                     meta.write_rows.data_ptr(), attn, meta.tile_start.data_ptr(),
-                     meta.tile_start.numel() - 1, table, *scratch, ptr(self.seconds))
-        self.lib.rtpkv_decoder_forward(ctypes.byref(self.model), ctypes.byref(step))
+        self._run(T, positions.data_ptr(), kv_caches, meta, residual.data_ptr(), out.data_ptr(),
+                  buffer.data_ptr())
         return out
+
+    def logits(self, ids: Sequence[int], positions: Sequence[int],
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: CpuMetadata,
+               rows: Sequence[int]) -> torch.Tensor:
+        """The LM head's float32 logits (len(rows), vocab) of `rows` of this forward over token
+        `ids` at `positions` (ids below the vocabulary's size, as the caller checks)."""
+        T, E = len(ids), self.hidden
+        floats = T * (self.scratch_width + 2 * E)
+        buffer = getattr(self._buffers, "floats", None)
+        if buffer is None or buffer.numel() < floats:
+            buffer = self._buffers.floats = torch.empty(floats, dtype=torch.float32)
+        base = buffer.data_ptr()
+        ints = array("q", ids)
+        ints.extend(positions)
+        ints.extend(rows)
+        address, size = ints.buffer_info()[0], ints.itemsize
+        logits = torch.empty(len(rows), self.vocab, dtype=torch.float32)
+        self._run(T, address + size * T, kv_caches, meta, base, base + 4 * T * E,
+                  base + 8 * T * E, ids=address, logit_rows=address + size * 2 * T,
+                  num_logits=len(rows), logits=logits.data_ptr())
+        return logits

@@ -1,11 +1,12 @@
 """Bindings of csrc/fused_ops.c: RMSNorm (with the residual add), SiLU-and-mul and RoPE as one
-pass each over memory on the CPU, and the int8 KV cache's quantized write. `library()` is None
-where the C kernels cannot be built; the callers in norm.py, activation.py, rope.py and
-kv_quant.py then run their torch reference."""
+pass each over memory on the CPU, the int8 KV cache's quantized write, and the greedy pick.
+`library()` is None where the C kernels cannot be built; the callers in norm.py, activation.py,
+rope.py and kv_quant.py then run their torch reference, `argmax` torch's."""
 
 from __future__ import annotations
 
 import ctypes
+from array import array
 from typing import Optional
 
 import torch
@@ -20,6 +21,7 @@ _SIGNATURES: Signatures = {
     "rtpkv_silu_and_mul": ([_P, _P, _I, _I, ctypes.c_int], None),
     "rtpkv_rope": ([_P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int], None),
     "rtpkv_write_kv_int8": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int], None),
+    "rtpkv_argmax": ([_P, _I, _I, _P], None),
 }
 
 
@@ -46,3 +48,16 @@ def usable(*tensors: torch.Tensor, multiple: int = ROW_MULTIPLE) -> bool:
 
 def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
+
+
+def argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's arg-max of (n, vocab) logits, as torch.argmax gives it (a NaN wins). On the
+    CPU in C: after a decode step's C forward, a torch op would be the step's only one and pay
+    for the caches the weights evicted (kernels/fused_decoder.py)."""
+    lib = library()
+    if (lib is None or logits.device.type != "cpu" or logits.dtype != torch.float32
+            or logits.dim() != 2 or not logits.is_contiguous() or not logits.shape[1]):
+        return logits.argmax(dim=-1).tolist()
+    out = array("q", bytes(8 * logits.shape[0]))
+    lib.rtpkv_argmax(logits.data_ptr(), logits.shape[0], logits.shape[1], out.buffer_info()[0])
+    return out.tolist()

@@ -192,9 +192,8 @@ class CausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: Any) -> torch.Tensor:
         """`meta` comes from `self.attention.build` for this batch."""
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-            raise IndexError(f"position {int(positions.max())} is past the RoPE table "
-                             f"({self.cos.shape[0]} positions)")
+        if positions.numel():
+            self._check_position(int(positions.max()))
         residual = self.model.embed_tokens(input_ids)   # the residual stream, added to in place
         if self.fused is not None:
             return self.fused.forward(residual, positions, kv_caches, meta)
@@ -209,3 +208,26 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def forward_logits(self, ids: list[int], positions: list[int],
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any,
+                       rows: list[int]) -> torch.Tensor:
+        """The float32 logits of `rows` of the forward over token `ids` at `positions`: what
+        the engine samples from. Where the fused decoder runs, one C call from the ids to the
+        logits, with no torch op between (kernels/fused_decoder.py)."""
+        if positions:
+            self._check_position(max(positions))
+        if self.fused is not None:
+            if ids and not 0 <= min(ids) <= max(ids) < self.spec.vocab_size:
+                raise IndexError(f"token ids {min(ids)}..{max(ids)} are outside the "
+                                 f"vocabulary [0, {self.spec.vocab_size})")
+            return self.fused.logits(ids, positions, kv_caches, meta, rows)
+        device = self.cos.device
+        hidden = self.forward(torch.tensor(ids, device=device),
+                              torch.tensor(positions, device=device), kv_caches, meta)
+        return self.logits(hidden[torch.tensor(rows, dtype=torch.long, device=device)])
+
+    def _check_position(self, position: int) -> None:
+        if position >= self.cos.shape[0]:
+            raise IndexError(f"position {position} is past the RoPE table "
+                             f"({self.cos.shape[0]} positions)")

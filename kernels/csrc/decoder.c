@@ -1,6 +1,7 @@
-/* A forward's decoder layers in one call (kernels/fused_decoder.py): for each layer, RMSNorm
- * with the residual add, the qkv projection, RoPE, the KV write, paged attention, the output
- * projection, RMSNorm, gate_up, SiLU-and-mul and the down projection; then the final norm.
+/* A forward's decoder layers in one call (kernels/fused_decoder.py): the token embeddings,
+ * then for each layer RMSNorm with the residual add, the qkv projection, RoPE, the KV write,
+ * paged attention, the output projection, RMSNorm, gate_up, SiLU-and-mul and the down
+ * projection; then the final norm and the LM head on the rows that sample.
  *
  * It calls the very kernels the per-layer path calls from Python (fused_ops.c, fp32_linear.c,
  * int8_linear.c, w8a8_linear.c, paged_attention.c, linked into this library), in the same
@@ -39,12 +40,20 @@ typedef struct {
     int64_t panel_rows;            /* the fewest rows the int8 kernels' prefill tiles take */
     const float *cos, *sin;        /* (max_positions, head_dim) */
     const float *final_norm;
+    const float *embedding;        /* (vocab, hidden) */
+    linear_layer lm_head;          /* hidden -> vocab, on the layers' kernel */
+    int64_t vocab;
 } decoder_model;
 
 typedef struct {                   /* one forward */
     int64_t T;
-    float *residual;               /* (T, hidden): the embeddings in, the residual stream out */
+    const int64_t *ids;            /* (T,) token ids whose embeddings start the residual stream,
+                                      each below vocab; NULL: `residual` holds them already */
+    float *residual;               /* (T, hidden): the residual stream */
     float *out;                    /* (T, hidden): the final norm of the residual stream */
+    int64_t num_logits;            /* rows of `out` the LM head projects (0: none) */
+    const int64_t *logit_rows;     /* (num_logits,) which, in order */
+    float *logits;                 /* (num_logits, vocab) */
     const int64_t *positions;      /* (T,) */
     const int64_t *write_rows;     /* (KVH, T) pool rows of the new tokens' K/V */
     attn_args attn;                /* q, caches and out are set per layer */
@@ -117,6 +126,9 @@ void rtpkv_decoder_forward(const decoder_model *m, decoder_step *s) {
     const int64_t T = s->T, E = m->hidden, D = m->head_dim, I = m->inter;
     const int64_t q_size = m->heads * D, width = q_size + 2 * m->kv_heads * D;
     double t = s->seconds ? clock_now() : 0.0;
+    if (s->ids)
+        for (int64_t r = 0; r < T; r++)
+            memcpy(s->residual + r * E, m->embedding + s->ids[r] * E, (size_t)E * sizeof(float));
     for (int64_t i = 0; i < m->layers; i++) {
         const decoder_layer *l = &s->layer[i];
         rtpkv_rms_norm(i == 0 ? s->residual : s->h, i == 0 ? NULL : s->residual, l->input_norm,
@@ -147,4 +159,9 @@ void rtpkv_decoder_forward(const decoder_model *m, decoder_step *s) {
     }
     rtpkv_rms_norm(s->h, s->residual, m->final_norm, s->out, T, E, m->eps, 0);
     lap(s, SECONDS_ELEMENTWISE, &t);
+    if (s->num_logits <= 0) return;
+    for (int64_t r = 0; r < s->num_logits; r++)   /* the rows that sample, gathered */
+        memcpy(s->x + r * E, s->out + s->logit_rows[r] * E, (size_t)E * sizeof(float));
+    linear(m, &m->lm_head, s->x, s->num_logits, E, m->vocab, s->logits);
+    lap(s, SECONDS_LINEAR, &t);
 }

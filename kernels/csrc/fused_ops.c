@@ -170,3 +170,24 @@ void rtpkv_write_kv_int8(const void *k, const void *v, int8_t *k_cache, int8_t *
         quantize_row(v, t * v_stride + h * D, v_cache + row * width, D, bf16);
     }
 }
+
+/* Each row's arg-max, as torch.argmax takes it: the first NaN if there is one, else the first
+ * index of the largest value. The greedy sampler's pick, without a torch op. */
+void rtpkv_argmax(const float *x, int64_t rows, int64_t cols, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols;
+        int64_t best = 0;
+        float top = row[0];
+        for (int64_t i = 1; i < cols && top == top; i++) {
+            if (row[i] != row[i]) {
+                best = i;
+                break;
+            }
+            if (row[i] > top) {
+                top = row[i];
+                best = i;
+            }
+        }
+        out[r] = best;
+    }
+}

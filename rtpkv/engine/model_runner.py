@@ -49,14 +49,11 @@ class ModelRunner:
                 ids.extend(c.request.token_ids[start:start + n])
                 positions.extend(range(start, start + n))
                 row_seq.extend([i] * n)
-        width = max(map(len, tables))
         batch = AttentionBatch(
-            positions=torch.tensor(positions, device=self.device),
-            row_seq=torch.tensor(row_seq, device=self.device),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                      device=self.device),
-            query_start=starts, query_len=lengths, context_len=contexts, block_size=B,
-            num_blocks=self.memory.num_blocks, kv_heads=self.kv_heads, window=self.window)
+            positions=positions, row_seq=row_seq, block_tables=tables, query_start=starts,
+            query_len=lengths, context_len=contexts, block_size=B,
+            num_blocks=self.memory.num_blocks, kv_heads=self.kv_heads, window=self.window,
+            device=self.device)
         return ids, batch
 
     @torch.inference_mode()
@@ -66,14 +63,11 @@ class ModelRunner:
                    + [c for c in chunks if c.num_tokens > 1])
         ids, batch = self.batch(ordered)
         meta = self.module.attention.build(batch)
-        hidden = self.module(torch.tensor(ids, device=self.device), batch.positions,
-                             self.kv_caches, meta)
         wanted, rows = [], []
         for c, row, n in zip(ordered, batch.query_start, batch.query_len):
             req = c.request
             if c.start + n == req.num_tokens and not req.prefill_only:
                 wanted.append(c)
                 rows.append(row + n - 1)
-        if not rows:
-            return torch.empty(0), wanted
-        return self.module.logits(hidden[torch.tensor(rows, device=self.device)]), wanted
+        logits = self.module.forward_logits(ids, batch.positions, self.kv_caches, meta, rows)
+        return (logits if rows else torch.empty(0)), wanted

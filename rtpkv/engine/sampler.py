@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from rtpkv.engine.request import Request
+from rtpkv.kernels.fused_ops import argmax
 
 
 def _plain_greedy(req: Request) -> bool:
@@ -25,7 +26,7 @@ def _plain_greedy(req: Request) -> bool:
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """logits: (n, vocab) float32, one row per request in `requests`."""
     if all(_plain_greedy(r) for r in requests):
-        return logits.argmax(dim=-1).tolist()
+        return argmax(logits)
     return [_sample_one(logits[i], req) for i, req in enumerate(requests)]
 
 
@@ -34,7 +35,7 @@ def sample_batch(logits: torch.Tensor, requests: list[Request]
     """`sample`, with a failure confined to its request: the tokens (-1 where a request
     failed) and each failed request's exception, so one bad request never fails the step."""
     if all(_plain_greedy(r) for r in requests):
-        return logits.argmax(dim=-1).tolist(), {}
+        return argmax(logits), {}
     tokens, failed = [], {}
     for i, req in enumerate(requests):
         try:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 from rtpkv.kernels import AttentionBatch
 
 
@@ -19,10 +17,8 @@ def attention_batch(tables: list[list[int]], seqs: list[tuple[int, int]], block_
         starts.append(len(positions))
         positions += range(start, start + n)
         row_seq += [i] * n
-    width = max(map(len, tables))
     return AttentionBatch(
-        positions=torch.tensor(positions), row_seq=torch.tensor(row_seq),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        positions=positions, row_seq=row_seq, block_tables=[list(t) for t in tables],
         query_start=starts, query_len=[n for _, n in seqs],
         context_len=[s + n for s, n in seqs], block_size=block_size, num_blocks=num_blocks,
         kv_heads=kv_heads, window=window)

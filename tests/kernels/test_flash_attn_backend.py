@@ -142,7 +142,7 @@ def test_backend_output_matches_torch_backend(flash_attn_standin, dtype, block, 
     GQA 4:2, a non-default scale, released table entries under a window; float16 too (a CUDA
     dtype that the CPU pipeline does not run)."""
     batch = _mixed_batch(block, window)
-    T, D = batch.positions.numel(), 16
+    T, D = len(batch.positions), 16
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(T, h, D, generator=g).to(dtype) for h in (4, 2, 2))
     outs = []

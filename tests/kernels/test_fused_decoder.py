@@ -18,16 +18,22 @@ TABLES = [[3, 9, 14], [1, 4, 7, 8], [5, 2, 11], [6, 10, 12, 13]]
 SEQS = [(9, 1), (12, 1), (6, 5), (0, 13)]     # (first position, tokens this step)
 
 
+ROWS = [0, 1, 6, 19]   # the rows the engine would sample: the last of each sequence
+
+
 def _forward(module, batch, kv, fused):
-    """Hidden states of `batch`, and the KV pool after it, with or without the fused decoder."""
+    """Hidden states of `batch`, and the KV pool after it, with or without the fused decoder;
+    and the logits of ROWS from `forward_logits`, the engine's call, on a copy of the pool."""
     kept, module.fused = module.fused, (module.fused if fused else None)
     try:
-        kv = [(k.clone(), v.clone()) for k, v in kv]
-        ids = torch.randint(3, module.spec.vocab_size, (batch.positions.numel(),),
+        kv, kv_logits = ([(k.clone(), v.clone()) for k, v in kv] for _ in range(2))
+        ids = torch.randint(3, module.spec.vocab_size, (len(batch.positions),),
                             generator=torch.Generator().manual_seed(1))
         with torch.inference_mode():
-            hidden = module(ids, batch.positions, kv, module.attention.build(batch))
-        return hidden, kv
+            hidden = module(ids, batch.positions_tensor, kv, module.attention.build(batch))
+            logits = module.forward_logits(ids.tolist(), batch.positions, kv_logits,
+                                           module.attention.build(batch), ROWS)
+        return hidden, logits, kv
     finally:
         module.fused = kept
 
@@ -54,11 +60,15 @@ def test_the_fused_decoder_gives_the_bits_of_the_layers(checkpoints, monkeypatch
           for _ in range(spec.num_layers)]
     if model.kv_dtype == torch.int8:
         kv = [(quantize_rows(k), quantize_rows(v)) for k, v in kv]
-    fused, fused_kv = _forward(module, batch, kv, fused=True)
-    layers, layers_kv = _forward(module, batch, kv, fused=False)
+    fused, fused_logits, fused_kv = _forward(module, batch, kv, fused=True)
+    layers, layers_logits, layers_kv = _forward(module, batch, kv, fused=False)
     assert torch.equal(fused, layers)
     for (k1, v1), (k2, v2) in zip(fused_kv, layers_kv):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert fused_logits.shape == (len(ROWS), spec.vocab_size)
+    assert torch.equal(fused_logits, layers_logits)
+    with torch.inference_mode():
+        assert torch.equal(fused_logits, module.logits(layers[ROWS]))
 
 
 @pytest.mark.parametrize("arch,env,options", [
@@ -111,7 +121,7 @@ def test_a_new_pool_at_the_old_pools_address_gets_its_own_layer_table(checkpoint
     assert module.fused is not None and spec.num_layers > 1
     batch = attention_batch(TABLES, SEQS, BLOCK, NUM_BLOCKS, spec.num_kv_heads)
     rows = spec.num_kv_heads * NUM_BLOCKS * BLOCK
-    ids = torch.randint(3, spec.vocab_size, (batch.positions.numel(),),
+    ids = torch.randint(3, spec.vocab_size, (len(batch.positions),),
                         generator=torch.Generator().manual_seed(1))
 
     def pool(memory: torch.Tensor, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -122,7 +132,7 @@ def test_a_new_pool_at_the_old_pools_address_gets_its_own_layer_table(checkpoint
 
     def forward(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         with torch.inference_mode():
-            return module(ids, batch.positions, kv, module.attention.build(batch))
+            return module(ids, batch.positions_tensor, kv, module.attention.build(batch))
 
     memory = torch.randn(4 * spec.num_layers * rows, spec.head_dim,
                          generator=torch.Generator().manual_seed(0))
@@ -145,13 +155,31 @@ def test_int32_positions_give_the_bits_of_the_layers(checkpoints, monkeypatch):
     module = load(checkpoints("llama")).module
     spec = module.spec
     batch = attention_batch(TABLES, SEQS, BLOCK, NUM_BLOCKS, spec.num_kv_heads)
-    batch.positions = batch.positions.to(torch.int32)
+    batch.positions_tensor = batch.positions_tensor.to(torch.int32)
     g = torch.Generator().manual_seed(0)
     kv = [(torch.randn(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim, generator=g),
            torch.randn(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim, generator=g))
           for _ in range(spec.num_layers)]
-    fused, fused_kv = _forward(module, batch, kv, fused=True)
-    layers, layers_kv = _forward(module, batch, kv, fused=False)
+    fused, _, fused_kv = _forward(module, batch, kv, fused=True)
+    layers, _, layers_kv = _forward(module, batch, kv, fused=False)
     assert torch.equal(fused, layers)
     for (k1, v1), (k2, v2) in zip(fused_kv, layers_kv):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("bad", [-1, "vocab"])
+def test_token_ids_outside_the_vocabulary_never_reach_the_c_call(checkpoints, monkeypatch, bad):
+    """The fused call reads each id's embedding row unchecked: `forward_logits` refuses an id
+    outside the vocabulary first, as the embedding layer of the per-layer path does."""
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
+    module = load(checkpoints("llama")).module
+    spec = module.spec
+    assert module.fused is not None
+    batch = attention_batch([[3]], [(0, 2)], BLOCK, NUM_BLOCKS, spec.num_kv_heads)
+    kv = [(torch.zeros(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim),
+           torch.zeros(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim))
+          for _ in range(spec.num_layers)]
+    ids = [5, spec.vocab_size if bad == "vocab" else bad]
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        module.forward_logits(ids, batch.positions, kv, module.attention.build(batch), [1])
+    assert all(not k.any() and not v.any() for k, v in kv)

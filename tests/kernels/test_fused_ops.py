@@ -1,6 +1,7 @@
 """The C kernels of the CPU fast path agree with their torch references: the fused RMSNorm,
-SiLU-and-mul and RoPE, and the attention kernel's two vectorisations (query rows in the lanes
-for prefill tiles, keys in the lanes for decodes), which must give the same bits for a token."""
+SiLU-and-mul and RoPE, the greedy arg-max, and the attention kernel's two vectorisations (query
+rows in the lanes for prefill tiles, keys in the lanes for decodes), which must give the same
+bits for a token."""
 
 import pytest
 import torch
@@ -68,8 +69,8 @@ H, KVH, B, NUM_BLOCKS = 4, 2, 8, 24
 def _one_sequence(positions: list[int], window=None) -> AttentionBatch:
     table = [[7, 3, 11, 0, 19, 5, 2, 16]]
     return AttentionBatch(
-        positions=torch.tensor(positions), row_seq=torch.zeros(len(positions), dtype=torch.long),
-        block_tables=torch.tensor(table), query_start=[0], query_len=[len(positions)],
+        positions=positions, row_seq=[0] * len(positions),
+        block_tables=table, query_start=[0], query_len=[len(positions)],
         context_len=[positions[-1] + 1], block_size=B, num_blocks=NUM_BLOCKS, kv_heads=KVH,
         window=window)
 
@@ -103,3 +104,19 @@ def test_without_the_library_the_torch_references_run(monkeypatch):
     assert torch.equal(res, ref_res)
     gate, up = x.chunk(2, dim=-1)
     assert torch.equal(silu_and_mul(x), F.silu(gate) * up)
+
+
+def test_the_argmax_is_torchs_nan_ties_and_infinities_included(monkeypatch):
+    logits = _randn(7, 8003, dtype=torch.float32)
+    logits[1, [77, 99]] = float("nan")        # the first NaN wins
+    logits[2] = float("-inf")                 # all equal: the first index
+    logits[3, [5, 9]] = 1e9                   # a tie: the first
+    logits[4, 0] = float("nan")
+    logits[5, [3, 8002]] = float("inf")
+    logits[6, 8002] = 50.0                    # the last column
+    want = logits.argmax(dim=-1).tolist()
+    assert fused_ops.argmax(logits) == want == [want[0], 77, 0, 5, 0, 3, 8002]
+    assert fused_ops.argmax(logits[:, :100]) == logits[:, :100].argmax(dim=-1).tolist()
+    assert fused_ops.argmax(logits[:0]) == []
+    monkeypatch.setattr(fused_ops, "library", lambda: None)
+    assert fused_ops.argmax(logits) == want

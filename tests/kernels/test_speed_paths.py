@@ -37,7 +37,7 @@ def _attend(backend, batch, q, k, v, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_kernel_matches_torch_backend(dtype):
     batch = _mixed_batch()
-    T = batch.positions.numel()
+    T = len(batch.positions)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(T, h, D, generator=g).to(dtype) for h in (H, KVH, KVH))
     ours = _attend(attention_backend(CPU, dtype, D, "cpu-paged"), batch, q, k, v, dtype)
@@ -48,14 +48,14 @@ def test_paged_kernel_matches_torch_backend(dtype):
 
 def test_paged_kernel_output_of_a_token_does_not_depend_on_its_batch():
     batch = _mixed_batch()
-    T = batch.positions.numel()
+    T = len(batch.positions)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, KVH, KVH))
     kernel = attention_backend(CPU, torch.float32, D, "cpu-paged")
     together = _attend(kernel, batch, q, k, v, torch.float32)
     # the prefill chunk (rows 2..6) alone, its K/V written by the same call
     alone = AttentionBatch(
-        positions=batch.positions[2:7], row_seq=torch.zeros(5, dtype=torch.long),
+        positions=batch.positions[2:7], row_seq=[0] * 5,
         block_tables=batch.block_tables[2:3], query_start=[0], query_len=[5], context_len=[11],
         block_size=B, num_blocks=NUM_BLOCKS, kv_heads=KVH)
     assert torch.equal(_attend(kernel, alone, q[2:7], k[2:7], v[2:7], torch.float32),

@@ -90,8 +90,8 @@ def test_prefill_logits_match_transformers(checkpoints, arch, mode):
     caches = [(torch.zeros(kv_heads * n, row, dtype=model.kv_dtype),
                torch.zeros(kv_heads * n, row, dtype=model.kv_dtype))
               for _ in range(model.spec.num_layers)]
-    batch = AttentionBatch(positions=torch.arange(n), row_seq=torch.zeros(n, dtype=torch.long),
-                           block_tables=torch.zeros((1, 1), dtype=torch.long), query_start=[0],
+    batch = AttentionBatch(positions=list(range(n)), row_seq=[0] * n, block_tables=[[0]],
+                           query_start=[0],
                            query_len=[n], context_len=[n], block_size=n, num_blocks=1,
                            kv_heads=kv_heads)
     meta = model.module.attention.build(batch)
