@@ -60,6 +60,10 @@ class _Step(ctypes.Structure):
                 ("att", _P), ("h", _P), ("gate_up", _P), ("act", _P), ("seconds", _P)]
 
 
+# forwards of at most this many rows (decode batches) keep their scratch for the next: a
+# prefill chunk's would hold megabytes for good, and costs little to allocate beside its compute
+KEPT_ROWS = 64
+
 # the linear layers' path -> (LINEAR_* of csrc/decoder.c, the fewest rows of its prefill tiles)
 _LINEAR_KINDS = {"avx2": (0, 0), Int8Linear.path: (1, int8_linear.PANEL_MIN_ROWS),
                  W8A8Linear.path: (2, w8a8_linear.MANY_ROWS_FROM)}
@@ -109,7 +113,8 @@ class FusedDecoder:
             backbone.embed_tokens.weight.data_ptr(), _linear(module.lm_head), self.vocab)
         # the last layer table made, with the addresses of the K/V caches it points into
         self._table: Optional[tuple[tuple[int, ...], ctypes.Array]] = None
-        # each thread's float32 buffer for `logits`: residual, final hidden and scratch rows
+        # each thread's float32 buffer for `logits` (residual, final hidden and scratch rows),
+        # kept for forwards of up to KEPT_ROWS rows
         self._buffers = threading.local()
         # float64 (3,): when set, each forward adds the wall seconds of its linear layers,
         # attention with the KV write, and elementwise kernels (SECONDS_* in csrc/decoder.c;
@@ -196,7 +201,9 @@ class FusedDecoder:
         floats = T * (self.scratch_width + 2 * E)
         buffer = getattr(self._buffers, "floats", None)
         if buffer is None or buffer.numel() < floats:
-            buffer = self._buffers.floats = torch.empty(floats, dtype=torch.float32)
+            buffer = torch.empty(floats, dtype=torch.float32)
+            if T <= KEPT_ROWS:
+                self._buffers.floats = buffer
         base = buffer.data_ptr()
         ints = array("q", ids)
         ints.extend(positions)
