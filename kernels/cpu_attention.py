@@ -11,7 +11,9 @@ GEMMs (see linear.py) this makes prefix reuse exact in bf16 too, and with the in
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional
 
 import torch
@@ -47,22 +49,45 @@ def available(head_dim: int) -> bool:
 
 @dataclass
 class CpuMetadata:
-    write_rows: torch.Tensor     # (kv_heads, T) int64, contiguous: pool rows of the new K/V
-    row_seq: torch.Tensor        # (T,) int32
-    positions: torch.Tensor      # (T,) int32
-    tables: torch.Tensor         # (num_seqs, max_blocks) int32
-    tile_start: torch.Tensor     # (tiles + 1,) int64: tiles of consecutive rows of one sequence
+    """The kernel's arrays in two Python arrays, passed by address: no torch op builds them (a
+    decode step's metadata is a few dozen numbers, and each torch op there costs more than the
+    arithmetic). The per-layer path takes `write_rows` as a tensor over the same memory."""
+
+    ints: array                  # int32: row_seq (T,), positions (T,), tables (num_seqs, width)
+    longs: array                 # int64: write_rows (kv_heads, T), tile_start (num_tiles + 1,)
+    T: int
+    kv_heads: int
+    width: int                   # entries per block table
+    num_tiles: int               # tiles of consecutive rows of one sequence
     num_slots: int
     block_size: int
     window: int = 0              # tokens attended per query; 0: no window
+    # where each array starts (the arrays never change size, so their buffers stay put)
+    row_seq_at: int = field(init=False)
+    positions_at: int = field(init=False)
+    tables_at: int = field(init=False)
+    write_rows_at: int = field(init=False)
+    tile_start_at: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        ints, longs = self.ints.buffer_info()[0], self.longs.buffer_info()[0]
+        self.row_seq_at, self.positions_at = ints, ints + 4 * self.T
+        self.tables_at = ints + 8 * self.T
+        self.write_rows_at, self.tile_start_at = longs, longs + 8 * self.kv_heads * self.T
+
+    @cached_property
+    def write_rows(self) -> torch.Tensor:
+        """(kv_heads, T) int64 pool rows of the new K/V, over `longs`."""
+        return torch.frombuffer(self.longs, dtype=torch.int64,
+                                count=self.kv_heads * self.T).view(self.kv_heads, self.T)
 
 
 def kernel_args(meta: CpuMetadata, T: int, H: int, KVH: int, D: int, scale: float,
                 bf16: bool, kv_int8: bool) -> _Args:
     """The kernel's arguments for this step's batch (`kv_int8`: the int8 KV cache's rows); q,
     the caches and out are left to set."""
-    return _Args(None, None, None, None, meta.row_seq.data_ptr(), meta.positions.data_ptr(),
-                 meta.tables.data_ptr(), meta.tables.shape[1], T, H, KVH, D, meta.block_size,
+    return _Args(None, None, None, None, meta.row_seq_at, meta.positions_at, meta.tables_at,
+                 meta.width, T, H, KVH, D, meta.block_size,
                  meta.num_slots, scale, int(bf16), meta.window, int(kv_int8))
 
 
@@ -79,27 +104,23 @@ class CpuPagedAttention:
         self.dtype = dtype
 
     def build(self, batch: AttentionBatch) -> CpuMetadata:
-        """The kernel's arrays, computed on Python ints and made as two tensors (int32 and
-        int64) that the fields view: a decode step's metadata is a few dozen numbers, and a
-        torch op per array would cost more than the arithmetic."""
+        """The kernel's arrays, computed on Python ints (see CpuMetadata)."""
         positions, row_seq, tables = batch.positions, batch.row_seq, batch.block_tables
         T, B, S = len(positions), batch.block_size, batch.num_slots
-        starts: list[int] = []
-        for row, n in zip(batch.query_start, batch.query_len):
-            starts.extend(range(row, row + n, self.tile))
-        starts.append(T)
-        slots = [tables[s][p // B] * B + p % B for s, p in zip(row_seq, positions)]
-        rows = [h * S + slot for h in range(batch.kv_heads) for slot in slots]
         width = max(map(len, tables))
-        small = torch.tensor(row_seq + positions + [b for t in tables
-                                                    for b in t + [0] * (width - len(t))],
-                             dtype=torch.int32)
-        large = torch.tensor(rows + starts, dtype=torch.int64)
-        return CpuMetadata(
-            write_rows=large[:len(rows)].view(batch.kv_heads, T), row_seq=small[:T],
-            positions=small[T:2 * T], tables=small[2 * T:].view(len(tables), width),
-            tile_start=large[len(rows):],
-            num_slots=S, block_size=B, window=batch.window or 0)
+        ints = array("i", row_seq)
+        ints.extend(positions)
+        for t in tables:
+            ints.extend(t)
+            ints.extend([0] * (width - len(t)))
+        slots = [tables[s][p // B] * B + p % B for s, p in zip(row_seq, positions)]
+        longs = array("q", [h * S + slot for h in range(batch.kv_heads) for slot in slots])
+        rows = len(longs)
+        for row, n in zip(batch.query_start, batch.query_len):
+            longs.extend(range(row, row + n, self.tile))
+        longs.append(T)
+        return CpuMetadata(ints, longs, T, batch.kv_heads, width, len(longs) - rows - 1, S, B,
+                           batch.window or 0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: CpuMetadata, scale: float) -> torch.Tensor:
@@ -111,6 +132,5 @@ class CpuPagedAttention:
                            k_cache.dtype == torch.int8)
         args.q, args.k_cache, args.v_cache = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
         args.out = out.data_ptr()
-        self.lib.rtpkv_paged_attention(ctypes.byref(args), meta.tile_start.data_ptr(),
-                                       meta.tile_start.numel() - 1)
+        self.lib.rtpkv_paged_attention(ctypes.byref(args), meta.tile_start_at, meta.num_tiles)
         return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -172,8 +172,8 @@ class FusedDecoder:
         attn = kernel_args(meta, T, self.heads, self.kv_heads, self.head_dim, self.scale,
                            bf16=False, kv_int8=kv_caches[0][0].dtype == torch.int8)
         step = _Step(T, ids, residual, out, num_logits, logit_rows, logits, positions,
-                     meta.write_rows.data_ptr(), attn, meta.tile_start.data_ptr(),
-                     meta.tile_start.numel() - 1, self._layer_table(kv_caches),
+                     meta.write_rows_at, attn, meta.tile_start_at, meta.num_tiles,
+                     self._layer_table(kv_caches),
                      *(scratch + 4 * T * start for start in self.scratch_starts),
                      ptr(self.seconds))
         self.lib.rtpkv_decoder_forward(ctypes.byref(self.model), ctypes.byref(step))
@@ -185,8 +185,7 @@ class FusedDecoder:
         T = residual.shape[0]
         buffer = residual.new_empty(T * self.scratch_width)
         out = residual.new_empty(T, self.hidden)
-        # the C code reads int64 (the per-layer path takes any integer dtype); no copy when so.
-        # meta.write_rows is int64 and contiguous as CpuPagedAttention.build makes it.
+        # the C code reads int64 (the per-layer path takes any integer dtype); no copy when so
         positions = positions.to(torch.int64).contiguous()
         self._run(T, positions.data_ptr(), kv_caches, meta, residual.data_ptr(), out.data_ptr(),
                   buffer.data_ptr())
