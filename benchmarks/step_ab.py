@@ -17,6 +17,7 @@ import argparse
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,13 +48,19 @@ def measure(weight_type: str) -> float:
         return 1e3 * statistics.median(medians)
 
 
-def run(python: str, weight_type: str) -> float:
+def run(python: str, weight_type: str) -> tuple[float, str]:
     """One measurement in a fresh process of `python`: its own rtpkv, this checkout's workload
-    (benchmarks/common.py), so both sides run the same model and prompts."""
+    (benchmarks/common.py), so both sides run the same model and prompts. It runs in the
+    temporary directory: `python -c` puts its working directory first on the path, and in a
+    checkout that would import the checkout's rtpkv on both sides. Returns the median step (ms)
+    and the rtpkv package the process imported."""
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"import step_ab; print('STEP', step_ab.measure({weight_type!r}))")
-    out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout
-    return float(next(line for line in out.splitlines() if line.startswith("STEP")).split()[1])
+            f"import step_ab, rtpkv; print('STEP', step_ab.measure({weight_type!r}), "
+            f"rtpkv.__path__[0])")
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=tempfile.gettempdir()).stdout
+    _, ms, package = next(line for line in out.splitlines() if line.startswith("STEP")).split()
+    return float(ms), package
 
 
 def main() -> None:
@@ -66,16 +73,21 @@ def main() -> None:
     parser.add_argument("--weight-type", default="auto")
     parser.add_argument("--pairs", type=int, default=6)
     args = parser.parse_args()
-    rows, ratios = [], []
+    rows, ratios, packages = [], [], {}
     for i in range(args.pairs):
         order = ("a", "b") if i % 2 == 0 else ("b", "a")
-        got = {side: run(getattr(args, f"python_{side}"), args.weight_type) for side in order}
+        got = {}
+        for side in order:
+            got[side], packages[side] = run(getattr(args, f"python_{side}"), args.weight_type)
+        if packages["a"] == packages["b"]:
+            raise SystemExit(f"both interpreters import rtpkv from {packages['a']}")
         ratios.append(got["b"] / got["a"])
         rows.append([i + 1, "-".join(order), f"{got['a']:.3f}", f"{got['b']:.3f}",
                      f"{ratios[-1]:.2f}"])
         print(rows[-1], flush=True)
     rows.append(["median", "", "", "", f"{statistics.median(ratios):.2f}"])
-    print(f"weights {args.weight_type}; median decode step (ms) per measurement")
+    print(f"weights {args.weight_type}; median decode step (ms) per measurement; a: rtpkv of "
+          f"{packages['a']}, b: {packages['b']}")
     print(table(["pair", "order", "a", "b", "b / a"], rows))
 
 

@@ -8,7 +8,9 @@
  * and the cached K/V it reads: not on how many other tokens share the batch, nor on where its
  * prefill chunk starts, nor on the thread that runs it. That makes prefix reuse, chunked
  * prefill and batching bit-exact (the guarantee of rtpkv). For one query row and one block:
- *   score_j = fma chain over d = 0..D-1 in order, from 0: s = fma(q[d], k[j][d], s);
+ *   p_c     = for each c < 8, an fma chain over d = c, c + 8, c + 16, ... < D in order, from 0:
+ *             p_c = fma(q[d], k[j][d], p_c);
+ *   score_j = ((p_0 + p_1) + (p_2 + p_3)) + ((p_4 + p_5) + (p_6 + p_7));
  *   x_j     = score_j * scale, or -inf outside the query's keys [first, valid);
  *   m'      = max(m, x_0, x_1, ...);  z = (m' == -inf ? 0 : m');  alpha = exp(m - z);
  *   w_j     = exp(x_j - z);  sum = ((0 + w_0) + w_1) + ...;  l = fma(l, alpha, sum);
@@ -19,8 +21,10 @@
  * rows in the lanes of a vector, so K and V are read in place as broadcasts and the softmax runs
  * on 8 rows at once (a block that every row of the tile reads whole skips the mask: its scores
  * come out of the score tile scaled, with their row maxima); smaller tiles (decodes: the G query
- * heads of one token) put 8 keys in the lanes, K being transposed 8x8 in registers, and the
- * values' 8 columns.
+ * heads of one token) put the head dimension in the lanes, so a key's 8 partial chains are one
+ * vector of FMAs over its row, read in place, and 4 keys' vectors are reduced by the tree above
+ * at once with horizontal adds (hadd adds neighbouring lanes, and a sum's bits do not depend on
+ * the order of its two operands); the values' 8 columns are in the lanes.
  *
  * Work items are (kv head, tile of up to TILE consecutive tokens of one sequence): the query
  * heads of a GQA group and the tile's tokens share each block read while it is in cache.
@@ -47,7 +51,7 @@
 #define TILE 16
 #define NK_MAX 6   /* keys per score tile (2 query vectors) */
 #define ND_MAX 6   /* value columns per value tile (2 query vectors) */
-#define KEY_LANES_MAX_ROWS 7   /* tiles of fewer query rows put keys in the lanes */
+#define DIM_LANES_MAX_ROWS 7   /* tiles of fewer query rows put the head dimension in the lanes */
 
 
 typedef __m256 v8;
@@ -120,25 +124,35 @@ static inline void block_range(int64_t pos, int64_t lo, int64_t p, int64_t B, in
 /* ---- query rows in the lanes (tiles of 8 or more rows) ---------------------------------- */
 
 /* sT[j][i0..] = scale * (q . k_j) for keys j < NK of k (rows of D floats), QV vectors of 8 query
- * rows; with `mx`, also its running maximum over the keys (for blocks no row masks). */
+ * rows, each dot product as the header's 8 partial chains and their tree; with `mx`, also its
+ * running maximum over the keys (for blocks no row masks). */
 static inline __attribute__((always_inline)) void qk_tile(
         const float *qT, int64_t NQP, int64_t i0, const float *k, int64_t D, float *sT, v8 scale,
         float *mx, const int QV, const int NK) {
-    v8 acc[2][NK_MAX];
-    for (int g = 0; g < QV; g++)
-        for (int j = 0; j < NK; j++) acc[g][j] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d++) {
-        v8 qv[2];
-        for (int g = 0; g < QV; g++) qv[g] = ld(qT + d * NQP + i0 + 8 * g);
-        for (int j = 0; j < NK; j++) {
-            const v8 kv = bcast(k[j * D + d]);
-            for (int g = 0; g < QV; g++) acc[g][j] = fmadd(qv[g], kv, acc[g][j]);
+    v8 part[8][2][NK_MAX];
+    for (int c = 0; c < 8; c++) {
+        v8 acc[2][NK_MAX];
+        for (int g = 0; g < QV; g++)
+            for (int j = 0; j < NK; j++) acc[g][j] = _mm256_setzero_ps();
+        for (int64_t d = c; d < D; d += 8) {
+            v8 qv[2];
+            for (int g = 0; g < QV; g++) qv[g] = ld(qT + d * NQP + i0 + 8 * g);
+            for (int j = 0; j < NK; j++) {
+                const v8 kv = bcast(k[j * D + d]);
+                for (int g = 0; g < QV; g++) acc[g][j] = fmadd(qv[g], kv, acc[g][j]);
+            }
         }
+        for (int g = 0; g < QV; g++)
+            for (int j = 0; j < NK; j++) part[c][g][j] = acc[g][j];
     }
     for (int g = 0; g < QV; g++) {
         v8 m = mx ? ld(mx + i0 + 8 * g) : _mm256_setzero_ps();
         for (int j = 0; j < NK; j++) {
-            const v8 x = _mm256_mul_ps(acc[g][j], scale);
+            const v8 low = _mm256_add_ps(_mm256_add_ps(part[0][g][j], part[1][g][j]),
+                                         _mm256_add_ps(part[2][g][j], part[3][g][j]));
+            const v8 high = _mm256_add_ps(_mm256_add_ps(part[4][g][j], part[5][g][j]),
+                                          _mm256_add_ps(part[6][g][j], part[7][g][j]));
+            const v8 x = _mm256_mul_ps(_mm256_add_ps(low, high), scale);
             st(sT + j * NQP + i0 + 8 * g, x);
             if (mx) m = _mm256_max_ps(m, x);
         }
@@ -287,58 +301,52 @@ static void attend_query_lanes(const attn_args *a, int64_t t0, int64_t nt, int64
     }
 }
 
-/* ---- keys in the lanes (tiles of fewer than 8 rows: decodes) ------------------------------ */
+/* ---- the head dimension in the lanes (tiles of fewer than 8 rows: decodes) ---------------- */
 
-/* Transposes the 8x8 floats at rows[r] + d0 (r < 8) into t[c] = (rows[0][d0 + c], ...). */
-static inline void transpose8(const float *const *rows, int64_t d0, v8 *t) {
-    v8 r[8];
-    for (int i = 0; i < 4; i++)
-        r[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(rows[i] + d0)),
-                                    _mm_loadu_ps(rows[i + 4] + d0), 1);
-    for (int i = 0; i < 4; i++)
-        r[i + 4] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(rows[i] + d0 + 4)),
-                                        _mm_loadu_ps(rows[i + 4] + d0 + 4), 1);
-    for (int h = 0; h < 2; h++) {   /* each half: 4x4 transposes in both 128-bit lanes */
-        v8 *x = r + 4 * h;
-        const v8 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
-        const v8 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
-        t[4 * h + 0] = _mm256_shuffle_ps(t0, t2, 0x44);
-        t[4 * h + 1] = _mm256_shuffle_ps(t0, t2, 0xEE);
-        t[4 * h + 2] = _mm256_shuffle_ps(t1, t3, 0x44);
-        t[4 * h + 3] = _mm256_shuffle_ps(t1, t3, 0xEE);
-    }
-}
-
-/* s[r][j0..j0 + 8 KG) = the scores of query rows r < NQ (q: rows of D floats) against the keys
- * at rows[0..8 KG), keys in the lanes: 8 x 8 blocks of K are transposed in registers. */
-static inline __attribute__((always_inline)) void qk_keys_tile(
-        const float *q, int64_t D, const float *const *rows, float *s, int64_t BP, int64_t j0,
-        const int NQ, const int KG) {
-    v8 acc[KEY_LANES_MAX_ROWS][2];
-    for (int r = 0; r < NQ; r++)
-        for (int g = 0; g < KG; g++) acc[r][g] = _mm256_setzero_ps();
+/* s[r * stride + j0 + j] = the scores of query rows r < R (q: rows of D floats) against the 4 keys
+ * at k (rows of D floats), j < 4: the head dimension in the lanes, so lane c of a key's
+ * accumulator is the header's partial chain p_c; three hadds and one add take the 4 keys' trees
+ * at once. */
+static inline __attribute__((always_inline)) void qk_dims_tile(
+        const float *q, int64_t D, const float *k, float *s, int64_t stride, int64_t j0,
+        const int R) {
+    v8 acc[2][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
     for (int64_t d0 = 0; d0 < D; d0 += 8) {
-        for (int g = 0; g < KG; g++) {
-            v8 kt[8];
-            transpose8(rows + 8 * g, d0, kt);
-            for (int c = 0; c < 8; c++)
-                for (int r = 0; r < NQ; r++)
-                    acc[r][g] = fmadd(bcast(q[r * D + d0 + c]), kt[c], acc[r][g]);
+        v8 kv[4];
+        for (int j = 0; j < 4; j++) kv[j] = ld(k + j * D + d0);
+        for (int r = 0; r < R; r++) {
+            const v8 qv = ld(q + r * D + d0);
+            for (int j = 0; j < 4; j++) acc[r][j] = fmadd(qv, kv[j], acc[r][j]);
         }
     }
-    for (int r = 0; r < NQ; r++)
-        for (int g = 0; g < KG; g++) st(s + r * BP + j0 + 8 * g, acc[r][g]);
+    for (int r = 0; r < R; r++) {
+        /* lanes (k0: p01, p23, k1: p01, p23 | k0: p45, p67, k1: p45, p67), then the 4 keys'
+         * (p01 + p23) in the low half and (p45 + p67) in the high */
+        const v8 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]),
+                                    _mm256_hadd_ps(acc[r][2], acc[r][3]));
+        _mm_storeu_ps(s + r * stride + j0,
+                      _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
 }
 
-#define QK_KEYS_CASE(nq, kg) case (nq) * 4 + (kg): qk_keys_tile(q, D, rows, s, BP, j0, nq, kg); break;
-
-static void qk_keys(const float *q, int64_t D, const float *const *rows, float *s, int64_t BP,
-                    int64_t j0, int nq, int kg) {
-    switch (nq * 4 + kg) {
-        QK_KEYS_CASE(1, 1) QK_KEYS_CASE(2, 1) QK_KEYS_CASE(3, 1) QK_KEYS_CASE(4, 1)
-        QK_KEYS_CASE(5, 1) QK_KEYS_CASE(6, 1) QK_KEYS_CASE(7, 1)
-        QK_KEYS_CASE(1, 2) QK_KEYS_CASE(2, 2) QK_KEYS_CASE(3, 2) QK_KEYS_CASE(4, 2)
-        QK_KEYS_CASE(5, 2) QK_KEYS_CASE(6, 2) QK_KEYS_CASE(7, 2)
+/* The scores of the NQ query rows against the n keys at kb (rows of D floats, read in place),
+ * 4 keys at a time, into s (row r at s + r * stride); a last group of fewer than 4 keys is
+ * padded with zero rows in `pad` (4 x D), its extra scores written up to the next multiple of 4
+ * and never read. */
+static void qk_dims(const float *q, int64_t NQ, int64_t D, const float *kb, int64_t n, float *s,
+                    int64_t stride, float *pad) {
+    for (int64_t j0 = 0; j0 < n; j0 += 4) {
+        const float *k = kb + j0 * D;
+        if (n - j0 < 4) {
+            memset(pad, 0, (size_t)(4 * D) * sizeof(float));
+            memcpy(pad, k, (size_t)((n - j0) * D) * sizeof(float));
+            k = pad;
+        }
+        int64_t r = 0;
+        for (; r + 2 <= NQ; r += 2) qk_dims_tile(q + r * D, D, k, s + r * stride, stride, j0, 2);
+        if (r < NQ) qk_dims_tile(q + r * D, D, k, s + r * stride, stride, j0, 1);
     }
 }
 
@@ -367,14 +375,12 @@ static void pv_row(float *acc, float alpha, const float *w, const float *vb, int
     }
 }
 
-static void attend_key_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t kvh) {
+static void attend_dim_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t kvh) {
     const int64_t D = a->D, B = a->B, G = a->H / a->KVH, NQ = nt * G;
     const int64_t BP = (B + 15) / 16 * 16;
     float q[NQ][D], acc[NQ][D], m[NQ], l[NQ];
     const int convert = a->bf16 || a->kv_int8;
-    float kconv[B][D], vconv[convert ? B : 1][D];
-    float zeros[D];
-    memset(zeros, 0, sizeof(zeros));
+    float kconv[convert ? B : 1][D], vconv[convert ? B : 1][D], pad[4][D];
     int64_t pos[NQ], lo[NQ];
     int64_t max_pos = 0, min_lo = INT64_MAX;
     for (int64_t i = 0; i < NQ; i++) {
@@ -400,12 +406,12 @@ static void attend_key_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t
     for (int64_t p = p0; p * B <= max_pos; p++) {
         const int64_t row = kvh * a->S + (int64_t)table[p] * B;
         const int64_t n = max_pos - p * B + 1 < B ? max_pos - p * B + 1 : B;
-        load_kv(&kconv[0][0], a, a->k_cache, row, n);   /* read in order */
-        for (int64_t j0 = 0; j0 < n; j0 += 16) {   /* scores, 16 keys at a time */
-            const float *rows[16];
-            for (int r = 0; r < 16; r++) rows[r] = j0 + r < n ? kconv[j0 + r] : zeros;
-            qk_keys(&q[0][0], D, rows, scores + (p - p0) * BP, ss, j0, (int)NQ, n - j0 > 8 ? 2 : 1);
+        const float *kb = (const float *)a->k_cache + row * D;
+        if (convert) {
+            load_kv(&kconv[0][0], a, a->k_cache, row, n);
+            kb = &kconv[0][0];
         }
+        qk_dims(&q[0][0], NQ, D, kb, n, scores + (p - p0) * BP, ss, &pad[0][0]);
     }
     for (int64_t p = p0; p * B <= max_pos; p++) {
         const int64_t row = kvh * a->S + (int64_t)table[p] * B;
@@ -463,8 +469,8 @@ void rtpkv_paged_attention(const attn_args *a, const int64_t *tile_start, int64_
     for (int64_t w = 0; w < items; w++) {
         const int64_t kvh = w / num_tiles, tile = w % num_tiles;
         const int64_t t0 = tile_start[tile], nt = tile_start[tile + 1] - t0;
-        if (nt * G <= KEY_LANES_MAX_ROWS)
-            attend_key_lanes(a, t0, nt, kvh);
+        if (nt * G <= DIM_LANES_MAX_ROWS)
+            attend_dim_lanes(a, t0, nt, kvh);
         else
             attend_query_lanes(a, t0, nt, kvh);
     }

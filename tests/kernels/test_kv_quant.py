@@ -119,7 +119,9 @@ def test_the_kernel_and_the_torch_backend_agree_on_an_int8_cache(window):
         outs.append(backend.forward(q, k, v, *mine, backend.build(_step(window)), 0.125))
         written.append(mine)
     assert all(torch.equal(a, b) for a, b in zip(*written))
-    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+    # outputs reach |10| here; against float64 the kernel (each score 8 partial chains and a
+    # tree) is within 6e-6, torch (one chain) within 3e-5
+    torch.testing.assert_close(outs[0], outs[1], atol=4e-5, rtol=0)
 
 
 def test_a_token_in_a_prefill_tile_or_alone_gives_the_same_bits_on_int8_blocks():
