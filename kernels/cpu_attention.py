@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional
 
@@ -62,18 +62,28 @@ class CpuMetadata:
     num_slots: int
     block_size: int
     window: int = 0              # tokens attended per query; 0: no window
-    # where each array starts (the arrays never change size, so their buffers stay put)
-    row_seq_at: int = field(init=False)
-    positions_at: int = field(init=False)
-    tables_at: int = field(init=False)
-    write_rows_at: int = field(init=False)
-    tile_start_at: int = field(init=False)
 
-    def __post_init__(self) -> None:
-        ints, longs = self.ints.buffer_info()[0], self.longs.buffer_info()[0]
-        self.row_seq_at, self.positions_at = ints, ints + 4 * self.T
-        self.tables_at = ints + 8 * self.T
-        self.write_rows_at, self.tile_start_at = longs, longs + 8 * self.kv_heads * self.T
+    # Where each array starts, read from the arrays at each use (they never change size once
+    # built, so their buffers stay put while the metadata lives).
+    @property
+    def row_seq_at(self) -> int:
+        return self.ints.buffer_info()[0]
+
+    @property
+    def positions_at(self) -> int:
+        return self.ints.buffer_info()[0] + 4 * self.T
+
+    @property
+    def tables_at(self) -> int:
+        return self.ints.buffer_info()[0] + 8 * self.T
+
+    @property
+    def write_rows_at(self) -> int:
+        return self.longs.buffer_info()[0]
+
+    @property
+    def tile_start_at(self) -> int:
+        return self.longs.buffer_info()[0] + 8 * self.kv_heads * self.T
 
     @cached_property
     def write_rows(self) -> torch.Tensor:

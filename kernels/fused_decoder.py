@@ -8,9 +8,10 @@ returns None for any other model, and CausalLM then runs its layers one by one.
 
 `logits` is the engine's call: from token ids to the LM head's logits of the rows that sample
 in that one call, on Python ints and a per-thread scratch buffer, so a decode step makes one
-torch op (the logits' tensor) where it made a dozen. Each torch op costs tens of microseconds
-there, not the few it costs in a loop: the weights streamed through the caches every step have
-evicted the code and data of torch's dispatcher (docs/BENCHMARKS.md, "Single-stream decode")."""
+torch op (the logits' tensor) where it made a dozen. A torch op there costs several times what
+it costs in a loop, 15-50 us: the weights streamed through the caches every step have evicted
+the code and data of torch's dispatcher (docs/BENCHMARKS.md, "A decode step without torch
+ops")."""
 
 from __future__ import annotations
 
@@ -195,7 +196,8 @@ class FusedDecoder:
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: CpuMetadata,
                rows: Sequence[int]) -> torch.Tensor:
         """The LM head's float32 logits (len(rows), vocab) of `rows` of this forward over token
-        `ids` at `positions` (ids below the vocabulary's size, as the caller checks)."""
+        `ids` at `positions`. Unchecked here (CausalLM.forward_logits checks): ids below the
+        vocabulary's size, one position per id, at most len(ids) rows, each below it."""
         T, E = len(ids), self.hidden
         floats = T * (self.scratch_width + 2 * E)
         buffer = getattr(self._buffers, "floats", None)

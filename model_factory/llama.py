@@ -217,10 +217,15 @@ class CausalLM(nn.Module):
         logits, with no torch op between (kernels/fused_decoder.py)."""
         if positions:
             self._check_position(max(positions))
-        if self.fused is not None:
+        if self.fused is not None:   # it reads ids, positions and rows unchecked
+            if len(positions) != len(ids):
+                raise ValueError(f"{len(ids)} token ids but {len(positions)} positions")
             if ids and not 0 <= min(ids) <= max(ids) < self.spec.vocab_size:
                 raise IndexError(f"token ids {min(ids)}..{max(ids)} are outside the "
                                  f"vocabulary [0, {self.spec.vocab_size})")
+            if rows and not (len(rows) <= len(ids) and 0 <= min(rows) <= max(rows) < len(ids)):
+                raise IndexError(f"logit rows {min(rows)}..{max(rows)} ({len(rows)} of them) "
+                                 f"are not rows of a forward of {len(ids)} tokens")
             return self.fused.logits(ids, positions, kv_caches, meta, rows)
         device = self.cos.device
         hidden = self.forward(torch.tensor(ids, device=device),

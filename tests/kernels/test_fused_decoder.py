@@ -168,9 +168,11 @@ def test_int32_positions_give_the_bits_of_the_layers(checkpoints, monkeypatch):
 
 
 @pytest.mark.parametrize("bad", [-1, "vocab"])
-def test_token_ids_outside_the_vocabulary_never_reach_the_c_call(checkpoints, monkeypatch, bad):
-    """The fused call reads each id's embedding row unchecked: `forward_logits` refuses an id
-    outside the vocabulary first, as the embedding layer of the per-layer path does."""
+def test_bad_ids_and_rows_never_reach_the_c_call(checkpoints, monkeypatch, bad):
+    """The fused call reads each id's embedding row and each logit row unchecked:
+    `forward_logits` refuses an id outside the vocabulary, a row outside the forward and a
+    position count that is not the id count first, as the per-layer path's embedding and
+    indexing would, and writes no KV."""
     monkeypatch.setenv("RTPKV_LINEAR", "avx2")
     module = load(checkpoints("llama")).module
     spec = module.spec
@@ -179,7 +181,13 @@ def test_token_ids_outside_the_vocabulary_never_reach_the_c_call(checkpoints, mo
     kv = [(torch.zeros(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim),
            torch.zeros(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim))
           for _ in range(spec.num_layers)]
+    meta = module.attention.build(batch)
     ids = [5, spec.vocab_size if bad == "vocab" else bad]
     with pytest.raises(IndexError, match="outside the vocabulary"):
-        module.forward_logits(ids, batch.positions, kv, module.attention.build(batch), [1])
+        module.forward_logits(ids, batch.positions, kv, meta, [1])
+    for rows in ([2], [-1], [0, 1, 1]):   # past the forward, negative, more rows than tokens
+        with pytest.raises(IndexError, match="logit rows"):
+            module.forward_logits([5, 6], batch.positions, kv, meta, rows)
+    with pytest.raises(ValueError, match="positions"):
+        module.forward_logits([5, 6, 7], batch.positions, kv, meta, [1])
     assert all(not k.any() and not v.any() for k, v in kv)

@@ -1,7 +1,7 @@
 """The C kernels of the CPU fast path agree with their torch references: the fused RMSNorm,
 SiLU-and-mul and RoPE, the greedy arg-max, and the attention kernel's two vectorisations (query
-rows in the lanes for prefill tiles, keys in the lanes for decodes), which must give the same
-bits for a token."""
+rows in the lanes for prefill tiles, the head dimension in the lanes for decodes), which must
+give the same bits for a token."""
 
 import pytest
 import torch
@@ -82,7 +82,8 @@ def test_a_token_computed_in_a_prefill_tile_or_as_a_decode_gives_the_same_bits(d
                                                                                head_dim):
     """A 20-token chunk after a 25-token prefix (tiles of 16 and 4 tokens, 32 and 8 query rows:
     query rows in the lanes, blocks read whole or masked) and each of its tokens alone as a decode
-    (2 query rows: keys in the lanes) read the same cache and give identical outputs."""
+    (2 query rows: the head dimension in the lanes) read the same cache and give identical
+    outputs."""
     kernel = attention_backend(CPU, dtype, head_dim, "cpu-paged")
     caches = [_randn(KVH * NUM_BLOCKS * B, head_dim, dtype=dtype, seed=s) for s in (3, 4)]
     T, start = 20, 25
@@ -94,6 +95,41 @@ def test_a_token_computed_in_a_prefill_tile_or_as_a_decode_gives_the_same_bits(d
         out = kernel.forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], *caches, kernel.build(alone),
                              head_dim ** -0.5)
         assert torch.equal(out, together[i:i + 1]), f"token {i}"
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("heads,kv_heads", [(1, 1), (3, 1), (7, 1), (6, 2)])
+@pytest.mark.parametrize("block,head_dim", [(3, 8), (5, 24), (13, 40)])
+def test_decode_and_prefill_bits_agree_on_odd_shapes(kv, heads, kv_heads, block, head_dim):
+    """The decode path's tiles of 4 keys and 1-2 query rows against the prefill tiles, where
+    neither divides evenly: blocks of 3, 5 and 13 keys (a padded last group of keys), 1 to 7
+    query heads per KV head (a last tile of one row), head dims that are not a multiple of 16,
+    a window whose released blocks (-1) must not be read, bfloat16 and int8 K/V."""
+    from rtpkv.kernels.kv_quant import quantize_rows
+    dtype = torch.bfloat16 if kv == "bfloat16" else torch.float32
+    kernel = attention_backend(CPU, dtype, head_dim, "cpu-paged",
+                               torch.int8 if kv == "int8" else None)
+    blocks, T, start, window = 16, 9, 23, 7
+    table = [9, 2, 14, 5, 11, 0, 7, 12, 3, 15, 6, 1, 10][: -(-(start + T) // block)]
+    table = [-1] * ((start - window + 1) // block) + table[(start - window + 1) // block:]
+    caches = [_randn(kv_heads * blocks * block, head_dim, dtype=dtype, seed=s) for s in (3, 4)]
+    if kv == "int8":
+        caches = [quantize_rows(c.float()) for c in caches]
+    q, k, v = (_randn(T, h, head_dim, dtype=dtype, seed=s)
+               for h, s in ((heads, 5), (kv_heads, 6), (kv_heads, 7)))
+
+    def one_sequence(positions):
+        return AttentionBatch(
+            positions=positions, row_seq=[0] * len(positions), block_tables=[table],
+            query_start=[0], query_len=[len(positions)], context_len=[positions[-1] + 1],
+            block_size=block, num_blocks=blocks, kv_heads=kv_heads, window=window)
+
+    chunk = one_sequence(list(range(start, start + T)))
+    together = kernel.forward(q, k, v, *caches, kernel.build(chunk), head_dim ** -0.5)
+    for i in range(T):
+        alone = kernel.forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], *caches,
+                               kernel.build(one_sequence([start + i])), head_dim ** -0.5)
+        assert torch.equal(alone, together[i:i + 1]), f"token {i}"
 
 
 def test_without_the_library_the_torch_references_run(monkeypatch):
