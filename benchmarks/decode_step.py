@@ -1,9 +1,11 @@
 """Where a single-stream decode step's time goes (workload d of peers.py: one 512-token prompt
 alone, 128 new tokens): the step's wall time split into the linear layers' GEMVs (the LM head
 included), attention (the KV write included), the elementwise kernels (RMSNorm, RoPE,
-SiLU-and-mul), the forward's own Python (embedding, tensors, calls), the batch's metadata
+SiLU-and-mul), the forward's own Python (the C call's arguments and the logits' tensor; with
+`--layers` also the embedding and every layer's tensors and calls), the batch's metadata
 (ModelRunner.batch and the backend's build), sampling, the scheduler's bookkeeping, handing the
-token out, and the rest of the step; plus the gap between steps (the engine loop, waking up).
+token out, and the rest of the step (mostly the timing wrappers themselves: seven patched
+calls); plus the gap between steps (the engine loop, waking up).
 
     python benchmarks/decode_step.py [--runs 3] [--dtype float32] [--weight-type auto]
                                      [--kv-cache-dtype auto] [--threads 2] [--layers]
