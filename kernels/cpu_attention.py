@@ -125,11 +125,11 @@ class CpuPagedAttention:
             ints.extend([0] * (width - len(t)))
         slots = [tables[s][p // B] * B + p % B for s, p in zip(row_seq, positions)]
         longs = array("q", [h * S + slot for h in range(batch.kv_heads) for slot in slots])
-        rows = len(longs)
-        for row, n in zip(batch.query_start, batch.query_len):
-            longs.extend(range(row, row + n, self.tile))
+        starts = [s for row, n in zip(batch.query_start, batch.query_len)
+                  for s in range(row, row + n, self.tile)]
+        longs.extend(starts)
         longs.append(T)
-        return CpuMetadata(ints, longs, T, batch.kv_heads, width, len(longs) - rows - 1, S, B,
+        return CpuMetadata(ints, longs, T, batch.kv_heads, width, len(starts), S, B,
                            batch.window or 0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

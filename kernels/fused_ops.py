@@ -52,8 +52,8 @@ def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 
 def argmax(logits: torch.Tensor) -> list[int]:
     """Each row's arg-max of (n, vocab) logits, as torch.argmax gives it (a NaN wins). On the
-    CPU in C: after a decode step's C forward, a torch op would be the step's only one and pay
-    for the caches the weights evicted (kernels/fused_decoder.py)."""
+    CPU in C: after a decode step's C forward, a torch op pays for the caches the weights
+    evicted (kernels/fused_decoder.py)."""
     lib = library()
     if (lib is None or logits.device.type != "cpu" or logits.dtype != torch.float32
             or logits.dim() != 2 or not logits.is_contiguous() or not logits.shape[1]):

@@ -215,9 +215,9 @@ class CausalLM(nn.Module):
         """The float32 logits of `rows` of the forward over token `ids` at `positions`: what
         the engine samples from. Where the fused decoder runs, one C call from the ids to the
         logits, with no torch op between (kernels/fused_decoder.py)."""
-        if positions:
-            self._check_position(max(positions))
         if self.fused is not None:   # it reads ids, positions and rows unchecked
+            if positions:   # the per-layer path's forward checks its own
+                self._check_position(max(positions))
             if len(positions) != len(ids):
                 raise ValueError(f"{len(ids)} token ids but {len(positions)} positions")
             if ids and not 0 <= min(ids) <= max(ids) < self.spec.vocab_size:
