@@ -170,8 +170,8 @@ def test_int32_positions_give_the_bits_of_the_layers(checkpoints, monkeypatch):
 @pytest.mark.parametrize("bad", [-1, "vocab"])
 def test_bad_ids_and_rows_never_reach_the_c_call(checkpoints, monkeypatch, bad):
     """The fused call reads each id's embedding row and each logit row unchecked:
-    `forward_logits` refuses an id outside the vocabulary, a row outside the forward and a
-    position count that is not the id count first, as the per-layer path's embedding and
+    `forward_logits` refuses an id outside the vocabulary, a row outside the forward, a
+    position count that is not the id count and a position past the RoPE table first, as the per-layer path's embedding and
     indexing would, and writes no KV."""
     monkeypatch.setenv("RTPKV_LINEAR", "avx2")
     module = load(checkpoints("llama")).module
@@ -190,4 +190,6 @@ def test_bad_ids_and_rows_never_reach_the_c_call(checkpoints, monkeypatch, bad):
             module.forward_logits([5, 6], batch.positions, kv, meta, rows)
     with pytest.raises(ValueError, match="positions"):
         module.forward_logits([5, 6, 7], batch.positions, kv, meta, [1])
+    with pytest.raises(IndexError, match="past the RoPE table"):
+        module.forward_logits([5, 6], [0, module.cos.shape[0]], kv, meta, [1])
     assert all(not k.any() and not v.any() for k, v in kv)
