@@ -171,8 +171,8 @@ def test_int32_positions_give_the_bits_of_the_layers(checkpoints, monkeypatch):
 def test_bad_ids_and_rows_never_reach_the_c_call(checkpoints, monkeypatch, bad):
     """The fused call reads each id's embedding row and each logit row unchecked:
     `forward_logits` refuses an id outside the vocabulary, a row outside the forward, a
-    position count that is not the id count and a position past the RoPE table first, as the per-layer path's embedding and
-    indexing would, and writes no KV."""
+    position count that is not the id count and a position past the RoPE table first, as the
+    per-layer path's embedding and indexing would, and writes no KV."""
     monkeypatch.setenv("RTPKV_LINEAR", "avx2")
     module = load(checkpoints("llama")).module
     spec = module.spec
