@@ -26,6 +26,8 @@ needs_flash = pytest.mark.skipif(
     reason=NO_GPU if not torch.cuda.is_available()
     else "flash_attn is not installed (pip install -e '.[gpu]', see the README)")
 DTYPES = {"float16": (torch.float16, 1e-2), "bfloat16": (torch.bfloat16, 6e-2)}
+# Each attention backend that runs on CUDA: torch's reference always, flash-attn where it imports.
+ATTENTIONS = ["torch", pytest.param("flash-attn", marks=needs_flash)]
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -39,18 +41,18 @@ def _pipeline(path, **options) -> Pipeline:
     return Pipeline(model, model.tokenizer)
 
 
-@needs_flash
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("block", [64, 256])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_matches_transformers_on_cuda(llama_path, dtype, block):
+def test_matches_transformers_on_cuda(llama_path, dtype, block, attention):
     import transformers
 
     torch_dtype, atol = DTYPES[dtype]
     hf = transformers.AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch_dtype).cuda()
     pipe = _pipeline(llama_path, dtype=dtype, seq_size_per_block=block,
-                     max_num_batched_tokens=192)
+                     max_num_batched_tokens=192, rtpkv_attention=attention)
     try:
-        assert pipe.model.module.attention_name == "flash-attn"
+        assert pipe.model.module.attention_name == attention
         assert pipe.engine.cache.memory.kv.is_cuda
         prompt = _ids(500, 1)
         res = run(pipe, prompt, max_new_tokens=16, return_logits=True)
@@ -65,15 +67,39 @@ def test_matches_transformers_on_cuda(llama_path, dtype, block):
         pipe.stop()
 
 
-@needs_flash
+def test_torch_attention_keeps_cudnn_out_of_its_sdpa_calls(llama_path, monkeypatch):
+    """cuDNN's SDPA builds a plan per shape, and a decode's context grows every step: with it,
+    a decode step took 41-44 ms on an H200, 7 without (kernels/attention.py). Every SDPA call of
+    the torch backend runs with cuDNN's backend off, and the flag is restored after."""
+    import torch.nn.functional as F
+
+    seen: list[bool] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    pipe = _pipeline(llama_path, dtype="bfloat16", rtpkv_attention="torch")
+    try:
+        monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+        run(pipe, _ids(300, 8), max_new_tokens=8)
+    finally:
+        pipe.stop()
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("block", [64, 256])
-def test_reuse_on_and_off_give_the_same_tokens_on_cuda(llama_path, block):
+def test_reuse_on_and_off_give_the_same_tokens_on_cuda(llama_path, block, attention):
     prompts = [_ids(600, 2), None]
     prompts[1] = prompts[0][:530] + _ids(40, 3)
     outs = []
     for reuse in (True, False):
         pipe = _pipeline(llama_path, dtype="bfloat16", seq_size_per_block=block,
-                         reuse_cache=reuse)
+                         reuse_cache=reuse, rtpkv_attention=attention)
         try:
             outs.append([run(pipe, p, max_new_tokens=16) for p in prompts])
             pipe.check_integrity()
