@@ -9,6 +9,11 @@ calls); plus the gap between steps (the engine loop, waking up).
 
     python benchmarks/decode_step.py [--runs 3] [--dtype float32] [--weight-type auto]
                                      [--kv-cache-dtype auto] [--threads 2] [--layers]
+                                     [--scheduler-steps 1]
+
+With `--scheduler-steps N` (NUM_SCHEDULER_STEPS) a call of the engine runs up to N decode steps
+in one C call; each part of such a call is divided by the steps it ran, so the table stays per
+decode step (per token), and "the forward's Python" then holds the C loop's arg-max too.
 
 By default the model runs as it would in service: with the fused decoder where it applies
 (kernels/fused_decoder.py), whose C code times its own parts (FusedDecoder.seconds);
@@ -91,13 +96,15 @@ def one_run(options: dict[str, Any], layers: bool) -> dict[str, float]:
             clock.spent.clear()
             if fused is not None:
                 fused.seconds.zero_()
+            steps_before = engine.steps
             t0 = time.perf_counter()
             between = None if last_end[0] is None else t0 - last_end[0]
             result = step()
             t1 = time.perf_counter()
             last_end[0] = t1
+            ran = engine.steps - steps_before   # decode steps this call ran (a burst: several)
             decoding = engine.step_log and engine.step_log[-1][0][2] == "decode"
-            if result and decoding and between is not None:
+            if result and decoding and between is not None and ran:
                 parts = dict(clock.spent)
                 if fused is not None:   # the C call's parts, out of the forward's Python
                     for part, seconds in zip(FUSED_PARTS, fused.seconds.tolist()):
@@ -106,7 +113,7 @@ def one_run(options: dict[str, Any], layers: bool) -> dict[str, float]:
                 parts["step"] = t1 - t0
                 parts["other"] = parts["step"] - sum(v for k, v in parts.items() if k != "step")
                 parts["between"] = between
-                per_step.append(parts)
+                per_step.append({k: v / ran for k, v in parts.items()})
             return result
 
         with ExitStack() as stack:
@@ -118,6 +125,7 @@ def one_run(options: dict[str, Any], layers: bool) -> dict[str, float]:
                     (type(attention), "build", "metadata"),
                     (type(engine.runner), "batch", "metadata"),
                     (engine.runner, "run", "forward's Python"),
+                    (engine.runner, "run_burst", "forward's Python"),
                     (engine_module, "sample_batch", "sampling"),
                     (engine.scheduler, "schedule", "scheduling"),
                     (engine.scheduler, "postprocess", "scheduling"),
@@ -139,12 +147,14 @@ def main() -> None:
     parser.add_argument("--weight-type", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--scheduler-steps", type=int, default=1,
+                        help="NUM_SCHEDULER_STEPS: decode steps per call of the fused decoder")
     parser.add_argument("--layers", action="store_true",
                         help="run the layers one by one, not through the fused decoder")
     args = parser.parse_args()
     setup_threads(args.threads)
     options = dict(dtype=args.dtype, weight_type=args.weight_type,
-                   kv_cache_dtype=args.kv_cache_dtype)
+                   kv_cache_dtype=args.kv_cache_dtype, num_scheduler_steps=args.scheduler_steps)
     one_run(options, args.layers)   # warm-up: probes, first-call allocations
     runs = [one_run(options, args.layers) for _ in range(args.runs)]
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
@@ -154,6 +164,7 @@ def main() -> None:
     rows.append(("step (wall)", f"{step:.3f}", "100%"))
     rows.append(("between steps", f"{med['between']:.3f}", f"{med['between'] / step * 100:.1f}%"))
     print(f"{args.dtype}, weights {args.weight_type}, KV {args.kv_cache_dtype}, "
+          f"NUM_SCHEDULER_STEPS={args.scheduler_steps}, "
           f"{'layers one by one' if args.layers else 'as in service'}, one stream: {PROMPT}-token "
           f"prompt, {NEW} new tokens; medians of {args.runs} runs of the per-step medians, "
           f"torch threads {torch.get_num_threads()}")

@@ -3,7 +3,7 @@
     python benchmarks/peers.py [--vllm /path/to/vllm-venv/bin/python] [--runs 3]
                                [--dtypes float32,bfloat16] [--block 32] [--check-reuse a,b]
                                [--workloads a,b,c,d] [--weight-types auto,int8,w8a8_int8]
-                               [--linear-paths auto,onednn]
+                               [--linear-paths auto,onednn] [--scheduler-steps 1,8]
                                [--llama-cpp /path/to/venv/bin/python --gguf A.gguf,B.gguf]
 
   a  shared system prompt: 2,000-token prefix + 16 different 64-token questions, one after
@@ -18,6 +18,9 @@
 side by side, with each one's ratio to the first (`--linear-paths auto,onednn` likewise adds an
 engine per RTPKV_LINEAR path); the int8 types run with the float32 dtype only (their
 activations, and their accumulation across groups, are float32); vLLM runs the float weights.
+`--scheduler-steps 1,8` runs each rtpkv engine once per NUM_SCHEDULER_STEPS (greedy decode
+steps in one call of the fused decoder; tokens then reach the stream in bursts, which the
+inter-token percentiles show).
 
 Both engines get the same checkpoint (the BENCHMARKS.md model), the same token ids, greedy
 decoding with EOS ignored, prefix reuse on, 2 threads. Runs alternate between the engines (and
@@ -168,15 +171,20 @@ FIGURES = [("a: cold TTFT (s)", "a", "cold", False), ("a: warm TTFT (s)", "a", "
            ("d: inter-token p99 (ms)", "d", "itl_p99", False)]
 
 
-def rtpkv_engines(dtype: str, args: argparse.Namespace) -> dict[str, dict[str, str]]:
+def rtpkv_engines(dtype: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Engine name -> options of the rtpkv engines for `dtype`: one per WEIGHT_TYPE (int8
-    computes in float32), then one per further RTPKV_LINEAR path on the float weights."""
-    engines = {("rtpkv" if w == "auto" else f"rtpkv {w}"): {"weight_type": w}
-               for w in args.weight_types.split(",") if w == "auto" or dtype == "float32"}
+    computes in float32), then one per further RTPKV_LINEAR path on the float weights; each
+    once per NUM_SCHEDULER_STEPS of --scheduler-steps."""
+    engines: dict[str, dict[str, Any]] = {
+        ("rtpkv" if w == "auto" else f"rtpkv {w}"): {"weight_type": w}
+        for w in args.weight_types.split(",") if w == "auto" or dtype == "float32"}
     for path in args.linear_paths.split(","):
         if path != "auto":
             engines[f"rtpkv {path}"] = {"rtpkv_linear": path}
-    return engines
+    return {(name if steps == 1 else f"{name} steps={steps}"):
+            {**options, "num_scheduler_steps": steps}
+            for steps in map(int, args.scheduler_steps.split(","))
+            for name, options in engines.items()}
 
 
 def measure(dtype: str, args: argparse.Namespace, jobs: dict[str, dict[str, Any]]) -> dict:
@@ -273,6 +281,9 @@ def main() -> None:
     parser.add_argument("--linear-paths", default="auto",
                         help="rtpkv engines by RTPKV_LINEAR on the float weights, e.g. "
                              "auto,onednn (the per-layer oneDNN path of earlier releases)")
+    parser.add_argument("--scheduler-steps", default="1",
+                        help="rtpkv engines by NUM_SCHEDULER_STEPS, e.g. 1,8 (decode steps in "
+                             "one call: tokens stream in bursts)")
     parser.add_argument("--check-reuse", default="", metavar="a,b",
                         help="workloads to rerun on rtpkv with reuse off, comparing outputs")
     args = parser.parse_args()

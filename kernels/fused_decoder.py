@@ -61,6 +61,11 @@ class _Step(ctypes.Structure):
                 ("att", _P), ("h", _P), ("gate_up", _P), ("act", _P), ("seconds", _P)]
 
 
+class _Burst(ctypes.Structure):
+    _fields_ = [("steps", _I), ("tokens", _P), ("ids", _P), ("positions", _P), ("q_pos", _P),
+                ("write_rows", _P), ("stop_start", _P), ("stop_ids", _P)]
+
+
 # forwards of at most this many rows (decode batches) keep their scratch for the next: a
 # prefill chunk's would hold megabytes for good, and costs little to allocate beside its compute
 KEPT_ROWS = 64
@@ -70,7 +75,9 @@ _LINEAR_KINDS = {"avx2": (0, 0), Int8Linear.path: (1, int8_linear.PANEL_MIN_ROWS
                  W8A8Linear.path: (2, w8a8_linear.MANY_ROWS_FROM)}
 
 _SIGNATURES: Signatures = {
-    "rtpkv_decoder_forward": ([ctypes.POINTER(_Model), ctypes.POINTER(_Step)], None)}
+    "rtpkv_decoder_forward": ([ctypes.POINTER(_Model), ctypes.POINTER(_Step)], None),
+    "rtpkv_decoder_generate": ([ctypes.POINTER(_Model), ctypes.POINTER(_Step),
+                                ctypes.POINTER(_Burst)], _I)}
 
 
 def _library() -> Optional[ctypes.CDLL]:
@@ -164,20 +171,29 @@ class FusedDecoder:
             cached = self._table = (key, table)
         return cached[1]
 
-    def _run(self, T: int, positions: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-             meta: CpuMetadata, residual: int, out: int, scratch: int, ids: Optional[int] = None,
-             logit_rows: Optional[int] = None, num_logits: int = 0,
-             logits: Optional[int] = None) -> None:
-        """One C forward over addresses: `positions`, `ids` and `logit_rows` of int64 values,
-        `scratch` of T * scratch_width floats."""
+    def _step(self, T: int, positions: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+              meta: CpuMetadata, residual: int, out: int, scratch: int, ids: Optional[int] = None,
+              logit_rows: Optional[int] = None, num_logits: int = 0,
+              logits: Optional[int] = None) -> _Step:
+        """One C forward's arguments over addresses: `positions`, `ids` and `logit_rows` of
+        int64 values, `scratch` of T * scratch_width floats."""
         attn = kernel_args(meta, T, self.heads, self.kv_heads, self.head_dim, self.scale,
                            bf16=False, kv_int8=kv_caches[0][0].dtype == torch.int8)
-        step = _Step(T, ids, residual, out, num_logits, logit_rows, logits, positions,
+        return _Step(T, ids, residual, out, num_logits, logit_rows, logits, positions,
                      meta.write_rows_at, attn, meta.tile_start_at, meta.num_tiles,
                      self._layer_table(kv_caches),
                      *(scratch + 4 * T * start for start in self.scratch_starts),
                      ptr(self.seconds))
-        self.lib.rtpkv_decoder_forward(ctypes.byref(self.model), ctypes.byref(step))
+
+    def _buffer(self, T: int, floats: int) -> torch.Tensor:
+        """A float32 buffer of at least `floats` floats: this thread's, kept for forwards of up
+        to KEPT_ROWS rows."""
+        buffer = getattr(self._buffers, "floats", None)
+        if buffer is None or buffer.numel() < floats:
+            buffer = torch.empty(floats, dtype=torch.float32)
+            if T <= KEPT_ROWS:
+                self._buffers.floats = buffer
+        return buffer
 
     def forward(self, residual: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -188,8 +204,9 @@ class FusedDecoder:
         out = residual.new_empty(T, self.hidden)
         # the C code reads int64 (the per-layer path takes any integer dtype); no copy when so
         positions = positions.to(torch.int64).contiguous()
-        self._run(T, positions.data_ptr(), kv_caches, meta, residual.data_ptr(), out.data_ptr(),
-                  buffer.data_ptr())
+        step = self._step(T, positions.data_ptr(), kv_caches, meta, residual.data_ptr(),
+                          out.data_ptr(), buffer.data_ptr())
+        self.lib.rtpkv_decoder_forward(ctypes.byref(self.model), ctypes.byref(step))
         return out
 
     def logits(self, ids: Sequence[int], positions: Sequence[int],
@@ -199,19 +216,47 @@ class FusedDecoder:
         `ids` at `positions`. Unchecked here (CausalLM.forward_logits checks): ids below the
         vocabulary's size, one position per id, at most len(ids) rows, each below it."""
         T, E = len(ids), self.hidden
-        floats = T * (self.scratch_width + 2 * E)
-        buffer = getattr(self._buffers, "floats", None)
-        if buffer is None or buffer.numel() < floats:
-            buffer = torch.empty(floats, dtype=torch.float32)
-            if T <= KEPT_ROWS:
-                self._buffers.floats = buffer
+        buffer = self._buffer(T, T * (self.scratch_width + 2 * E))
         base = buffer.data_ptr()
         ints = array("q", ids)
         ints.extend(positions)
         ints.extend(rows)
         address, size = ints.buffer_info()[0], ints.itemsize
         logits = torch.empty(len(rows), self.vocab, dtype=torch.float32)
-        self._run(T, address + size * T, kv_caches, meta, base, base + 4 * T * E,
-                  base + 8 * T * E, ids=address, logit_rows=address + size * 2 * T,
-                  num_logits=len(rows), logits=logits.data_ptr())
+        step = self._step(T, address + size * T, kv_caches, meta, base, base + 4 * T * E,
+                          base + 8 * T * E, ids=address, logit_rows=address + size * 2 * T,
+                          num_logits=len(rows), logits=logits.data_ptr())
+        self.lib.rtpkv_decoder_forward(ctypes.byref(self.model), ctypes.byref(step))
         return logits
+
+    def generate(self, ids: Sequence[int], positions: Sequence[int],
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: CpuMetadata,
+                 steps: int, stops: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Up to `steps` greedy decode steps of len(ids) sequences, one row each (`meta` built
+        for the first step, its block tables covering every position the steps reach; its
+        positions and write rows are advanced in place): each step's arg-max tokens, a list per
+        step, in row order. Stops early once every row has produced one of its `stops`.
+        Unchecked here (CausalLM.generate checks)."""
+        T, E = len(ids), self.hidden
+        buffer = self._buffer(T, T * (self.scratch_width + 2 * E + self.vocab))
+        base = buffer.data_ptr()
+        ints = array("q", ids)
+        ints.extend(positions)
+        ints.extend(range(T))
+        address, size = ints.buffer_info()[0], ints.itemsize
+        stop = array("q", [0])
+        for row in stops:
+            stop.append(stop[-1] + len(row))
+        for row in stops:
+            stop.extend(row)
+        tokens = array("q", bytes(8 * steps * T))
+        step = self._step(T, address + size * T, kv_caches, meta, base, base + 4 * T * E,
+                          base + 8 * T * E, ids=address, logit_rows=address + size * 2 * T,
+                          num_logits=T, logits=base + 4 * T * (self.scratch_width + 2 * E))
+        stop_at = stop.buffer_info()[0]
+        burst = _Burst(steps, tokens.buffer_info()[0], address, address + size * T,
+                       meta.positions_at, meta.write_rows_at, stop_at,
+                       stop_at + size * (T + 1))
+        done = self.lib.rtpkv_decoder_generate(ctypes.byref(self.model), ctypes.byref(step),
+                                               ctypes.byref(burst))
+        return [tokens[i * T:(i + 1) * T].tolist() for i in range(done)]

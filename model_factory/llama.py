@@ -232,6 +232,25 @@ class CausalLM(nn.Module):
                               torch.tensor(positions, device=device), kv_caches, meta)
         return self.logits(hidden[torch.tensor(rows, dtype=torch.long, device=device)])
 
+    def generate(self, ids: list[int], positions: list[int],
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any, steps: int,
+                 stops: list[list[int]]) -> list[list[int]]:
+        """Up to `steps` greedy decode steps of one token per sequence in one C call
+        (FusedDecoder.generate, `meta` built for the first step with tables covering the last):
+        each step's arg-max tokens; fewer steps once every row has met one of its `stops`.
+        Only where the fused decoder runs."""
+        if self.fused is None:
+            raise RuntimeError("decode steps in one call need the fused CPU decoder")
+        if len(positions) != len(ids) or len(stops) != len(ids) or steps < 1:
+            raise ValueError(f"{len(ids)} ids, {len(positions)} positions, {len(stops)} stop "
+                             f"lists and {steps} steps")
+        if ids:
+            self._check_position(max(positions) + steps - 1)
+            if not 0 <= min(ids) <= max(ids) < self.spec.vocab_size:
+                raise IndexError(f"token ids {min(ids)}..{max(ids)} are outside the "
+                                 f"vocabulary [0, {self.spec.vocab_size})")
+        return self.fused.generate(ids, positions, kv_caches, meta, steps, stops)
+
     def _check_position(self, position: int) -> None:
         if position >= self.cos.shape[0]:
             raise IndexError(f"position {position} is past the RoPE table "

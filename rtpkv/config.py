@@ -186,6 +186,10 @@ class RuntimeConfig(BaseModel):
     capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
     context_chunking_policy: ContextChunkingPolicy = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED
     max_num_batched_tokens: int = Field(2048, ge=1)
+    # greedy decode steps run in one call of the fused CPU decoder when only plain greedy
+    # decodes run and nothing waits (vLLM's num_scheduler_steps): tokens stream in bursts of up
+    # to this many, and the per-step Python is paid once a burst (rtpkv.engine.engine)
+    num_scheduler_steps: int = Field(1, ge=1, le=64)
     concurrency_limit: int = Field(32, ge=1)
     schedule_policy: SchedulePolicy = SchedulePolicy.FCFS
     # kernel choices (rtpkv.kernels): auto = the fastest that builds and supports the dtype

@@ -8,6 +8,11 @@
  * order on the same values, so its results are bit-identical to that path's: what it removes is
  * the Python between them, which in a one-token decode step costs more than the small kernels
  * it calls (docs/BENCHMARKS.md, "Single-stream decode").
+ *
+ * `rtpkv_decoder_generate` runs several greedy decode steps of a batch in one call (the
+ * engine's NUM_SCHEDULER_STEPS): each step is that same forward, its arg-max tokens the next
+ * step's ids, the positions and KV write rows advanced in between, so every token and every
+ * K/V row comes out as the steps one call at a time would give them.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -64,6 +69,17 @@ typedef struct {                   /* one forward */
     float *x, *qkv, *q, *att, *h, *gate_up, *act;   /* scratch, T rows each */
     double *seconds;               /* NULL, or sums of wall seconds, added to per SECONDS_* part */
 } decoder_step;
+
+typedef struct {                   /* several decode steps of one row per sequence */
+    int64_t steps;                 /* steps to run at most */
+    int64_t *tokens;               /* (steps, T) each step's arg-max token of each row */
+    int64_t *ids;                  /* (T,) the step's ids: the decoder_step's, advanced here */
+    int64_t *positions;            /* (T,) its positions, advanced here */
+    int32_t *q_pos;                /* (T,) the same positions as the attention reads them */
+    int64_t *write_rows;           /* (KVH, T) the step's KV write rows, recomputed here */
+    const int64_t *stop_start;     /* (T + 1,) row r stops at a token in */
+    const int64_t *stop_ids;       /*   stop_ids[stop_start[r] .. stop_start[r + 1]) */
+} decoder_burst;
 
 enum { SECONDS_LINEAR, SECONDS_ATTENTION, SECONDS_ELEMENTWISE };   /* benchmarks/decode_step.py */
 enum { LINEAR_FP32, LINEAR_INT8, LINEAR_W8A8 };                     /* kernels/fused_decoder.py */
@@ -164,4 +180,41 @@ void rtpkv_decoder_forward(const decoder_model *m, decoder_step *s) {
         memcpy(s->x + r * E, s->out + s->logit_rows[r] * E, (size_t)E * sizeof(float));
     linear(m, &m->lm_head, s->x, s->num_logits, E, m->vocab, s->logits);
     lap(s, SECONDS_LINEAR, &t);
+}
+
+/* Up to b->steps decode steps of the T rows of `s` (one token per sequence, `s->logits` of T
+ * rows, logit_rows 0..T-1, the block tables covering every position the steps reach). Stops
+ * early once every row has produced one of its stop tokens. Returns the steps run. */
+int64_t rtpkv_decoder_generate(const decoder_model *m, decoder_step *s, const decoder_burst *b) {
+    const int64_t T = s->T, KVH = m->kv_heads, B = s->attn.B, S = s->attn.S;
+    char *stopped = calloc((size_t)T, 1);
+    if (!stopped) abort();
+    int64_t step = 0, left = T;
+    while (step < b->steps && left > 0) {
+        if (step > 0)
+            for (int64_t r = 0; r < T; r++) {
+                const int64_t pos = ++b->positions[r];
+                b->q_pos[r] = (int32_t)pos;
+                b->ids[r] = b->tokens[(step - 1) * T + r];
+                const int64_t slot = (int64_t)s->attn.tables[(int64_t)s->attn.q_seq[r]
+                                                             * s->attn.max_blocks + pos / B]
+                                     * B + pos % B;
+                for (int64_t h = 0; h < KVH; h++) b->write_rows[h * T + r] = h * S + slot;
+            }
+        rtpkv_decoder_forward(m, s);
+        int64_t *tokens = b->tokens + step * T;
+        rtpkv_argmax(s->logits, T, m->vocab, tokens);
+        for (int64_t r = 0; r < T; r++) {
+            if (stopped[r]) continue;
+            for (int64_t i = b->stop_start[r]; i < b->stop_start[r + 1]; i++)
+                if (tokens[r] == b->stop_ids[i]) {
+                    stopped[r] = 1;
+                    left--;
+                    break;
+                }
+        }
+        step++;
+    }
+    free(stopped);
+    return step;
 }

@@ -5,6 +5,14 @@ cancelled or timed-out requests, ask the Scheduler for the batch, run the forwar
 the Scheduler do the bookkeeping (progress, stop checks, commit, pin, finish), then hand each
 request its token — marked finished on its last one. Every cache structure is touched only
 under `self.lock`, which a step holds from start to end.
+
+A burst (NUM_SCHEDULER_STEPS > 1) runs several decode steps in one call of the fused CPU
+decoder, where that changes nothing but when tokens reach their streams: every chunk is a plain
+greedy decode that wants no logits, no request waits, and the tables can grow to the last step
+now. The C loop feeds each step's arg-max tokens to the next (stopping once every row has met
+an EOS or one-token stop word); then each step is postprocessed and emitted in order exactly as
+a step of its own would be, a request that finished at one step dropped from the later ones (the
+K/V it computed past its end lie in its own blocks, past its length, never committed).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from rtpkv.config import RuntimeConfig
 from rtpkv.engine.heap_trim import HeapTrimmer, libc_malloc_trim
 from rtpkv.engine.model_runner import ModelRunner
 from rtpkv.engine.request import FinishReason, Request, StepOutput
-from rtpkv.engine.sampler import sample_batch
+from rtpkv.engine.sampler import plain_greedy, sample_batch
 from rtpkv.engine.scheduler import ScheduledChunk, Scheduler
 from rtpkv.engine.window import attention_window
 from rtpkv.errors import EngineStoppedError, RequestTimeoutError
@@ -55,6 +63,7 @@ class Engine:
         self.lock = threading.RLock()
         self.step_log: deque[list[tuple[int, int, str]]] = deque(maxlen=STEP_LOG_SIZE)
         self.steps = 0
+        self.calls = 0   # model calls: a burst runs several steps in one
         self._inbox: "queue.Queue[Optional[Request]]" = queue.Queue()
         self._stopped = threading.Event()
         self._submitting = threading.Lock()
@@ -171,7 +180,12 @@ class Engine:
                 self._finish(req, FinishReason.ERROR, req.error)
             if not batch:
                 return bool(failed)
+            steps = self._burst_steps(batch)
+            if steps > 1:
+                self._burst(batch, steps)
+                return True
             self.steps += 1
+            self.calls += 1
             self.step_log.append([(c.request.request_id, c.num_tokens,
                                    "decode" if c.is_decode else "prefill") for c in batch])
             try:
@@ -195,8 +209,52 @@ class Engine:
             self._emit(sampled, tokens, logits, finished)
             return True
 
-    def _emit(self, sampled: list[ScheduledChunk], tokens: list[int], logits: torch.Tensor,
-              finished: list[Request]) -> None:
+    def _burst_steps(self, batch: list[ScheduledChunk]) -> int:
+        """Decode steps the next call runs (see the module's docstring): up to
+        NUM_SCHEDULER_STEPS, never past any request's last new token; 1 where a burst would
+        change what a request sees besides timing."""
+        steps = self.config.num_scheduler_steps
+        if (steps <= 1 or not self.runner.runs_bursts or self.scheduler.waiting
+                or not self._inbox.empty()):
+            return 1
+        for c in batch:
+            req = c.request
+            if not (c.is_decode and plain_greedy(req)) or req.config.return_logits \
+                    or req.config.logprobs is not None:
+                return 1
+            steps = min(steps, req.max_new_tokens - req.num_output)
+        if steps <= 1 or not self.scheduler.reserve_ahead(batch, steps):
+            return 1
+        return steps
+
+    def _burst(self, batch: list[ScheduledChunk], steps: int) -> None:
+        """Run `steps` decode steps of `batch` in one call, then postprocess and emit each."""
+        stops = [[] if c.request.config.ignore_eos else sorted(c.request.eos_token_ids)
+                 for c in batch]
+        for row, c in zip(stops, batch):
+            row.extend(s[0] for s in c.request.config.stop_words_list if len(s) == 1)
+        self.calls += 1
+        try:
+            tokens = self.runner.run_burst(batch, steps, stops)
+        except Exception as exc:
+            log.exception("forward failed")
+            for c in batch:
+                self._finish(c.request, FinishReason.ERROR, exc)
+            return
+        rows = list(range(len(batch)))
+        for step in tokens:
+            running = [batch[r] for r in rows]
+            self.steps += 1
+            self.step_log.append([(c.request.request_id, 1, "decode") for c in running])
+            picked = [step[r] for r in rows]
+            finished = self.scheduler.postprocess(running, running, picked)
+            self._emit(running, picked, None, finished)
+            rows = [r for r in rows if batch[r].request.finish_reason is None]
+            if not rows:
+                return
+
+    def _emit(self, sampled: list[ScheduledChunk], tokens: list[int],
+              logits: Optional[torch.Tensor], finished: list[Request]) -> None:
         """Hand each request its new token, marked finished on the last one; a request that
         ended without a token this step (a pinned task prompt) gets an empty final output."""
         now = time.monotonic()

@@ -28,8 +28,16 @@ class ModelRunner:
         self.device = memory.kv.device
         self.kv_heads = memory.kv.shape[2]
 
-    def batch(self, chunks: list[ScheduledChunk]) -> tuple[list[int], AttentionBatch]:
-        """Token ids and the attention backend's view of `chunks`, in this order."""
+    @property
+    def runs_bursts(self) -> bool:
+        """Whether `run_burst` can run: the fused CPU decoder, no attention window (whose
+        released blocks a burst's later steps would need tables without)."""
+        return self.module.fused is not None and self.window is None
+
+    def batch(self, chunks: list[ScheduledChunk], ahead: int = 0
+              ) -> tuple[list[int], AttentionBatch]:
+        """Token ids and the attention backend's view of `chunks`, in this order; block tables
+        cover `ahead` positions past the chunks (the later steps of a burst)."""
         B = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -40,7 +48,7 @@ class ModelRunner:
             starts.append(len(ids))
             lengths.append(n)
             contexts.append(start + n)
-            tables.append(c.request.block_table[: -(-(start + n) // B)])
+            tables.append(c.request.block_table[: -(-(start + n + ahead) // B)])
             if n == 1:
                 ids.append(c.request.token_ids[start])
                 positions.append(start)
@@ -71,3 +79,12 @@ class ModelRunner:
                 rows.append(row + n - 1)
         logits = self.module.forward_logits(ids, batch.positions, self.kv_caches, meta, rows)
         return (logits if rows else torch.empty(0)), wanted
+
+    @torch.inference_mode()
+    def run_burst(self, chunks: list[ScheduledChunk], steps: int,
+                  stops: list[list[int]]) -> list[list[int]]:
+        """Up to `steps` greedy decode steps of `chunks` (one token each; tables grown to cover
+        the last step) in one call: each step's tokens, in chunk order (CausalLM.generate)."""
+        ids, batch = self.batch(chunks, ahead=steps - 1)
+        meta = self.module.attention.build(batch)
+        return self.module.generate(ids, batch.positions, self.kv_caches, meta, steps, stops)

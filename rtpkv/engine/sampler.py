@@ -18,14 +18,15 @@ from rtpkv.engine.request import Request
 from rtpkv.kernels.fused_ops import argmax
 
 
-def _plain_greedy(req: Request) -> bool:
+def plain_greedy(req: Request) -> bool:
+    """Greedy with no processor that changes the arg-max: the sampled token is the logits'."""
     cfg = req.config
     return cfg.greedy and cfg.repetition_penalty == 1.0 and req.min_new_tokens_reached
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """logits: (n, vocab) float32, one row per request in `requests`."""
-    if all(_plain_greedy(r) for r in requests):
+    if all(plain_greedy(r) for r in requests):
         return argmax(logits)
     return [_sample_one(logits[i], req) for i, req in enumerate(requests)]
 
@@ -34,7 +35,7 @@ def sample_batch(logits: torch.Tensor, requests: list[Request]
                  ) -> tuple[list[int], dict[Request, Exception]]:
     """`sample`, with a failure confined to its request: the tokens (-1 where a request
     failed) and each failed request's exception, so one bad request never fails the step."""
-    if all(_plain_greedy(r) for r in requests):
+    if all(plain_greedy(r) for r in requests):
         return argmax(logits), {}
     tokens, failed = [], {}
     for i, req in enumerate(requests):

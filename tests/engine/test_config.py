@@ -33,6 +33,7 @@ NON_DEFAULT = {
     "capacity_scheduler_policy": ("max_utilization", CapacitySchedulerPolicy.MAX_UTILIZATION),
     "context_chunking_policy": ("EQUAL_PROGRESS", "EQUAL_PROGRESS"),
     "max_num_batched_tokens": ("512", 512),
+    "num_scheduler_steps": ("8", 8),
     "concurrency_limit": ("4", 4),
     "schedule_policy": ("LPM", "lpm"),
     "enable_memory_cache": ("1", True),
