@@ -16,28 +16,27 @@ without a cached prefix attends its own K/V as stored (quantized and back), as e
 reads them. Its results depend on the batch's shape in the last bits, so it does not give the
 batch-invariance guarantee (see cpu_attention).
 
-On CUDA its SDPA calls leave out cuDNN's attention: cuDNN builds an execution plan for each new
-shape, and a decode's context grows by one token a step, so every layer of every step paid for
-a new plan (on an H200: 4.4 ms a call, 35 of a decode step's 41 ms). `sdpa_kernel` sets torch's
-process-wide backend flags for the duration of the call and restores them after.
+On CUDA it turns cuDNN's SDPA backend off (`torch.backends.cuda.enable_cudnn_sdp(False)`) when
+it is made: cuDNN builds an execution plan for each new shape, and a decode's context grows by
+one token a step, so every layer of every step paid for a new plan (on an H200: 4.4-5.2 ms a
+call, 35-41 ms of a 41-44 ms decode step). The flag is torch's and process-wide: set once, and
+logged, rather than flipped around each call, which another thread's SDPA could interleave with.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+import logging
 from dataclasses import dataclass, field
-from functools import cached_property, partial
-from typing import Any, Callable, Optional, Protocol
+from functools import cached_property
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rtpkv.kernels.kv_quant import dequantize_rows, quantize_rows, row_width
 from rtpkv.kernels.kv_store import head_major_rows, write_kv
 
-# The SDPA backends TorchAttention lets torch pick from on CUDA (see the module's docstring).
-CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+log = logging.getLogger("rtpkv")
 
 
 @dataclass
@@ -173,8 +172,10 @@ class TorchAttention:
         self.row = row_width(head_dim, kv_dtype)
         self._k_buffer = torch.empty(0, dtype=kv_dtype, device=device)
         self._v_buffer = torch.empty(0, dtype=kv_dtype, device=device)
-        self._sdpa: Callable[[], AbstractContextManager] = (
-            partial(sdpa_kernel, CUDA_SDPA_BACKENDS) if device.type == "cuda" else nullcontext)
+        if device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
+            torch.backends.cuda.enable_cudnn_sdp(False)   # see the module's docstring
+            log.info("torch attention on CUDA: cuDNN's SDPA backend turned off for the process "
+                     "(it plans each new shape, and decode shapes grow every step)")
 
     def _buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather buffers kept across steps, grown (never shrunk) to `numel` elements."""
@@ -234,12 +235,6 @@ class TorchAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: TorchMetadata, scale: float) -> torch.Tensor:
         write_kv(k_cache, v_cache, k, v, meta.write_rows)
-        with self._sdpa():
-            return self._attend(q, k, v, k_cache, v_cache, meta, scale)
-
-    @staticmethod
-    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: TorchMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         n, B = meta.num_decodes, meta.block_size
         if n:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Optional
 
@@ -62,6 +62,7 @@ class CpuMetadata:
     num_slots: int
     block_size: int
     window: int = 0              # tokens attended per query; 0: no window
+    table_lengths: list[int] = field(default_factory=list)   # entries of each table, unpadded
 
     # Where each array starts, read from the arrays at each use (they never change size once
     # built, so their buffers stay put while the metadata lives).
@@ -130,7 +131,7 @@ class CpuPagedAttention:
         longs.extend(starts)
         longs.append(T)
         return CpuMetadata(ints, longs, T, batch.kv_heads, width, len(starts), S, B,
-                           batch.window or 0)
+                           batch.window or 0, [len(t) for t in tables])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: CpuMetadata, scale: float) -> torch.Tensor:

@@ -235,11 +235,12 @@ class FusedDecoder:
         """Up to `steps` greedy decode steps of len(ids) sequences, one row each (`meta` built
         for the first step, its block tables covering every position the steps reach; its
         positions and write rows are advanced in place): each step's arg-max tokens, a list per
-        step, in row order. Stops early once every row has produced one of its `stops`.
+        step, in row order. The logits of each step are overwritten by the next. Stops early once every row has produced one of its `stops`.
         Unchecked here (CausalLM.generate checks)."""
         T, E = len(ids), self.hidden
-        buffer = self._buffer(T, T * (self.scratch_width + 2 * E + self.vocab))
+        buffer = self._buffer(T, T * (self.scratch_width + 2 * E))
         base = buffer.data_ptr()
+        logits = torch.empty(T, self.vocab, dtype=torch.float32)   # not kept: vocab-sized
         ints = array("q", ids)
         ints.extend(positions)
         ints.extend(range(T))
@@ -252,7 +253,7 @@ class FusedDecoder:
         tokens = array("q", bytes(8 * steps * T))
         step = self._step(T, address + size * T, kv_caches, meta, base, base + 4 * T * E,
                           base + 8 * T * E, ids=address, logit_rows=address + size * 2 * T,
-                          num_logits=T, logits=base + 4 * T * (self.scratch_width + 2 * E))
+                          num_logits=T, logits=logits.data_ptr())
         stop_at = stop.buffer_info()[0]
         burst = _Burst(steps, tokens.buffer_info()[0], address, address + size * T,
                        meta.positions_at, meta.write_rows_at, stop_at,

@@ -241,9 +241,15 @@ class CausalLM(nn.Module):
         Only where the fused decoder runs."""
         if self.fused is None:
             raise RuntimeError("decode steps in one call need the fused CPU decoder")
-        if len(positions) != len(ids) or len(stops) != len(ids) or steps < 1:
+        lengths = meta.table_lengths
+        if not (len(positions) == len(ids) == len(stops) == len(lengths) == meta.T and steps >= 1):
             raise ValueError(f"{len(ids)} ids, {len(positions)} positions, {len(stops)} stop "
-                             f"lists and {steps} steps")
+                             f"lists, {len(lengths)} block tables, {meta.T} rows and {steps} steps")
+        B = meta.block_size
+        for row, (position, length) in enumerate(zip(positions, lengths)):
+            if (position + steps - 1) // B >= length:   # the C loop writes K/V at each position
+                raise IndexError(f"row {row}: {steps} steps from position {position} pass the "
+                                 f"end of its block table ({length} blocks of {B})")
         if ids:
             self._check_position(max(positions) + steps - 1)
             if not 0 <= min(ids) <= max(ids) < self.spec.vocab_size:

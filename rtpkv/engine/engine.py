@@ -7,12 +7,14 @@ request its token — marked finished on its last one. Every cache structure is 
 under `self.lock`, which a step holds from start to end.
 
 A burst (NUM_SCHEDULER_STEPS > 1) runs several decode steps in one call of the fused CPU
-decoder, where that changes nothing but when tokens reach their streams: every chunk is a plain
-greedy decode that wants no logits, no request waits, and the tables can grow to the last step
-now. The C loop feeds each step's arg-max tokens to the next (stopping once every row has met
-an EOS or one-token stop word); then each step is postprocessed and emitted in order exactly as
-a step of its own would be, a request that finished at one step dropped from the later ones (the
-K/V it computed past its end lie in its own blocks, past its length, never committed).
+decoder, where that changes nothing but when tokens reach their streams: every scheduled chunk
+is a plain greedy decode that wants no logits and has no deadline, and no request waits. A
+burst never crosses the end of a block any of its requests is writing, so it needs no block
+single steps would not hold. The C loop feeds each step's arg-max tokens to the next (stopping
+once every row has met an EOS or one-token stop word); then each step is postprocessed and
+emitted in order exactly as a step of its own would be, a request that finished (or was
+cancelled) at one step dropped from the later ones (the K/V it computed past its end lie in its
+own block, past its length, never committed).
 """
 
 from __future__ import annotations
@@ -211,20 +213,19 @@ class Engine:
 
     def _burst_steps(self, batch: list[ScheduledChunk]) -> int:
         """Decode steps the next call runs (see the module's docstring): up to
-        NUM_SCHEDULER_STEPS, never past any request's last new token; 1 where a burst would
-        change what a request sees besides timing."""
+        NUM_SCHEDULER_STEPS, never past any request's last new token nor the end of the block
+        it writes; 1 where a burst would change what a request sees besides timing."""
         steps = self.config.num_scheduler_steps
         if (steps <= 1 or not self.runner.runs_bursts or self.scheduler.waiting
                 or not self._inbox.empty()):
             return 1
+        B = self.block_size
         for c in batch:
             req = c.request
-            if not (c.is_decode and plain_greedy(req)) or req.config.return_logits \
-                    or req.config.logprobs is not None:
+            if (not (c.is_decode and plain_greedy(req)) or req.config.return_logits
+                    or req.config.logprobs is not None or req.deadline is not None):
                 return 1
-            steps = min(steps, req.max_new_tokens - req.num_output)
-        if steps <= 1 or not self.scheduler.reserve_ahead(batch, steps):
-            return 1
+            steps = min(steps, req.max_new_tokens - req.num_output, B - c.start % B)
         return steps
 
     def _burst(self, batch: list[ScheduledChunk], steps: int) -> None:
@@ -243,6 +244,12 @@ class Engine:
             return
         rows = list(range(len(batch)))
         for step in tokens:
+            for r in rows:   # what a single step's _reap would have seen before this step
+                if batch[r].request.cancelled:
+                    self._finish(batch[r].request, FinishReason.CANCELLED)
+            rows = [r for r in rows if batch[r].request.finish_reason is None]
+            if not rows:
+                return
             running = [batch[r] for r in rows]
             self.steps += 1
             self.step_log.append([(c.request.request_id, 1, "decode") for c in running])
@@ -250,8 +257,6 @@ class Engine:
             finished = self.scheduler.postprocess(running, running, picked)
             self._emit(running, picked, None, finished)
             rows = [r for r in rows if batch[r].request.finish_reason is None]
-            if not rows:
-                return
 
     def _emit(self, sampled: list[ScheduledChunk], tokens: list[int],
               logits: Optional[torch.Tensor], finished: list[Request]) -> None:

@@ -193,12 +193,6 @@ class Scheduler:
                 return False
         return True
 
-    def reserve_ahead(self, chunks: list[ScheduledChunk], steps: int) -> bool:
-        """Grow each chunk's table to cover `steps` decode steps (a burst), pausing no one:
-        False when the blocks are not free now (the tables grown so far keep their blocks,
-        which their next steps need anyway)."""
-        return all(self.cache.grow(c.request, c.request.num_computed + steps) for c in chunks)
-
     def preempt(self, req: Request) -> None:
         """Pause: free the request's blocks (full ones stay cached) and queue it first."""
         self.cache.free(req)

@@ -6,9 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run
+from conftest import idle_in_use, run
 from rtpkv.errors import ConfigError
 from rtpkv.model_factory import ModelConfig
+
+# the modes the fused decoder runs: float32 weights, int8, w8a8; float32 or int8 KV
+FUSED_MODES = {"float32": {}, "int8": dict(weight_type="INT8"),
+               "w8a8": dict(weight_type="W8A8_INT8"), "int8-kv": dict(kv_cache_dtype="int8")}
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -21,10 +25,10 @@ def _bursts(pipe) -> int:
     return pipe.engine.steps - pipe.engine.calls
 
 
-def _outputs(make_pipeline, steps: int, prompts, **config):
-    pipe = make_pipeline(num_scheduler_steps=steps, reuse_cache=True)
+def _outputs(make_pipeline, steps: int, prompts, max_new_tokens: int, **options):
+    pipe = make_pipeline(num_scheduler_steps=steps, reuse_cache=True, **options)
     assert pipe.model.module.fused is not None   # the path under test runs
-    outs = [run(pipe, p, **config).output_ids for p in prompts]
+    outs = [run(pipe, p, max_new_tokens=max_new_tokens).output_ids for p in prompts]
     return pipe, outs
 
 
@@ -38,10 +42,11 @@ def test_bursts_give_the_tokens_of_single_steps(make_pipeline, steps):
     assert _bursts(pipe) > 0
 
 
-def test_a_batch_in_bursts_matches_each_request_alone(make_pipeline):
+@pytest.mark.parametrize("mode", FUSED_MODES)
+def test_a_batch_in_bursts_matches_each_request_alone(make_pipeline, mode):
     prompts = [_ids(40 + 17 * i, 10 + i) for i in range(4)]
-    _, alone = _outputs(make_pipeline, 1, prompts, max_new_tokens=24)
-    pipe = make_pipeline(num_scheduler_steps=8, reuse_cache=True)
+    _, alone = _outputs(make_pipeline, 1, prompts, max_new_tokens=24, **FUSED_MODES[mode])
+    pipe = make_pipeline(num_scheduler_steps=8, reuse_cache=True, **FUSED_MODES[mode])
     streams = [pipe(p, generate_config={"top_k": 1, "ignore_eos": True,
                                         "max_new_tokens": 12 + 4 * i})
                for i, p in enumerate(prompts)]
@@ -50,35 +55,52 @@ def test_a_batch_in_bursts_matches_each_request_alone(make_pipeline):
     assert _bursts(pipe) > 0
 
 
-def test_eos_inside_a_burst_ends_the_request_there(make_pipeline):
+@pytest.mark.parametrize("mode", FUSED_MODES)
+def test_eos_inside_a_burst_ends_the_request_there(make_pipeline, mode):
     """The 6th greedy token made an EOS: the burst's later steps are dropped, the output ends
     at it exactly as without bursts, and every block comes back."""
     prompt = _ids(50, 4)
-    _, (free_run,) = _outputs(make_pipeline, 1, [prompt], max_new_tokens=30)
+    _, (free_run,) = _outputs(make_pipeline, 1, [prompt], max_new_tokens=30, **FUSED_MODES[mode])
     eos = free_run[5]
     outs = []
     for steps in (1, 16):
-        pipe = make_pipeline(num_scheduler_steps=steps, reuse_cache=True)
+        pipe = make_pipeline(num_scheduler_steps=steps, reuse_cache=True, **FUSED_MODES[mode])
         pipe.eos_token_ids = frozenset({eos})  # pretend that token is EOS
         outs.append(run(pipe, prompt, max_new_tokens=30, ignore_eos=False).output_ids)
-        if steps > 1:
-            assert _bursts(pipe) > 0 and pipe.engine.steps < 30
+        assert (_bursts(pipe) > 0) == (steps > 1)
+        assert idle_in_use(pipe) == 0
     assert outs[0] == outs[1] == free_run[:free_run.index(eos) + 1]
 
 
-def test_multi_token_stop_word_inside_a_burst(make_pipeline):
+@pytest.mark.parametrize("length", [1, 2])
+def test_stop_words_inside_a_burst(make_pipeline, length):
+    """A one-token stop word also ends the C loop early; a longer one is found afterwards."""
     prompt = _ids(33, 5)
     _, (free_run,) = _outputs(make_pipeline, 1, [prompt], max_new_tokens=30)
-    stop = free_run[9:11]
-    outs = [run(make_pipeline(num_scheduler_steps=steps), prompt, max_new_tokens=30,
-                stop_words_list=[stop]).output_ids for steps in (1, 8)]
+    stop = free_run[9:9 + length]
+    outs = []
+    for steps in (1, 8):
+        pipe = make_pipeline(num_scheduler_steps=steps)
+        outs.append(run(pipe, prompt, max_new_tokens=30, stop_words_list=[stop]).output_ids)
+        assert (_bursts(pipe) > 0) == (steps > 1)
     assert outs[0] == outs[1]
-    assert len(outs[0]) < 30
+    assert outs[0][-length:] == stop and len(outs[0]) < 30
 
 
-# the modes the fused decoder runs: float32 weights, int8, w8a8; float32 or int8 KV
-FUSED_MODES = {"float32": {}, "int8": dict(weight_type="INT8"),
-               "w8a8": dict(weight_type="W8A8_INT8"), "int8-kv": dict(kv_cache_dtype="int8")}
+def test_a_burst_stops_at_the_end_of_the_block_it_writes(make_pipeline):
+    """So it never takes a block single steps would not hold yet."""
+    pipe = make_pipeline(num_scheduler_steps=64, seq_size_per_block=8)
+    seen = []
+    burst = pipe.engine.runner.run_burst
+
+    def recording(chunks, steps, stops):
+        seen.append([(c.start, steps) for c in chunks])
+        return burst(chunks, steps, stops)
+
+    pipe.engine.runner.run_burst = recording
+    run(pipe, _ids(21, 11), max_new_tokens=40)
+    assert seen and all(start % 8 + steps <= 8 for call in seen for start, steps in call)
+    assert max(steps for call in seen for _, steps in call) == 8
 
 
 @pytest.mark.parametrize("mode", FUSED_MODES)
@@ -108,27 +130,94 @@ def test_sampling_and_logits_requests_run_one_step_a_call(make_pipeline):
     assert _bursts(pipe) == 0
 
 
-def test_a_pool_too_full_to_grow_falls_back_to_single_steps(make_pipeline):
-    """Blocks for a whole burst are taken up front; where they are not free, the step runs
-    alone rather than pausing anyone, and the tokens do not change. Two requests of 12 blocks
-    at most share a pool of 16 (MAX_UTILIZATION admits both)."""
-    prompts = [_ids(50, 9), _ids(50, 10)]
-    _, alone = _outputs(make_pipeline, 1, prompts, max_new_tokens=40)
-    pipe = make_pipeline(num_scheduler_steps=64, kv_cache_max_tokens=128, seq_size_per_block=8,
-                         capacity_scheduler_policy="MAX_UTILIZATION")
-    refused = []
-    reserve = pipe.engine.scheduler.reserve_ahead
+def _events(pipe) -> list[tuple]:
+    return [(e["type"], tuple(e.get("block_hashes", ()))) for e in pipe.kv_cache_events()]
 
-    def recording(chunks, steps):
-        ok = reserve(chunks, steps)
-        refused.append(not ok)
-        return ok
 
-    pipe.engine.scheduler.reserve_ahead = recording
+@pytest.mark.parametrize("policy", ["GUARANTEED_NO_EVICT", "MAX_UTILIZATION"])
+def test_a_small_pool_keeps_what_single_steps_keep(make_pipeline, policy):
+    """With a pool of 16 blocks of 8, a cached request and one that ends at an early EOS: the
+    KV events, and what a rerun of the first reuses, are those of single steps."""
+    a, b = _ids(64, 1), _ids(40, 2)
+    (free,) = _outputs(make_pipeline, 1, [b], max_new_tokens=10)[1]
+    results = []
+    for steps in (1, 64):
+        pipe = make_pipeline(num_scheduler_steps=steps, reuse_cache=True, kv_cache_max_tokens=128,
+                             seq_size_per_block=8, kv_cache_event_buffer_max_size=1000,
+                             capacity_scheduler_policy=policy)
+        first = run(pipe, a, max_new_tokens=2).output_ids
+        pipe.eos_token_ids = frozenset({free[2]})
+        out = run(pipe, b, max_new_tokens=60, ignore_eos=False).output_ids
+        events = _events(pipe)
+        again = run(pipe, a, max_new_tokens=1)
+        results.append((first, out, events, again.aux_info["reuse_len"], _events(pipe)))
+        assert (_bursts(pipe) > 0) == (steps > 1)
+    assert results[0] == results[1]
+
+
+def test_partial_reuse_over_a_burst_written_tail(make_pipeline):
+    """A request that ended inside a burst leaves its partly filled last block as a tail; a
+    later request copying it gets the tokens and logits it gets after single steps."""
+    prompt = _ids(45, 12)
+    results = []
+    for steps in (1, 16):
+        pipe = make_pipeline(num_scheduler_steps=steps, reuse_cache=True,
+                             enable_partial_reuse=True, seq_size_per_block=16)
+        first = run(pipe, prompt, max_new_tokens=11).output_ids
+        second = run(pipe, prompt + first[:5] + _ids(4, 13), max_new_tokens=6, return_logits=True)
+        results.append((first, second.output_ids, second.aux_info["reuse_len"], second.logits))
+    assert results[0][:3] == results[1][:3] and results[1][2] > 48
+    assert torch.equal(results[0][3], results[1][3])
+
+
+def test_a_cancel_during_a_burst_drops_its_steps(make_pipeline):
+    """A cancel that lands while a burst computes is seen before its first step is emitted:
+    the stream ends there, the request's blocks come back, the other request goes on."""
+    pipe = make_pipeline(num_scheduler_steps=8, seq_size_per_block=64)
+    prompts = [_ids(30, 14), _ids(30, 15)]
+    (_, alone) = _outputs(make_pipeline, 1, prompts, max_new_tokens=40)
+    burst = pipe.engine.runner.run_burst
+    calls = []
+
+    def cancelling(chunks, steps, stops):
+        calls.append(steps)
+        if len(calls) == 2:
+            chunks[0].request.cancelled = True   # as Engine.abort marks it, from another thread
+        return burst(chunks, steps, stops)
+
+    pipe.engine.runner.run_burst = cancelling
     streams = [pipe(p, generate_config={"top_k": 1, "ignore_eos": True, "max_new_tokens": 40})
                for p in prompts]
-    assert [list(s)[-1].output_ids for s in streams] == alone
-    assert any(refused)
+    outs = [[r.output_ids for r in s] for s in streams]
+    assert calls[:2] == [8, 8]
+    cancelled = outs[0][-1]
+    assert len(cancelled) < 40 and cancelled == alone[0][:len(cancelled)]
+    assert outs[1][-1] == alone[1]
+    assert idle_in_use(pipe) == 0
+
+
+def test_requests_with_a_deadline_run_one_step_a_call(make_pipeline):
+    pipe = make_pipeline(num_scheduler_steps=8)
+    ref = run(make_pipeline(), _ids(20, 16), max_new_tokens=20).output_ids
+    assert run(pipe, _ids(20, 16), max_new_tokens=20, timeout_ms=60_000).output_ids == ref
+    assert _bursts(pipe) == 0
+
+
+def test_generate_refuses_steps_past_a_block_table(make_pipeline):
+    """The C loop writes each step's K/V through the block table: a burst reaching past a
+    row's table would write into another sequence's block, so it is refused first."""
+    from rtpkv.kernels import AttentionBatch
+
+    pipe = make_pipeline(seq_size_per_block=8)
+    module, runner = pipe.model.module, pipe.engine.runner
+    batch = AttentionBatch(positions=[6, 3], row_seq=[0, 1], block_tables=[[5], [7]],
+                           query_start=[0, 1], query_len=[1, 1], context_len=[7, 4],
+                           block_size=8, num_blocks=runner.memory.num_blocks,
+                           kv_heads=runner.kv_heads)
+    meta = module.attention.build(batch)
+    with pytest.raises(IndexError, match="row 0: 4 steps from position 6 pass the end"):
+        module.generate([1, 2], [6, 3], runner.kv_caches, meta, 4, [[], []])
+    assert len(module.generate([1, 2], [6, 3], runner.kv_caches, meta, 2, [[], []])) == 2
 
 
 def test_num_scheduler_steps_is_validated(monkeypatch):
