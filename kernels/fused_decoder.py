@@ -11,7 +11,8 @@ in that one call, on Python ints and a per-thread scratch buffer, so a decode st
 torch op (the logits' tensor) where it made a dozen. A torch op there costs several times what
 it costs in a loop, 15-50 us: the weights streamed through the caches every step have evicted
 the code and data of torch's dispatcher (docs/BENCHMARKS.md, "A decode step without torch
-ops")."""
+ops"). `generate` is the engine's call for a burst (NUM_SCHEDULER_STEPS): several greedy decode
+steps of that same forward in one C call, each step's arg-max tokens fed to the next."""
 
 from __future__ import annotations
 
