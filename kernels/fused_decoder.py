@@ -210,12 +210,13 @@ class FusedDecoder:
         self.lib.rtpkv_decoder_forward(ctypes.byref(self.model), ctypes.byref(step))
         return out
 
-    def logits(self, ids: Sequence[int], positions: Sequence[int],
-               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: CpuMetadata,
-               rows: Sequence[int]) -> torch.Tensor:
-        """The LM head's float32 logits (len(rows), vocab) of `rows` of this forward over token
-        `ids` at `positions`. Unchecked here (CausalLM.forward_logits checks): ids below the
-        vocabulary's size, one position per id, at most len(ids) rows, each below it."""
+    def _from_ids(self, ids: Sequence[int], positions: Sequence[int],
+                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: CpuMetadata,
+                  rows: Sequence[int], logits: torch.Tensor
+                  ) -> tuple[_Step, array, torch.Tensor]:
+        """The arguments of a forward from token `ids` at `positions` to the LM head's logits
+        of `rows`, on this thread's scratch; with the int64 array of ids, positions and rows
+        and the scratch, which must outlive the call."""
         T, E = len(ids), self.hidden
         buffer = self._buffer(T, T * (self.scratch_width + 2 * E))
         base = buffer.data_ptr()
@@ -223,10 +224,19 @@ class FusedDecoder:
         ints.extend(positions)
         ints.extend(rows)
         address, size = ints.buffer_info()[0], ints.itemsize
-        logits = torch.empty(len(rows), self.vocab, dtype=torch.float32)
         step = self._step(T, address + size * T, kv_caches, meta, base, base + 4 * T * E,
                           base + 8 * T * E, ids=address, logit_rows=address + size * 2 * T,
                           num_logits=len(rows), logits=logits.data_ptr())
+        return step, ints, buffer
+
+    def logits(self, ids: Sequence[int], positions: Sequence[int],
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: CpuMetadata,
+               rows: Sequence[int]) -> torch.Tensor:
+        """The LM head's float32 logits (len(rows), vocab) of `rows` of this forward over token
+        `ids` at `positions`. Unchecked here (CausalLM.forward_logits checks): ids below the
+        vocabulary's size, one position per id, at most len(ids) rows, each below it."""
+        logits = torch.empty(len(rows), self.vocab, dtype=torch.float32)
+        step, _ints, _buffer = self._from_ids(ids, positions, kv_caches, meta, rows, logits)
         self.lib.rtpkv_decoder_forward(ctypes.byref(self.model), ctypes.byref(step))
         return logits
 
@@ -236,29 +246,20 @@ class FusedDecoder:
         """Up to `steps` greedy decode steps of len(ids) sequences, one row each (`meta` built
         for the first step, its block tables covering every position the steps reach; its
         positions and write rows are advanced in place): each step's arg-max tokens, a list per
-        step, in row order. The logits of each step are overwritten by the next. Stops early once every row has produced one of its `stops`.
-        Unchecked here (CausalLM.generate checks)."""
-        T, E = len(ids), self.hidden
-        buffer = self._buffer(T, T * (self.scratch_width + 2 * E))
-        base = buffer.data_ptr()
+        step, in row order; each step's logits overwrite the last's. Stops early once every row
+        has produced one of its `stops`. Unchecked here (CausalLM.generate checks)."""
+        T = len(ids)
         logits = torch.empty(T, self.vocab, dtype=torch.float32)   # not kept: vocab-sized
-        ints = array("q", ids)
-        ints.extend(positions)
-        ints.extend(range(T))
-        address, size = ints.buffer_info()[0], ints.itemsize
+        step, ints, _buffer = self._from_ids(ids, positions, kv_caches, meta, range(T), logits)
         stop = array("q", [0])
         for row in stops:
             stop.append(stop[-1] + len(row))
         for row in stops:
             stop.extend(row)
         tokens = array("q", bytes(8 * steps * T))
-        step = self._step(T, address + size * T, kv_caches, meta, base, base + 4 * T * E,
-                          base + 8 * T * E, ids=address, logit_rows=address + size * 2 * T,
-                          num_logits=T, logits=logits.data_ptr())
-        stop_at = stop.buffer_info()[0]
-        burst = _Burst(steps, tokens.buffer_info()[0], address, address + size * T,
-                       meta.positions_at, meta.write_rows_at, stop_at,
-                       stop_at + size * (T + 1))
+        address, stop_at = ints.buffer_info()[0], stop.buffer_info()[0]
+        burst = _Burst(steps, tokens.buffer_info()[0], address, address + 8 * T,
+                       meta.positions_at, meta.write_rows_at, stop_at, stop_at + 8 * (T + 1))
         done = self.lib.rtpkv_decoder_generate(ctypes.byref(self.model), ctypes.byref(step),
                                                ctypes.byref(burst))
         return [tokens[i * T:(i + 1) * T].tolist() for i in range(done)]

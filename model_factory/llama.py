@@ -216,13 +216,7 @@ class CausalLM(nn.Module):
         the engine samples from. Where the fused decoder runs, one C call from the ids to the
         logits, with no torch op between (kernels/fused_decoder.py)."""
         if self.fused is not None:   # it reads ids, positions and rows unchecked
-            if positions:   # the per-layer path's forward checks its own
-                self._check_position(max(positions))
-            if len(positions) != len(ids):
-                raise ValueError(f"{len(ids)} token ids but {len(positions)} positions")
-            if ids and not 0 <= min(ids) <= max(ids) < self.spec.vocab_size:
-                raise IndexError(f"token ids {min(ids)}..{max(ids)} are outside the "
-                                 f"vocabulary [0, {self.spec.vocab_size})")
+            self._check_ids(ids, positions)
             if rows and not (len(rows) <= len(ids) and 0 <= min(rows) <= max(rows) < len(ids)):
                 raise IndexError(f"logit rows {min(rows)}..{max(rows)} ({len(rows)} of them) "
                                  f"are not rows of a forward of {len(ids)} tokens")
@@ -242,20 +236,27 @@ class CausalLM(nn.Module):
         if self.fused is None:
             raise RuntimeError("decode steps in one call need the fused CPU decoder")
         lengths = meta.table_lengths
-        if not (len(positions) == len(ids) == len(stops) == len(lengths) == meta.T and steps >= 1):
-            raise ValueError(f"{len(ids)} ids, {len(positions)} positions, {len(stops)} stop "
-                             f"lists, {len(lengths)} block tables, {meta.T} rows and {steps} steps")
+        if not (len(ids) == len(stops) == len(lengths) == meta.T and steps >= 1):
+            raise ValueError(f"{len(ids)} ids, {len(stops)} stop lists, {len(lengths)} block "
+                             f"tables, {meta.T} rows and {steps} steps")
+        self._check_ids(ids, [p + steps - 1 for p in positions])   # the last step's positions
         B = meta.block_size
         for row, (position, length) in enumerate(zip(positions, lengths)):
             if (position + steps - 1) // B >= length:   # the C loop writes K/V at each position
                 raise IndexError(f"row {row}: {steps} steps from position {position} pass the "
                                  f"end of its block table ({length} blocks of {B})")
+        return self.fused.generate(ids, positions, kv_caches, meta, steps, stops)
+
+    def _check_ids(self, ids: list[int], positions: list[int]) -> None:
+        """What the fused decoder reads unchecked: one position per id, each inside the RoPE
+        table, each id inside the vocabulary."""
+        if len(positions) != len(ids):
+            raise ValueError(f"{len(ids)} token ids but {len(positions)} positions")
         if ids:
-            self._check_position(max(positions) + steps - 1)
+            self._check_position(max(positions))
             if not 0 <= min(ids) <= max(ids) < self.spec.vocab_size:
                 raise IndexError(f"token ids {min(ids)}..{max(ids)} are outside the "
                                  f"vocabulary [0, {self.spec.vocab_size})")
-        return self.fused.generate(ids, positions, kv_caches, meta, steps, stops)
 
     def _check_position(self, position: int) -> None:
         if position >= self.cos.shape[0]:

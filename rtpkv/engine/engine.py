@@ -242,12 +242,11 @@ class Engine:
             for c in batch:
                 self._finish(c.request, FinishReason.ERROR, exc)
             return
-        rows = list(range(len(batch)))
         for step in tokens:
-            for r in rows:   # what a single step's _reap would have seen before this step
-                if batch[r].request.cancelled:
-                    self._finish(batch[r].request, FinishReason.CANCELLED)
-            rows = [r for r in rows if batch[r].request.finish_reason is None]
+            for c in batch:   # what a single step's _reap would have seen before this step
+                if c.request.cancelled:
+                    self._finish(c.request, FinishReason.CANCELLED)
+            rows = [r for r, c in enumerate(batch) if c.request.finish_reason is None]
             if not rows:
                 return
             running = [batch[r] for r in rows]
@@ -256,7 +255,6 @@ class Engine:
             picked = [step[r] for r in rows]
             finished = self.scheduler.postprocess(running, running, picked)
             self._emit(running, picked, None, finished)
-            rows = [r for r in rows if batch[r].request.finish_reason is None]
 
     def _emit(self, sampled: list[ScheduledChunk], tokens: list[int],
               logits: Optional[torch.Tensor], finished: list[Request]) -> None:

@@ -34,10 +34,8 @@ class ModelRunner:
         released blocks a burst's later steps would need tables without)."""
         return self.module.fused is not None and self.window is None
 
-    def batch(self, chunks: list[ScheduledChunk], ahead: int = 0
-              ) -> tuple[list[int], AttentionBatch]:
-        """Token ids and the attention backend's view of `chunks`, in this order; block tables
-        cover `ahead` positions past the chunks (the later steps of a burst)."""
+    def batch(self, chunks: list[ScheduledChunk]) -> tuple[list[int], AttentionBatch]:
+        """Token ids and the attention backend's view of `chunks`, in this order."""
         B = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -48,7 +46,7 @@ class ModelRunner:
             starts.append(len(ids))
             lengths.append(n)
             contexts.append(start + n)
-            tables.append(c.request.block_table[: -(-(start + n + ahead) // B)])
+            tables.append(c.request.block_table[: -(-(start + n) // B)])
             if n == 1:
                 ids.append(c.request.token_ids[start])
                 positions.append(start)
@@ -83,8 +81,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run_burst(self, chunks: list[ScheduledChunk], steps: int,
                   stops: list[list[int]]) -> list[list[int]]:
-        """Up to `steps` greedy decode steps of `chunks` (one token each; tables grown to cover
-        the last step) in one call: each step's tokens, in chunk order (CausalLM.generate)."""
-        ids, batch = self.batch(chunks, ahead=steps - 1)
+        """Up to `steps` greedy decode steps of `chunks` (one token each, none leaving the block
+        its first step writes, so the first step's tables serve them all) in one call: each
+        step's tokens, in chunk order (CausalLM.generate)."""
+        ids, batch = self.batch(chunks)
         meta = self.module.attention.build(batch)
         return self.module.generate(ids, batch.positions, self.kv_caches, meta, steps, stops)

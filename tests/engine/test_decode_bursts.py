@@ -74,17 +74,27 @@ def test_eos_inside_a_burst_ends_the_request_there(make_pipeline, mode):
 
 @pytest.mark.parametrize("length", [1, 2])
 def test_stop_words_inside_a_burst(make_pipeline, length):
-    """A one-token stop word also ends the C loop early; a longer one is found afterwards."""
+    """A one-token stop word also ends the C loop early (its burst runs fewer steps than it
+    was given); a longer one is found afterwards, in the steps the burst ran in full."""
     prompt = _ids(33, 5)
     _, (free_run,) = _outputs(make_pipeline, 1, [prompt], max_new_tokens=30)
     stop = free_run[9:9 + length]
-    outs = []
+    outs, bursts = [], []
     for steps in (1, 8):
         pipe = make_pipeline(num_scheduler_steps=steps)
+        burst = pipe.engine.runner.run_burst
+
+        def recording(chunks, n, stops, burst=burst):
+            tokens = burst(chunks, n, stops)
+            bursts.append((n, len(tokens)))
+            return tokens
+
+        pipe.engine.runner.run_burst = recording
         outs.append(run(pipe, prompt, max_new_tokens=30, stop_words_list=[stop]).output_ids)
         assert (_bursts(pipe) > 0) == (steps > 1)
     assert outs[0] == outs[1]
     assert outs[0][-length:] == stop and len(outs[0]) < 30
+    assert any(ran < asked for asked, ran in bursts) == (length == 1)
 
 
 def test_a_burst_stops_at_the_end_of_the_block_it_writes(make_pipeline):
