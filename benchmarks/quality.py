@@ -107,7 +107,7 @@ def token_nll(model, ids: list[int], window: int) -> torch.Tensor:
                                query_start=[0], query_len=[n], context_len=[n], block_size=n,
                                num_blocks=1, kv_heads=spec.num_kv_heads)
         with torch.inference_mode():
-            hidden = module(chunk, torch.arange(n), caches, module.attention.build(batch))
+            hidden = module(chunk, torch.arange(n), caches, module.attention_metadata(batch))
             logp = torch.log_softmax(module.logits(hidden[:-1]).double(), dim=-1)
         nll.append(-logp.gather(1, chunk[1:, None])[:, 0])
     return torch.cat(nll)

@@ -19,12 +19,16 @@ from rtpkv.kernels.rope import apply_rope_, rope_table
 log = logging.getLogger("rtpkv")
 
 
-def auto_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
+def auto_attention(device: torch.device, dtype: torch.dtype, head_dim: int,
+                   softcap: bool = False) -> tuple[str, str]:
     """What RTPKV_ATTENTION=auto picks for `device` and `dtype`, and why (the start-up log):
     flash-attn on CUDA for float16/bfloat16 when the package imports, the CPU paged kernel on a
-    CPU when it builds and supports the dtype and head size, else the torch reference."""
+    CPU when it builds and supports the dtype and head size, else the torch reference (the
+    only backend that soft-caps attention logits, `softcap`: Gemma 2)."""
     from rtpkv.kernels import cpu_attention, flash_attention
 
+    if softcap:
+        return "torch", "the model soft-caps attention logits, which only the torch backend does"
     dtype_name = str(dtype).removeprefix("torch.")
     if device.type == "cuda":
         if dtype not in flash_attention.CUDA_DTYPES:
@@ -42,21 +46,25 @@ def auto_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> t
 
 def attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
                       name: str = "auto",
-                      kv_dtype: Optional[torch.dtype] = None) -> AttentionBackend:
+                      kv_dtype: Optional[torch.dtype] = None,
+                      softcap: bool = False) -> AttentionBackend:
     """The attention implementation for `device` and `dtype`. `name` (RTPKV_ATTENTION in the
     configuration) picks one; "auto" is `auto_attention`'s choice, logged with its reason, and
     falls back to the torch reference where flash-attn imports but cannot run. `kv_dtype` is the
     pool's (torch.int8 for the int8 cache, which flash-attn does not read); the model's by
-    default."""
+    default. `softcap`: the model soft-caps attention logits (only the torch backend does)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"RTPKV_ATTENTION={name!r} is invalid: accepted values are "
                          f"{', '.join(ATTENTION_BACKENDS)}")
+    if softcap and name not in ("auto", "torch"):
+        raise ValueError(f"RTPKV_ATTENTION={name} does not soft-cap attention logits "
+                         "(attn_logit_softcapping, Gemma 2): use torch or auto")
     if kv_dtype == torch.int8 and name == "flash-attn":
         raise ValueError("RTPKV_ATTENTION=flash-attn does not read an int8 KV cache "
                          "(KV_CACHE_DTYPE=int8 / INT8_KV_CACHE=1): use cpu-paged or torch")
     asked = name
     if name == "auto":
-        name, why = auto_attention(device, dtype, head_dim)
+        name, why = auto_attention(device, dtype, head_dim, softcap)
         (log.warning if name == "torch" else log.info)("RTPKV_ATTENTION=auto: %s (%s)", name, why)
     if name == "flash-attn":
         from rtpkv.kernels.flash_attention import FlashAttention

@@ -1,4 +1,5 @@
-"""The gated MLP activation: SiLU(gate) * up over the fused gate_up projection."""
+"""The gated MLP activations over the fused gate_up projection: SiLU(gate) * up (SwiGLU) and
+GELU(gate) * up (GeGLU)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
                                            gate_up.numel() // (2 * inter), inter,
                                            int(gate_up.dtype == torch.bfloat16))
     return out
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(..., 2 * inter) -> (..., inter): GELU(gate, tanh approximation) * up, Gemma's GeGLU
+    (transformers' gelu_pytorch_tanh), in torch."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

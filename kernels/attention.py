@@ -233,16 +233,18 @@ class TorchAttention:
         meta.decode_mask = ((k_pos <= q_pos) & (k_pos > q_pos - window))[:, None, None, :]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: TorchMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: TorchMetadata, scale: float,
+                softcap: Optional[float] = None) -> torch.Tensor:
+        """`softcap`: scores become softcap * tanh(score / softcap) before the mask (Gemma 2)."""
         write_kv(k_cache, v_cache, k, v, meta.write_rows)
         out = torch.empty_like(q)
         n, B = meta.num_decodes, meta.block_size
         if n:
-            od = F.scaled_dot_product_attention(
+            od = _attend(
                 q[:n].unsqueeze(2),
                 _context(k_cache, meta.decode_blocks, B, meta.k_buffer, meta.decode_len, q.dtype),
                 _context(v_cache, meta.decode_blocks, B, meta.v_buffer, meta.decode_len, q.dtype),
-                attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)   # (n, H, 1, d)
+                meta.decode_mask, scale, softcap, causal=False)   # (n, H, 1, d)
             out[:n] = od.squeeze(2)
         for chunk in meta.prefills:
             qs = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)   # (1, H, c, d)
@@ -254,8 +256,26 @@ class TorchAttention:
                 ks = _context(k_cache, chunk.ctx_blocks, B, meta.k_buffer, ctx, q.dtype)
                 vs = _context(v_cache, chunk.ctx_blocks, B, meta.v_buffer, ctx, q.dtype)
                 ks, vs = ks.unsqueeze(0), vs.unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.mask,
-                                               is_causal=chunk.mask is None, scale=scale,
-                                               enable_gqa=True)
+            o = _attend(qs, ks, vs, chunk.mask, scale, softcap, causal=chunk.mask is None)
             out[chunk.start:chunk.end] = o[0].transpose(0, 1)
         return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+            scale: float, softcap: Optional[float], causal: bool) -> torch.Tensor:
+    """Attention of q (..., H, c, d) over k, v (..., KVH, n, d) under a boolean `mask`, or
+    causal (`causal`, no mask, c == n), or over every key. Without `softcap`, torch's SDPA; with it,
+    transformers' eager arithmetic: scores, the cap, the mask, a float32 softmax."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              scale=scale, enable_gqa=True)
+    groups = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)

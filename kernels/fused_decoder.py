@@ -1,9 +1,10 @@
 """A forward's decoder layers in one C call (csrc/decoder.c) where the model runs on the C
 kernels end to end: float32 on the CPU, linear layers all on the avx2, the int8 or the w8a8
-kernel, the CPU paged-attention backend (over a float32 or an int8 KV cache), the fused ops, no
-q/k norm. It calls the same kernels the per-layer Python path calls, in the same order, so the
-two give the same bits (tests/kernels/test_fused_decoder.py); it only removes the Python between
-them, which dominates the small kernels of a one-token decode step. `FusedDecoder.build`
+kernel, the CPU paged-attention backend (over a float32 or an int8 KV cache), the fused ops, and
+a layer plan (model_factory/plan.py) of Llama's layers only (`runs_plan`). It calls the same
+kernels the per-layer Python path calls, in the same order, so the two give the same bits
+(tests/kernels/test_fused_decoder.py); it only removes the Python between them, which dominates
+the small kernels of a one-token decode step. `FusedDecoder.build`
 returns None for any other model, and CausalLM then runs its layers one by one.
 
 `logits` is the engine's call: from token ids to the LM head's logits of the rows that sample
@@ -32,6 +33,7 @@ from rtpkv.kernels.w8a8_linear import W8A8Linear
 
 if TYPE_CHECKING:
     from rtpkv.model_factory.llama import CausalLM
+    from rtpkv.model_factory.plan import ModelPlan
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -84,6 +86,21 @@ _SIGNATURES: Signatures = {
 def _library() -> Optional[ctypes.CDLL]:
     return bound_library("decoder", _SIGNATURES, "fused_ops", "fp32_linear", "int8_linear",
                          "w8a8_linear", "paged_attention")
+
+
+def runs_plan(plan: "ModelPlan", head_dim: int) -> bool:
+    """Whether decoder.c computes `plan`: every layer the same Llama layer (two plain RMSNorms
+    of one epsilon, SwiGLU, the 1/sqrt(head_dim) scale, no soft-cap, no q/k norm, one RoPE table
+    and one window), no embedding scale, no final soft-cap. Any other plan is refused whole:
+    the C code has no op for the rest (Gemma's offset and sandwich norms, GeGLU, soft-caps,
+    per-layer windows and RoPE tables)."""
+    first = plan.layers[0]
+    attention = first.attention
+    return (all(layer == first for layer in plan.layers) and len(plan.ropes) == 1
+            and not first.sandwich and first.mlp == "silu" and not first.norm.offset
+            and plan.final_norm == first.norm and attention.softcap is None
+            and not attention.qk_norm and attention.scale == head_dim ** -0.5
+            and plan.embedding_scale is None and plan.final_softcap is None)
 
 
 def _linear(layer: torch.nn.Module) -> _Linear:
@@ -142,7 +159,8 @@ class FusedDecoder:
         eligible = (
             weight.device.type == "cpu" and weight.dtype == torch.float32
             and weight.is_contiguous()
-            and isinstance(module.attention, CpuPagedAttention) and not spec.qk_norm
+            and isinstance(module.attention, CpuPagedAttention)
+            and runs_plan(module.plan, spec.head_dim)
             and len({m.path for m in linears}) == 1 and linears[0].path in _LINEAR_KINDS
             and spec.head_dim % fused_ops.ROPE_MULTIPLE == 0
             and spec.hidden_size % fused_ops.ROW_MULTIPLE == 0

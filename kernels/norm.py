@@ -38,3 +38,15 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)
+
+
+def rms_norm_float_weight(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                          residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Gemma's order: the normalized input times a float32 `weight` in float32, then one
+    rounding to x's dtype; transformers' torch ops, so its bits (the C kernel's sum of squares
+    differs in the last bit, which is enough to move a W8A8 activation by a quantization step)."""
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)

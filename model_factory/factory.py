@@ -119,12 +119,6 @@ def _pick_kv_dtype(config: RuntimeConfig, device: torch.device, dtype: torch.dty
 
 def _max_seq_len(config: RuntimeConfig, spec: ModelSpec) -> int:
     limit = spec.max_position_embeddings
-    if spec.mixed_sliding_layers and spec.sliding_window and spec.sliding_window < limit:
-        # one window for every layer is implemented: mixed full/sliding layers stay exact by
-        # never needing the window
-        log.info("max_seq_len capped at the sliding window (%d tokens): this checkpoint mixes "
-                 "full and sliding-window layers", spec.sliding_window)
-        limit = spec.sliding_window
     if config.max_seq_len and config.max_seq_len > limit:
         raise ConfigError(f"max_seq_len={config.max_seq_len} is invalid: this checkpoint "
                           f"accepts at most {limit} tokens")
@@ -158,7 +152,7 @@ class ModelFactory:
                          revision: Union[str, ModelConfig, None] = None,
                          model_config: Optional[ModelConfig] = None,
                          show_progress: bool = True) -> Model:
-        """Load a Llama-family checkpoint. rtp-llm's tutorials pass the ModelConfig second:
+        """Load a checkpoint of a supported architecture (model_factory/spec.py). rtp-llm's tutorials pass the ModelConfig second:
         a ModelConfig given as `revision` is taken as `model_config`."""
         if isinstance(revision, ModelConfig):
             revision, model_config = None, revision

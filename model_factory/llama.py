@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The decoder-only models (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3) over a paged KV
+cache, built from and running their layer plan (model_factory/plan.py).
 
 Parameter names follow the Hugging Face checkpoints so a state dict loads as is; `fuse()` then
 concatenates q/k/v and gate/up projections so each layer runs two fewer matmuls.
@@ -7,36 +8,54 @@ concatenates q/k/v and gate/up projections so each layer runs two fewer matmuls.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rtpkv.kernels import (AttentionBackend, apply_rope_, attention_backend, rms_norm, rope_table,
-                           silu_and_mul)
+from rtpkv.kernels import (AttentionBackend, AttentionBatch, apply_rope_, attention_backend,
+                           rms_norm, rope_table, silu_and_mul)
+from rtpkv.kernels.activation import gelu_tanh_and_mul
+from rtpkv.kernels.norm import rms_norm_float_weight
 from rtpkv.kernels.fused_decoder import FusedDecoder
 from rtpkv.kernels.int8_linear import Int8Linear
 from rtpkv.kernels.w8a8_linear import W8A8Linear
 from rtpkv.kernels.linear import InferenceLinear, linear_path
+from rtpkv.model_factory.plan import (GLOBAL_ROPE, LayerPlan, ModelPlan, NormPlan, capped_window,
+                                      model_plan)
 from rtpkv.model_factory.spec import ModelSpec
 
 log = logging.getLogger("rtpkv")
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, plan: NormPlan):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps = plan.eps
+        self.offset = plan.offset
+        self.scale: Optional[torch.Tensor] = None   # an offset norm's (1 + w) in float32
+
+    def prepare(self) -> None:
+        """After loading: an offset norm's float32 (1 + w), computed as transformers does."""
+        if self.offset:
+            self.scale = 1.0 + self.weight.detach().float()
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """With `residual`: normalizes residual + x, stored into `residual`."""
+        if self.offset:
+            return rms_norm_float_weight(x, self.scale, self.eps, residual)
         return rms_norm(x, self.weight, self.eps, residual)
 
 
+_ACTIVATIONS = {"silu": (silu_and_mul, F.silu),
+                "gelu_tanh": (gelu_tanh_and_mul, lambda x: F.gelu(x, approximate="tanh"))}
+
+
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, plan: LayerPlan):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
@@ -44,12 +63,17 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(spec.hidden_size, self.q_size, bias=spec.qkv_bias)
         self.k_proj = nn.Linear(spec.hidden_size, self.kv_size, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(spec.hidden_size, self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
-        if spec.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-        self.qk_norm = spec.qk_norm
-        self.scale = spec.head_dim ** -0.5
+        # Gemma's attention_bias covers o_proj too; Qwen2's q/k/v bias does not
+        o_bias = spec.qkv_bias and spec.architecture != "Qwen2ForCausalLM"
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=o_bias)
+        attention = plan.attention
+        if attention.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, plan.norm)
+            self.k_norm = RMSNorm(spec.head_dim, plan.norm)
+        self.qk_norm = attention.qk_norm
+        self.scale = attention.scale
+        self.softcap = attention.softcap
+        self.rope = attention.rope
         self.qkv: Optional[nn.Linear] = None
 
     def fuse(self) -> None:
@@ -76,16 +100,20 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         apply_rope_(q, k, rope[0], rope[1], positions)
-        out = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale)
+        if self.softcap is None:
+            out = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale)
+        else:   # only the torch backend soft-caps (attention_backend picks it)
+            out = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale, softcap=self.softcap)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, plan: LayerPlan):
         super().__init__()
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.kind = plan.mlp
         self.gate_up: Optional[nn.Linear] = None
 
     def fuse(self) -> None:
@@ -97,26 +125,47 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused, act = _ACTIVATIONS[self.kind]
         if self.gate_up is not None:
-            return self.down_proj(silu_and_mul(self.gate_up(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(fused(self.gate_up(x)))
+        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    """Llama's two norms (`post_attention_layernorm` is its MLP's input norm), or with
+    `plan.sandwich` Gemma's four (`post_attention_layernorm` on the attention output,
+    `pre_feedforward_layernorm` on the MLP input, `post_feedforward_layernorm` on its output)."""
+
+    def __init__(self, spec: ModelSpec, plan: LayerPlan):
         super().__init__()
-        self.self_attn = Attention(spec)
-        self.mlp = MLP(spec)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, plan)
+        self.mlp = MLP(spec, plan)
+        self.sandwich = plan.sandwich
+        self.input_layernorm = RMSNorm(spec.hidden_size, plan.norm)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, plan.norm)
+        if plan.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, plan.norm)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, plan.norm)
+
+    def forward(self, residual: torch.Tensor, h: Optional[torch.Tensor], positions: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor],
+                meta: Any, attention: AttentionBackend) -> torch.Tensor:
+        """The layer's output, still to be added to `residual` (the stream, to which the last
+        layer's output `h` is added first, in place)."""
+        x = self.input_layernorm(residual) if h is None else self.input_layernorm(h, residual)
+        h = self.self_attn(x, positions, rope, kv, meta, attention)
+        if not self.sandwich:
+            return self.mlp(self.post_attention_layernorm(h, residual))
+        x = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+        return self.post_feedforward_layernorm(self.mlp(x))
 
 
 class Backbone(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, plan: ModelPlan):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(spec, layer) for layer in plan.layers)
+        self.norm = RMSNorm(spec.hidden_size, plan.final_norm)
 
 
 class CausalLM(nn.Module):
@@ -126,10 +175,13 @@ class CausalLM(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.spec = spec
-        self.model = Backbone(spec)
+        self.plan = model_plan(spec)
+        self.model = Backbone(spec, self.plan)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.cos: Optional[torch.Tensor] = None
+        self.cos: Optional[torch.Tensor] = None    # the global RoPE table (ropes[GLOBAL_ROPE])
         self.sin: Optional[torch.Tensor] = None
+        self.ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # the plan's tables
+        self.embedding_scale: Optional[torch.Tensor] = None   # in the model's dtype
         self.fused: Optional[FusedDecoder] = None   # the layers as one C call, where they can be
 
     def prepare(self, max_positions: int, attention: str = "auto", linear: str = "auto",
@@ -144,6 +196,11 @@ class CausalLM(nn.Module):
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         weight = self.model.embed_tokens.weight
+        for norm in self.modules():
+            if isinstance(norm, RMSNorm):
+                norm.prepare()
+        if self.plan.embedding_scale is not None:   # as transformers: a float32 scalar, cast
+            self.embedding_scale = torch.tensor(self.plan.embedding_scale).to(weight)
         quantized = ({"int8": Int8Linear, "w8a8_int8": W8A8Linear}[weight_quantization]
                      if weight_quantization else None)
         self.linear_path = (quantized.path if quantized
@@ -179,38 +236,58 @@ class CausalLM(nn.Module):
                      if quantized is W8A8Linear else "",
                      freed / 2**20, held / 2**20, (freed - held) / 2**20,
                      "; the tied LM head is an int8 copy of the float32 embedding" if tied else "")
-        self.cos, self.sin = rope_table(self.spec.inv_freq(), max_positions, weight.dtype, weight.device)
+        self.ropes = {name: rope_table(self.spec.inv_freq(rope), max_positions, weight.dtype,
+                                       weight.device)
+                      for name, rope in self.plan.ropes.items()}
+        self.cos, self.sin = self.ropes[GLOBAL_ROPE]
         self.attention = attention_backend(weight.device, weight.dtype, self.spec.head_dim,
-                                           attention, kv_dtype)
+                                           attention, kv_dtype,
+                                           softcap=self.plan.softcapped_attention)
         self.fused = FusedDecoder.build(self)
 
     @property
     def attention_name(self) -> str:
         return self.attention.name
 
+    def attention_metadata(self, batch: AttentionBatch) -> list[Any]:
+        """Each layer's attention metadata for `batch` (whose `window` is the engine's: it caps
+        every layer's own): the backend builds once per distinct window, shared by its layers."""
+        built: dict[Optional[int], Any] = {}
+        metas = []
+        for layer in self.plan.layers:
+            window = capped_window(layer.attention.window, batch.window)
+            if window not in built:
+                built[window] = self.attention.build(
+                    batch if window == batch.window else replace(batch, window=window))
+            metas.append(built[window])
+        return metas
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: Any) -> torch.Tensor:
-        """`meta` comes from `self.attention.build` for this batch."""
+                meta: list[Any]) -> torch.Tensor:
+        """`meta` comes from `self.attention_metadata` for this batch."""
         if positions.numel():
             self._check_position(int(positions.max()))
         residual = self.model.embed_tokens(input_ids)   # the residual stream, added to in place
-        if self.fused is not None:
-            return self.fused.forward(residual, positions, kv_caches, meta)
-        rope = (self.cos, self.sin)
+        if self.embedding_scale is not None:
+            residual = residual * self.embedding_scale
+        if self.fused is not None:   # it runs one window only: every layer's meta is the same
+            return self.fused.forward(residual, positions, kv_caches, meta[0])
         h = None
-        for layer, kv in zip(self.model.layers, kv_caches):
-            x = (layer.input_layernorm(residual) if h is None
-                 else layer.input_layernorm(h, residual))
-            h = layer.self_attn(x, positions, rope, kv, meta, self.attention)
-            h = layer.mlp(layer.post_attention_layernorm(h, residual))
+        for layer, kv, layer_meta in zip(self.model.layers, kv_caches, meta):
+            h = layer(residual, h, positions, self.ropes[layer.self_attn.rope], kv, layer_meta,
+                      self.attention)
         return self.model.norm(h, residual)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        cap = self.plan.final_softcap
+        if cap is not None:   # in the model's dtype, as transformers
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def forward_logits(self, ids: list[int], positions: list[int],
-                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: list[Any],
                        rows: list[int]) -> torch.Tensor:
         """The float32 logits of `rows` of the forward over token `ids` at `positions`: what
         the engine samples from. Where the fused decoder runs, one C call from the ids to the
@@ -220,14 +297,14 @@ class CausalLM(nn.Module):
             if rows and not (len(rows) <= len(ids) and 0 <= min(rows) <= max(rows) < len(ids)):
                 raise IndexError(f"logit rows {min(rows)}..{max(rows)} ({len(rows)} of them) "
                                  f"are not rows of a forward of {len(ids)} tokens")
-            return self.fused.logits(ids, positions, kv_caches, meta, rows)
+            return self.fused.logits(ids, positions, kv_caches, meta[0], rows)
         device = self.cos.device
         hidden = self.forward(torch.tensor(ids, device=device),
                               torch.tensor(positions, device=device), kv_caches, meta)
         return self.logits(hidden[torch.tensor(rows, dtype=torch.long, device=device)])
 
     def generate(self, ids: list[int], positions: list[int],
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any, steps: int,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: list[Any], steps: int,
                  stops: list[list[int]]) -> list[list[int]]:
         """Up to `steps` greedy decode steps of one token per sequence in one C call
         (FusedDecoder.generate, `meta` built for the first step with tables covering the last):
@@ -235,6 +312,7 @@ class CausalLM(nn.Module):
         Only where the fused decoder runs."""
         if self.fused is None:
             raise RuntimeError("decode steps in one call need the fused CPU decoder")
+        meta = meta[0]   # the fused decoder runs one window: every layer's is the same
         lengths = meta.table_lengths
         if not (len(ids) == len(stops) == len(lengths) == meta.T and steps >= 1):
             raise ValueError(f"{len(ids)} ids, {len(stops)} stop lists, {len(lengths)} block "

@@ -19,7 +19,16 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+_ROPE_TYPES = ("default", "llama3", "linear")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+# MLP activations by their transformers names -> the plan's MLP kinds (model_factory/plan.py)
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
@@ -38,8 +47,15 @@ class ModelSpec:
     qkv_bias: bool
     qk_norm: bool
     rope: dict[str, Any] = field(default_factory=dict)
+    # Gemma 3's sliding layers' own RoPE parameters (rope_local_base_freq); None: `rope`
+    local_rope: Optional[dict[str, Any]] = None
     sliding_window: Optional[int] = None
-    mixed_sliding_layers: bool = False   # some layers attend fully (Qwen2 max_window_layers)
+    # each layer's kind, as transformers names it: "full_attention" or "sliding_attention"
+    layer_types: tuple[str, ...] = ()
+    hidden_activation: str = "silu"
+    query_pre_attn_scalar: Optional[float] = None   # Gemma: softmax scale = its -1/2 power
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: Optional[int] = None
     torch_dtype: Optional[str] = None
@@ -55,59 +71,78 @@ class ModelSpec:
             )
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3", "linear"):
-            raise ConfigError(f"{source}: rope type {rope_type!r} is not supported "
-                              "(supported: default, llama3, linear)")
-        rope["rope_type"] = rope_type
+        layers = int(cfg["num_hidden_layers"])
+        rope, local_rope = _rope_parameters(cfg, arch, source)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        sliding, mixed = None, False
-        if arch == "MistralForCausalLM" or cfg.get("use_sliding_window"):
-            sliding = cfg.get("sliding_window")
-            if sliding and arch != "MistralForCausalLM":
-                layer_types = cfg.get("layer_types") or [
-                    "sliding_attention" if i >= int(cfg.get("max_window_layers", 28))
-                    else "full_attention" for i in range(int(cfg["num_hidden_layers"]))]
-                if "sliding_attention" not in layer_types:
-                    sliding = None   # transformers applies the window to no layer
-                mixed = any(t != "sliding_attention" for t in layer_types)
+        sliding = _sliding_window(cfg, arch)
+        types = tuple(_layer_types(cfg, arch, layers, sliding, source))
+        gemma = arch in GEMMA_ARCHITECTURES
+        activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if activation not in _ACTIVATIONS or (activation != "silu") != gemma:
+            accepted = "gelu_pytorch_tanh" if gemma else "silu"
+            raise ConfigError(f"{source}: hidden_activation={activation!r} is not supported for "
+                              f"{arch} (supported: {accepted})")
+        if cfg.get("use_bidirectional_attention"):
+            raise ConfigError(f"{source}: use_bidirectional_attention=true is not supported "
+                              "(a causal LM only)")
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             rope=rope,
-            sliding_window=int(sliding) if sliding else None,
-            mixed_sliding_layers=mixed,
+            local_rope=local_rope,
+            sliding_window=sliding if "sliding_attention" in types else None,
+            layer_types=types,
+            hidden_activation=_ACTIVATIONS[activation],
+            query_pre_attn_scalar=(float(cfg.get("query_pre_attn_scalar", 256)) if gemma
+                                   else None),
+            attn_logit_softcapping=(_positive(cfg, "attn_logit_softcapping", source)
+                                    if arch == "Gemma2ForCausalLM" else None),
+            final_logit_softcapping=(_positive(cfg, "final_logit_softcapping", source)
+                                     if gemma else None),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         )
 
-    def inv_freq(self) -> torch.Tensor:
-        """RoPE inverse frequencies, computed exactly as transformers does (float32)."""
+    @property
+    def layer_windows(self) -> tuple[Optional[int], ...]:
+        """Each layer's attention window in tokens (itself included); None: full attention."""
+        return tuple(self.sliding_window if kind == "sliding_attention" else None
+                     for kind in self.layer_types)
+
+    @property
+    def model_window(self) -> Optional[int]:
+        """The window every layer shares (Mistral, Qwen2 sliding in every layer), which lets
+        the cache release blocks behind it; None where some layer attends fully."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
+
+    def inv_freq(self, rope: Optional[dict[str, Any]] = None) -> torch.Tensor:
+        """RoPE inverse frequencies of `rope` (default: the model's global parameters),
+        computed exactly as transformers does (float32)."""
+        rope = self.rope if rope is None else rope
         dim = self.head_dim
-        base = float(self.rope["rope_theta"])
+        base = float(rope["rope_theta"])
         inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        kind = self.rope["rope_type"]
+        kind = rope["rope_type"]
         if kind == "linear":
-            return inv / float(self.rope["factor"])
+            return inv / float(rope["factor"])
         if kind == "llama3":
-            factor = float(self.rope["factor"])
-            low, high = float(self.rope["low_freq_factor"]), float(self.rope["high_freq_factor"])
-            old_len = float(self.rope["original_max_position_embeddings"])
+            factor = float(rope["factor"])
+            low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+            old_len = float(rope["original_max_position_embeddings"])
             low_wavelen, high_wavelen = old_len / low, old_len / high
             wavelen = 2 * math.pi / inv
             scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
@@ -116,3 +151,82 @@ class ModelSpec:
             medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
             return torch.where(medium, smoothed, scaled)
         return inv
+
+
+def _checked_rope(rope: dict[str, Any], source: str, name: str) -> dict[str, Any]:
+    rope = dict(rope)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in _ROPE_TYPES:
+        raise ConfigError(f"{source}: {name} type {rope_type!r} is not supported "
+                          f"(supported: {', '.join(_ROPE_TYPES)})")
+    rope["rope_type"] = rope_type
+    return rope
+
+
+def _rope_parameters(cfg: dict[str, Any], arch: str, source: str
+                     ) -> tuple[dict[str, Any], Optional[dict[str, Any]]]:
+    """The global RoPE parameters and, for Gemma 3, the sliding layers' own: transformers 5's
+    `rope_parameters` (per layer type for Gemma 3) or 4's `rope_theta`, `rope_scaling` and
+    `rope_local_base_freq`."""
+    params = cfg.get("rope_parameters") or {}
+    if arch == "Gemma3ForCausalLM":
+        if "full_attention" in params or "sliding_attention" in params:
+            full = dict(params.get("full_attention") or {})
+            local = dict(params.get("sliding_attention") or {})
+        else:
+            full = dict(params or cfg.get("rope_scaling") or {})
+            local = {}
+        full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+        local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+        return (_checked_rope(full, source, "rope_parameters.full_attention"),
+                _checked_rope(local, source, "rope_parameters.sliding_attention"))
+    rope = dict(params or cfg.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return _checked_rope(rope, source, "rope"), None
+
+
+def _sliding_window(cfg: dict[str, Any], arch: str) -> Optional[int]:
+    """The window of the sliding layers, where the architecture (or use_sliding_window) turns
+    sliding attention on; None otherwise."""
+    if arch in GEMMA_ARCHITECTURES:
+        sliding = cfg.get("sliding_window", 4096)
+    elif arch == "MistralForCausalLM" or cfg.get("use_sliding_window"):
+        sliding = cfg.get("sliding_window")
+    else:
+        sliding = None
+    return int(sliding) if sliding else None
+
+
+def _layer_types(cfg: dict[str, Any], arch: str, layers: int, sliding: Optional[int],
+                 source: str) -> list[str]:
+    """Each layer's attention kind as transformers decides it: `layer_types` when the config
+    has it, else the architecture's pattern."""
+    if sliding is None and arch not in GEMMA_ARCHITECTURES:
+        return ["full_attention"] * layers
+    if arch == "MistralForCausalLM":
+        return ["sliding_attention"] * layers
+    types = cfg.get("layer_types")
+    if not types:
+        if arch == "Gemma2ForCausalLM":
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                     for i in range(layers)]
+        elif arch == "Gemma3ForCausalLM":
+            pattern = int(cfg.get("sliding_window_pattern", 6))
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                     for i in range(layers)]
+        else:   # Qwen2/3: the first max_window_layers attend fully
+            types = ["sliding_attention" if i >= int(cfg.get("max_window_layers", 28))
+                     else "full_attention" for i in range(layers)]
+    if len(types) != layers or any(t not in _LAYER_TYPES for t in types):
+        raise ConfigError(f"{source}: layer_types={types!r} is not supported: one entry per "
+                          f"layer ({layers}), each one of {', '.join(_LAYER_TYPES)}")
+    return list(types)
+
+
+def _positive(cfg: dict[str, Any], name: str, source: str) -> Optional[float]:
+    value = cfg.get(name)
+    if value is None:
+        return None
+    if not float(value) > 0:
+        raise ConfigError(f"{source}: {name}={value!r} is invalid: a positive number or null")
+    return float(value)

@@ -33,7 +33,13 @@ ARCHITECTURE_CONFIGS = {
     "MistralForCausalLM": "MistralConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
+    "Gemma2ForCausalLM": "Gemma2Config",
+    "Gemma3ForCausalLM": "Gemma3TextConfig",
 }
+
+# architectures whose RMSNorm weights are offsets from 1 (zero at init): the tiny checkpoints
+# draw them at random so that a norm computed as Llama's would differ
+OFFSET_NORM_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 BYTE_LEVEL_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -92,10 +98,13 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
                           tie_word_embeddings: bool = False,
                           rope_scaling: Optional[dict[str, Any]] = None,
                           tokenizer_vocab_size: int = 600, seed: int = 0,
-                          dtype: str = "float32", sliding_window: Optional[int] = None) -> Path:
+                          dtype: str = "float32", sliding_window: Optional[int] = None,
+                          config_overrides: Optional[dict[str, Any]] = None) -> Path:
     """Write a random-initialised checkpoint of `architecture` with its tokenizer to out_dir.
     `sliding_window`: Mistral's window (default: max_position_embeddings, i.e. none in effect);
-    for Qwen2 it turns use_sliding_window on in every layer."""
+    for Qwen2 it turns use_sliding_window on in every layer; Gemma's sliding layers (its
+    `layer_types`) take it. `config_overrides`: further fields of the transformers config
+    (Gemma's layer_types, query_pre_attn_scalar, soft-caps, RoPE parameters, head_dim)."""
     import torch
     import transformers
 
@@ -117,11 +126,14 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
         kwargs["rope_scaling"] = rope_scaling
     if architecture == "MistralForCausalLM":
         kwargs["sliding_window"] = sliding_window or max_position_embeddings
+    elif architecture in OFFSET_NORM_ARCHITECTURES:
+        kwargs["sliding_window"] = sliding_window
     elif sliding_window is not None:
         if architecture != "Qwen2ForCausalLM":
             raise ValueError(f"sliding_window: {architecture} has no sliding-window attention "
-                             "(Mistral and Qwen2 do)")
+                             "(Mistral, Qwen2 and Gemma do)")
         kwargs.update(sliding_window=sliding_window, use_sliding_window=True, max_window_layers=0)
+    kwargs.update(config_overrides or {})
     config = config_cls(**kwargs)
     config.architectures = [architecture]
     torch.manual_seed(seed)
@@ -132,6 +144,8 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
         for name, param in model.named_parameters():
             if param.dim() == 2:
                 param.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+            elif "norm" in name and architecture in OFFSET_NORM_ARCHITECTURES:
+                param.normal_(0.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
     train_tokenizer(out, min(tokenizer_vocab_size, vocab_size), seed,
                     byte_level=architecture in BYTE_LEVEL_ARCHITECTURES)

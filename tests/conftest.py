@@ -21,8 +21,14 @@ torch.set_num_threads(2)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
+# Gemma's smallest window in the tests: prompts are checked shorter than, equal to and 3x it
+GEMMA_WINDOW = 32
+
 # Each architecture with the features its family brings: GQA everywhere, llama3 RoPE scaling,
-# Qwen2's q/k/v bias, Qwen3's q/k norm, tied and untied embeddings.
+# Qwen2's q/k/v bias, Qwen3's q/k norm, tied and untied embeddings; Gemma 2's alternating
+# sliding and full layers, query_pre_attn_scalar and both soft-caps; Gemma 3's five-to-one
+# pattern (shortened), q/k norm, two RoPE tables (a local base, a linearly scaled global one) and
+# a head_dim apart from hidden / heads.
 ARCHITECTURES = {
     "llama": dict(architecture="LlamaForCausalLM", rope_scaling=LLAMA3_ROPE),
     "mistral": dict(architecture="MistralForCausalLM", tie_word_embeddings=True),
@@ -30,6 +36,19 @@ ARCHITECTURES = {
     "qwen3": dict(architecture="Qwen3ForCausalLM", tie_word_embeddings=True),
     "llama_linear_rope": dict(architecture="LlamaForCausalLM", num_kv_heads=4,
                               rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "gemma2": dict(architecture="Gemma2ForCausalLM", sliding_window=GEMMA_WINDOW, num_layers=3,
+                   config_overrides=dict(query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                                         final_logit_softcapping=8.0)),
+    "gemma3": dict(architecture="Gemma3ForCausalLM", sliding_window=GEMMA_WINDOW, num_layers=4,
+                   config_overrides=dict(
+                       head_dim=32, query_pre_attn_scalar=32,
+                       layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                    "sliding_attention"],
+                       rope_parameters={
+                           "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                              "rope_theta": 1_000_000.0},
+                           "sliding_attention": {"rope_type": "default",
+                                                 "rope_theta": 10_000.0}})),
 }
 
 

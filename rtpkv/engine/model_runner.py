@@ -2,7 +2,8 @@
 
 Rows are laid out decode tokens first, then prefill chunks. The runner describes the batch once
 (`AttentionBatch`: positions, each sequence's rows, context length and block table) and the
-model's attention backend builds its own metadata from it. Logits are computed only for the
+model's attention backend builds its own metadata from it, once per distinct layer window
+(`CausalLM.attention_metadata`). Logits are computed only for the
 last row of each chunk that reaches the end of its sequence.
 """
 
@@ -68,7 +69,7 @@ class ModelRunner:
         ordered = ([c for c in chunks if c.num_tokens == 1]
                    + [c for c in chunks if c.num_tokens > 1])
         ids, batch = self.batch(ordered)
-        meta = self.module.attention.build(batch)
+        meta = self.module.attention_metadata(batch)
         wanted, rows = [], []
         for c, row, n in zip(ordered, batch.query_start, batch.query_len):
             req = c.request
@@ -85,5 +86,5 @@ class ModelRunner:
         its first step writes, so the first step's tables serve them all) in one call: each
         step's tokens, in chunk order (CausalLM.generate)."""
         ids, batch = self.batch(chunks)
-        meta = self.module.attention.build(batch)
+        meta = self.module.attention_metadata(batch)
         return self.module.generate(ids, batch.positions, self.kv_caches, meta, steps, stops)

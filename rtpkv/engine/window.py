@@ -2,9 +2,11 @@
 where that number came from.
 
 TensorRT-LLM's `max_attention_window`: only the KV of the last W positions is attended (and
-kept). Unset, it is the model's own `sliding_window` (Mistral, Qwen2 with use_sliding_window),
-else off (every query sees its whole sequence). When both are set the smaller wins: a model
-trained with a window never attends further than it.
+kept). Unset, it is the model's own `sliding_window` where every layer slides (Mistral, Qwen2
+with use_sliding_window in every layer), else off (every query sees its whole sequence). When
+both are set the smaller wins: a model trained with a window never attends further than it. A
+model that mixes sliding and full layers (Gemma 2/3) has no model-wide window: each sliding
+layer attends its own (model_factory/plan.py), under MAX_ATTENTION_WINDOW where it is set.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def attention_window(config: RuntimeConfig, spec: ModelSpec) -> AttentionWindow:
         raise ConfigError(
             f"MAX_ATTENTION_WINDOW={asked} is invalid: must be from one KV block "
             f"(SEQ_SIZE_PER_BLOCK={B} tokens) to max_seq_len ({limit} tokens)")
-    model = spec.sliding_window if not spec.mixed_sliding_layers else None
+    model = spec.model_window
     if asked is not None and (model is None or asked <= model):
         return AttentionWindow(asked, "MAX_ATTENTION_WINDOW")
     if model is not None:

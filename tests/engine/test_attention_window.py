@@ -74,17 +74,6 @@ def test_windowed_models_match_transformers(windowed, make_pipeline, monkeypatch
         chunked.check_integrity()
 
 
-def test_mixed_sliding_layers_keep_the_cap(tmp_path):
-    """A Qwen2 checkpoint whose first layers attend fully keeps max_seq_len at the window."""
-    path = build_tiny_checkpoint(tmp_path, "Qwen2ForCausalLM", sliding_window=W)
-    cfg = path / "config.json"
-    data = json.loads(cfg.read_text())
-    data["max_window_layers"], data["layer_types"] = 1, ["full_attention", "sliding_attention"]
-    cfg.write_text(json.dumps(data))
-    model = load(path)
-    assert model.spec.mixed_sliding_layers and model.config.max_seq_len == W
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_max_attention_window_changes_outputs_only_past_the_window(make_pipeline, monkeypatch,
                                                                    backend, request):

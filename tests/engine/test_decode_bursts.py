@@ -224,7 +224,7 @@ def test_generate_refuses_steps_past_a_block_table(make_pipeline):
                            query_start=[0, 1], query_len=[1, 1], context_len=[7, 4],
                            block_size=8, num_blocks=runner.memory.num_blocks,
                            kv_heads=runner.kv_heads)
-    meta = module.attention.build(batch)
+    meta = module.attention_metadata(batch)
     with pytest.raises(IndexError, match="row 0: 4 steps from position 6 pass the end"):
         module.generate([1, 2], [6, 3], runner.kv_caches, meta, 4, [[], []])
     assert len(module.generate([1, 2], [6, 3], runner.kv_caches, meta, 2, [[], []])) == 2

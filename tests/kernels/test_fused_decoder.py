@@ -4,12 +4,16 @@ fresh prompt, for each architecture it takes (qkv bias, tied embeddings, GQA, a 
 float32, with int8 weights (weight-only and W8A8) and with the int8 KV cache; it is not used where a layer would leave
 the C kernels."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from attention_batches import attention_batch
 from conftest import load, run
 
+from rtpkv.kernels.fused_decoder import runs_plan
 from rtpkv.kernels.kv_quant import quantize_rows
+from rtpkv.model_factory.plan import LOCAL_ROPE, model_plan
 from rtpkv.model_factory.tiny import build_tiny_checkpoint
 
 
@@ -30,9 +34,9 @@ def _forward(module, batch, kv, fused):
         ids = torch.randint(3, module.spec.vocab_size, (len(batch.positions),),
                             generator=torch.Generator().manual_seed(1))
         with torch.inference_mode():
-            hidden = module(ids, batch.positions_tensor, kv, module.attention.build(batch))
+            hidden = module(ids, batch.positions_tensor, kv, module.attention_metadata(batch))
             logits = module.forward_logits(ids.tolist(), batch.positions, kv_logits,
-                                           module.attention.build(batch), ROWS)
+                                           module.attention_metadata(batch), ROWS)
         return hidden, logits, kv
     finally:
         module.fused = kept
@@ -75,6 +79,8 @@ def test_the_fused_decoder_gives_the_bits_of_the_layers(checkpoints, monkeypatch
     ("llama", {"RTPKV_LINEAR": "onednn"}, {}),          # a oneDNN GEMM in between
     ("llama", {"RTPKV_ATTENTION": "torch"}, {}),        # the torch attention backend
     ("qwen3", {"RTPKV_LINEAR": "avx2"}, {}),            # q/k norms
+    ("gemma3", {"RTPKV_LINEAR": "avx2"}, {}),           # Gemma's layer plan
+    ("gemma2", {"RTPKV_LINEAR": "avx2"}, {}),           # and soft-capping (the torch backend)
     ("llama", {}, {"dtype": "bfloat16"}),
 ])
 def test_the_layers_run_one_by_one_where_one_leaves_the_c_kernels(checkpoints, monkeypatch,
@@ -82,6 +88,29 @@ def test_the_layers_run_one_by_one_where_one_leaves_the_c_kernels(checkpoints, m
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert load(checkpoints(arch), **options).module.fused is None
+
+
+def test_the_c_decoder_refuses_any_plan_it_does_not_compute(checkpoints):
+    """runs_plan: a Llama plan (one window in every layer included) runs in C; changing any one
+    thing decoder.c has no op for, in one layer or the model, refuses the whole plan."""
+    spec = load(checkpoints("llama")).module.spec
+    plan = model_plan(spec)
+    assert runs_plan(plan, spec.head_dim)
+    layer, attention = plan.layers[0], plan.layers[0].attention
+    windowed = replace(layer, attention=replace(attention, window=32))
+    assert runs_plan(replace(plan, layers=(windowed,) * len(plan.layers)), spec.head_dim)
+    changed = [replace(layer, sandwich=True), replace(layer, mlp="gelu_tanh"),
+               replace(layer, norm=replace(layer.norm, offset=True)), windowed,
+               replace(layer, attention=replace(attention, softcap=5.0)),
+               replace(layer, attention=replace(attention, qk_norm=True)),
+               replace(layer, attention=replace(attention, scale=0.2)),
+               replace(layer, attention=replace(attention, rope=LOCAL_ROPE))]
+    for first in changed:
+        assert not runs_plan(replace(plan, layers=(first,) + plan.layers[1:]), spec.head_dim)
+    assert not runs_plan(replace(plan, embedding_scale=8.0), spec.head_dim)
+    assert not runs_plan(replace(plan, final_softcap=30.0), spec.head_dim)
+    assert not runs_plan(replace(plan, ropes={**plan.ropes, LOCAL_ROPE: spec.rope}),
+                         spec.head_dim)
 
 
 def test_heads_the_c_rope_does_not_take_run_one_by_one(tmp_path, monkeypatch):
@@ -132,7 +161,7 @@ def test_a_new_pool_at_the_old_pools_address_gets_its_own_layer_table(checkpoint
 
     def forward(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         with torch.inference_mode():
-            return module(ids, batch.positions_tensor, kv, module.attention.build(batch))
+            return module(ids, batch.positions_tensor, kv, module.attention_metadata(batch))
 
     memory = torch.randn(4 * spec.num_layers * rows, spec.head_dim,
                          generator=torch.Generator().manual_seed(0))
@@ -181,7 +210,7 @@ def test_bad_ids_and_rows_never_reach_the_c_call(checkpoints, monkeypatch, bad):
     kv = [(torch.zeros(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim),
            torch.zeros(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim))
           for _ in range(spec.num_layers)]
-    meta = module.attention.build(batch)
+    meta = module.attention_metadata(batch)
     ids = [5, spec.vocab_size if bad == "vocab" else bad]
     with pytest.raises(IndexError, match="outside the vocabulary"):
         module.forward_logits(ids, batch.positions, kv, meta, [1])

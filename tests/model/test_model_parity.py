@@ -94,7 +94,7 @@ def test_prefill_logits_match_transformers(checkpoints, arch, mode):
                            query_start=[0],
                            query_len=[n], context_len=[n], block_size=n, num_blocks=1,
                            kv_heads=kv_heads)
-    meta = model.module.attention.build(batch)
+    meta = model.module.attention_metadata(batch)
     with torch.inference_mode():
         ours = model.module.logits(model.module(ids[0], torch.arange(n), caches, meta))
         theirs = hf(ids, **_cache(mode)).logits[0]

@@ -1,0 +1,89 @@
+"""The layer plan: what each decoder layer computes, as data.
+
+A `ModelPlan` is per-layer specs (norms and where they sit, attention window, softmax scale,
+logit soft-cap, which RoPE table, q/k norm, MLP kind) plus the model-wide constants (embedding
+scale, final soft-cap). `CausalLM` builds its modules from it and its forward executes it; the
+fused C decoder (kernels/fused_decoder.py) runs a plan only where every layer is one it
+computes, and refuses the model otherwise. A new architecture is a new plan, read from its
+config by `model_plan`, not a new walk over the modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from rtpkv.model_factory.spec import GEMMA_ARCHITECTURES, ModelSpec
+
+GLOBAL_ROPE = "global"
+LOCAL_ROPE = "local"   # Gemma 3's sliding layers (rope_local_base_freq)
+
+
+@dataclass(frozen=True)
+class NormPlan:
+    eps: float
+    # Gemma's RMSNorm: the weight is applied as (1 + w), in float32 before the one rounding to
+    # the model's dtype; otherwise Llama's: w times the normalized input in the model's dtype
+    offset: bool = False
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    window: Optional[int]      # tokens each query attends to, itself included; None: all
+    scale: float               # the softmax scale
+    softcap: Optional[float]   # scores become cap * tanh(score / cap) before the mask (Gemma 2)
+    rope: str                  # which RoPE table: GLOBAL_ROPE or LOCAL_ROPE
+    qk_norm: bool              # an RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    attention: AttentionPlan
+    mlp: str                   # "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gelu_pytorch_tanh)
+    norm: NormPlan
+    # Gemma 2/3's four norms: the attention output and the MLP output are normalized before
+    # their residual adds, and the MLP input by a norm of its own; otherwise Llama's two
+    sandwich: bool
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    layers: tuple[LayerPlan, ...]
+    ropes: dict[str, dict[str, Any]]     # RoPE table name -> its parameters
+    embedding_scale: Optional[float]     # embeddings times this, in the model's dtype (Gemma)
+    final_softcap: Optional[float]       # logits become cap * tanh(logit / cap) (Gemma)
+    final_norm: NormPlan
+
+    @property
+    def softcapped_attention(self) -> bool:
+        return any(layer.attention.softcap is not None for layer in self.layers)
+
+
+def capped_window(layer: Optional[int], limit: Optional[int]) -> Optional[int]:
+    """A layer's window under the engine's (MAX_ATTENTION_WINDOW, or the window every layer
+    shares): the smaller of the two; None where neither is set."""
+    if layer is None or limit is None:
+        return layer if limit is None else limit
+    return min(layer, limit)
+
+
+def model_plan(spec: ModelSpec) -> ModelPlan:
+    """The plan of a checkpoint of `spec`'s architecture."""
+    gemma = spec.architecture in GEMMA_ARCHITECTURES
+    norm = NormPlan(spec.rms_norm_eps, offset=gemma)
+    scale = (spec.query_pre_attn_scalar if gemma else spec.head_dim) ** -0.5
+    ropes = {GLOBAL_ROPE: spec.rope}
+    if spec.local_rope is not None:
+        ropes[LOCAL_ROPE] = spec.local_rope
+    layers = tuple(
+        LayerPlan(
+            attention=AttentionPlan(
+                window=window, scale=scale, softcap=spec.attn_logit_softcapping,
+                rope=(LOCAL_ROPE if kind == "sliding_attention" and LOCAL_ROPE in ropes
+                      else GLOBAL_ROPE),
+                qk_norm=spec.qk_norm),
+            mlp=spec.hidden_activation, norm=norm, sandwich=gemma)
+        for kind, window in zip(spec.layer_types, spec.layer_windows))
+    return ModelPlan(layers=layers, ropes=ropes,
+                     embedding_scale=spec.hidden_size ** 0.5 if gemma else None,
+                     final_softcap=spec.final_logit_softcapping, final_norm=norm)
