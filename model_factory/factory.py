@@ -7,7 +7,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -17,6 +17,7 @@ from rtpkv.config import RuntimeConfig, Settings, resolve
 from rtpkv.errors import ConfigError
 from rtpkv.kernels.linear import bf16_gemm_supported
 from rtpkv.locked_tokenizer import LockedTokenizer
+from rtpkv.model_factory import qwen, qwen_tokenizer
 from rtpkv.model_factory.llama import CausalLM
 from rtpkv.model_factory.model_config import ModelConfig
 from rtpkv.model_factory.spec import ModelSpec
@@ -131,7 +132,11 @@ def _load_module(spec: ModelSpec, files: list[Path], device: torch.device, dtype
     with torch.device("meta"):
         module = CausalLM(spec)
     state = {}
-    for name, tensor in iter_tensors(files, show_progress):
+    tensors = iter_tensors(files, show_progress)
+    if spec.architecture == qwen.ARCHITECTURE:
+        kv_size = spec.num_kv_heads * spec.head_dim
+        tensors = qwen.qwen2_tensors(tensors, spec.num_heads * spec.head_dim, kv_size)
+    for name, tensor in tensors:
         state[name] = tensor.to(device=device, dtype=dtype)
     if spec.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -144,6 +149,16 @@ def _load_module(spec: ModelSpec, files: list[Path], device: torch.device, dtype
     module.prepare(max_seq_len, attention=config.rtpkv_attention, linear=config.rtpkv_linear,
                    weight_quantization=config.weight_quantization, kv_dtype=kv_dtype)
     return module.eval()
+
+
+def _load_tokenizer(model_dir: Path) -> Any:
+    """QWen's tiktoken tokenizer where the checkpoint has one (its remote code is not run),
+    else AutoTokenizer's."""
+    if (model_dir / qwen_tokenizer.VOCAB_FILE).exists():
+        return qwen_tokenizer.load_qwen_tokenizer(model_dir)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
 
 
 class ModelFactory:
@@ -175,10 +190,10 @@ class ModelFactory:
             module = _load_module(spec, files, device, dtype, kv_dtype, config, max_seq_len,
                                   show_progress, model_dir)
 
-        from transformers import AutoTokenizer
-
         # locked: the pipeline's engine thread and the caller's threads share it
-        tokenizer = LockedTokenizer(AutoTokenizer.from_pretrained(str(model_dir)))
+        tokenizer = LockedTokenizer(_load_tokenizer(model_dir))
+        if (model_dir / qwen_tokenizer.VOCAB_FILE).exists():
+            spec = replace(spec, eos_token_ids=qwen_tokenizer.stop_ids(tokenizer))
         # quantized layers give other K/V than the float ones, and an int8 KV cache other
         # blocks: their blocks must never be shared with another setting's
         quantized = config.weight_quantization

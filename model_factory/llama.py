@@ -1,5 +1,5 @@
-"""The decoder-only models (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3) over a paged KV
-cache, built from and running their layer plan (model_factory/plan.py).
+"""The decoder-only models (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, and QWen read as
+Qwen2: model_factory/qwen.py) over a paged KV cache, built from and running their layer plan (model_factory/plan.py).
 
 Parameter names follow the Hugging Face checkpoints so a state dict loads as is; `fuse()` then
 concatenates q/k/v and gate/up projections so each layer runs two fewer matmuls.
@@ -63,9 +63,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(spec.hidden_size, self.q_size, bias=spec.qkv_bias)
         self.k_proj = nn.Linear(spec.hidden_size, self.kv_size, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(spec.hidden_size, self.kv_size, bias=spec.qkv_bias)
-        # Gemma's attention_bias covers o_proj too; Qwen2's q/k/v bias does not
-        o_bias = spec.qkv_bias and spec.architecture != "Qwen2ForCausalLM"
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=o_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
         attention = plan.attention
         if attention.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, plan.norm)

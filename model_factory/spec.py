@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from rtpkv.errors import ConfigError
+from rtpkv.model_factory import qwen
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -21,6 +22,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "QWenLMHeadModel",
 )
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -46,6 +48,7 @@ class ModelSpec:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    o_proj_bias: bool = False
     rope: dict[str, Any] = field(default_factory=dict)
     # Gemma 3's sliding layers' own RoPE parameters (rope_local_base_freq); None: `rope`
     local_rope: Optional[dict[str, Any]] = None
@@ -69,6 +72,8 @@ class ModelSpec:
                 f"{source}: architectures={archs!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if arch == qwen.ARCHITECTURE:
+            cfg = qwen.qwen2_config(cfg, source)
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         layers = int(cfg["num_hidden_layers"])
@@ -98,7 +103,10 @@ class ModelSpec:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=(arch in ("Qwen2ForCausalLM", qwen.ARCHITECTURE)
+                      or bool(cfg.get("attention_bias", False))),
+            # Qwen2's bias is q/k/v's only; attention_bias covers o_proj too elsewhere
+            o_proj_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             rope=rope,
             local_rope=local_rope,

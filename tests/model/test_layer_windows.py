@@ -205,3 +205,12 @@ def test_unsupported_gemma_configs_are_refused_by_field(change, message):
 
     with pytest.raises(ConfigError, match=message):
         ModelSpec.from_config(dict(GEMMA3_270M, **change))
+
+
+@pytest.mark.parametrize("backend", ["cpu-paged", "flash-attn"])
+def test_softcapped_attention_on_another_backend_is_refused_by_name(checkpoints, monkeypatch,
+                                                                   request, backend):
+    _use(backend, monkeypatch, request)
+    with pytest.raises(ValueError, match=rf"RTPKV_ATTENTION={backend} does not soft-cap "
+                                         r"attention logits \(attn_logit_softcapping"):
+        load(checkpoints("gemma2"))
