@@ -247,17 +247,22 @@ class CausalLM(nn.Module):
     def attention_name(self) -> str:
         return self.attention.name
 
-    def attention_metadata(self, batch: AttentionBatch) -> list[Any]:
-        """Each layer's attention metadata for `batch` (whose `window` is the engine's: it caps
-        every layer's own): the backend builds once per distinct window, shared by its layers."""
-        built: dict[Optional[int], Any] = {}
+    def attention_metadata(self, batch: AttentionBatch,
+                           layer_batches: Optional[list[AttentionBatch]] = None) -> list[Any]:
+        """Each layer's attention metadata for `batch`, or for its own of `layer_batches` (KV
+        cache groups: its group's tables); a batch's `window` (the engine's, or the group's)
+        caps the layer's own. The backend builds once per distinct batch and window, shared by
+        the layers that read it."""
+        built: dict[tuple[int, Optional[int]], Any] = {}
         metas = []
-        for layer in self.plan.layers:
-            window = capped_window(layer.attention.window, batch.window)
-            if window not in built:
-                built[window] = self.attention.build(
-                    batch if window == batch.window else replace(batch, window=window))
-            metas.append(built[window])
+        for i, layer in enumerate(self.plan.layers):
+            seen = batch if layer_batches is None else layer_batches[i]
+            window = capped_window(layer.attention.window, seen.window)
+            key = (id(seen), window)
+            if key not in built:
+                built[key] = self.attention.build(
+                    seen if window == seen.window else replace(seen, window=window))
+            metas.append(built[key])
         return metas
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -34,6 +34,7 @@ class Block:
     tail: bool = False              # a kept, partly filled last block (partial-reuse source)
     tenant: Optional[bytes] = None  # the cache_salt it was computed under (b"": none; None:
                                     # a task prompt's, nobody's)
+    group: int = 0                  # the KV cache group whose layers it holds (groups.py)
 
     @property
     def full(self) -> bool:

@@ -138,7 +138,7 @@ class BlockPool:
     # ------------------------------------------------------------------ content
     def commit(self, block_id: int, key: bytes, parent_key: bytes, parent_serial: int,
                tokens: tuple[int, ...], extra: bytes, priority: int,
-               duration_s: Optional[float], tenant: Optional[bytes]) -> bool:
+               duration_s: Optional[float], tenant: Optional[bytes], group: int = 0) -> bool:
         """A block of a running request filled with computed tokens: give it its content and
         lineage and make it hittable. When the index already holds the same content with the
         same lineage, the block stays an unindexed copy sharing that serial (so the chain
@@ -148,8 +148,10 @@ class BlockPool:
         if (held is not None and held.tokens == tokens and held.extra == extra
                 and held.parent_serial == parent_serial):
             self._fill(block, key, parent_key, parent_serial, tokens, extra, tenant, held.serial)
+            block.group = group
             return False
         self._fill(block, key, parent_key, parent_serial, tokens, extra, tenant)
+        block.group = group
         block.priority, block.duration_s = priority, duration_s
         self._index(block)
         return True
@@ -234,7 +236,7 @@ class BlockPool:
         self._count(block.tenant, 1)
         block.indexed = True
         self.events.stored([block.key], block.parent_key, [block.tokens], block.priority,
-                           extra=block.extra)
+                           extra=block.extra, group=block.group)
 
     def _unindex(self, block: Block) -> None:
         if block.indexed:
@@ -242,7 +244,7 @@ class BlockPool:
             self.children.discard(block.parent_key, block.extra, block.block_id)
             self._count(block.tenant, -1)
             block.indexed = False
-            self.events.removed([block.key])
+            self.events.removed([block.key], group=block.group)
 
     def _drop_tail(self, block: Block) -> None:
         if block.tail:

@@ -28,6 +28,10 @@ class KVEventBuffer:
         self._cond = threading.Condition()
         self.dropped = 0
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        # KV cache groups (rtpkv/cache/groups.py), where the model has several: each group's
+        # vLLM fields, and the keys its first blocks chain from (a consumer's "no parent")
+        self.groups: tuple[dict[str, Any], ...] = ()
+        self.group_roots: frozenset[bytes] = frozenset()
 
     @property
     def enabled(self) -> bool:
@@ -55,17 +59,20 @@ class KVEventBuffer:
             self._cond.notify_all()
 
     def stored(self, keys: Sequence[bytes], parent_key: bytes, token_ids: Sequence[Sequence[int]],
-               priority: int, tier: str = "device", extra: bytes = b"") -> None:
-        """`extra`: the first block's extra key material (its cache_salt), b"" for none."""
+               priority: int, tier: str = "device", extra: bytes = b"", group: int = 0) -> None:
+        """`extra`: the first block's extra key material (its cache_salt), b"" for none;
+        `group`: the blocks' KV cache group (its vLLM fields are added where there are several)."""
         if self.enabled:
             self._put({"type": "stored", "block_hashes": [k.hex() for k in keys],
                        "parent_hash": parent_key.hex(), "token_ids": [list(t) for t in token_ids],
                        "priority": priority, "tier": tier, "extra": extra.hex(),
+                       **(self.groups[group] if self.groups else {}),
                        "timestamp": time.time()})
 
-    def removed(self, keys: Sequence[bytes], tier: str = "device") -> None:
+    def removed(self, keys: Sequence[bytes], tier: str = "device", group: int = 0) -> None:
         if self.enabled:
             self._put({"type": "removed", "block_hashes": [k.hex() for k in keys], "tier": tier,
+                       **({"group_idx": group} if self.groups else {}),
                        "timestamp": time.time()})
 
     def updated(self, key: bytes, old_priority: int, new_priority: int,

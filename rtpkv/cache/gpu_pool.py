@@ -17,9 +17,11 @@ if TYPE_CHECKING:
     from rtpkv.config import RuntimeConfig
 
 
-def gpu_pool_blocks(free_bytes: int, bytes_per_block: int, config: RuntimeConfig) -> int:
+def gpu_pool_blocks(free_bytes: int, bytes_per_block: int, config: RuntimeConfig,
+                    share: int = 1) -> int:
     """Blocks for a CUDA pool when `free_bytes` of device memory are free; ConfigError when the
-    fraction of it holds no block."""
+    fraction of it holds no block. `share`: the KV cache groups a token's K/V is spread over
+    (rtpkv/cache/groups.py), which the token counts are multiplied by."""
     B, fraction = config.seq_size_per_block, config.kv_cache_free_gpu_mem_fraction
     by_memory = int(free_bytes * fraction) // bytes_per_block
     if by_memory < 1:
@@ -29,9 +31,9 @@ def gpu_pool_blocks(free_bytes: int, bytes_per_block: int, config: RuntimeConfig
             "device memory")
     limits = [by_memory]
     if config.kv_cache_max_tokens:
-        limits.append(config.kv_cache_max_tokens // B)
+        limits.append(config.kv_cache_max_tokens // B * share)
     if config.kv_cache_mem_mb:
         limits.append(int(config.kv_cache_mem_mb * 2**20) // bytes_per_block)
     if len(limits) == 1:
-        limits.append(config.concurrency_limit * -(-config.max_seq_len // B))
+        limits.append(config.concurrency_limit * -(-config.max_seq_len // B) * share)
     return max(1, min(limits))

@@ -1,7 +1,8 @@
 """KVMemory: the paged KV tensor the model reads and writes.
 
 The K and V of every layer live in one tensor of shape
-(2, num_layers, kv_heads, num_blocks * block_size, row); block b holds token slots
+(2, num_layers, kv_heads, num_blocks * block_size, row) (with KV cache groups, `num_layers` is
+the layers a block holds, one group's: rtpkv/cache/groups.py); block b holds token slots
 [b * B, (b + 1) * B) of every head (the head-major layout of rtpkv.kernels.kv_store). A row is
 head_dim values of the model's dtype, or for the int8 cache head_dim int8 values and their
 float32 scale (rtpkv.kernels.kv_quant): the scales live in the rows, so copying a block or a
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from typing import Optional, Sequence
 
 import torch
 
@@ -69,11 +71,14 @@ class KVMemory:
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
-    def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, K and V as (kv_heads * num_slots, row) views."""
+    def layer_caches(self, layer_slots: Optional[Sequence[int]] = None
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per model layer, K and V as (kv_heads * num_slots, row) views of its slot
+        (`layer_slots`: with KV cache groups, layers of different groups share a slot, each
+        through its own group's blocks; default: layer i in slot i)."""
         d = self.kv.shape[-1]
-        return [(self.kv[0, i].view(-1, d), self.kv[1, i].view(-1, d))
-                for i in range(self.kv.shape[1])]
+        slots = range(self.kv.shape[1]) if layer_slots is None else layer_slots
+        return [(self.kv[0, i].view(-1, d), self.kv[1, i].view(-1, d)) for i in slots]
 
     def _slots(self, block_id: int) -> slice:
         return slice(block_id * self.block_size, (block_id + 1) * self.block_size)

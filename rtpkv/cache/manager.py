@@ -27,6 +27,15 @@ table keeps its length; attention backends read only inside the window, never su
 A released block is released as at the end of a request: a full, indexed one stays cached
 (evictable) and findable, the rest go back to the free list.
 
+KV cache groups (rtpkv/cache/groups.py): a model whose layers attend over different windows has
+one table per group of layers over the one pool. Group 0 (full attention where the model has
+any) is the request's `block_table`, `block_keys` and `key_chain`; every other group's are a
+`GroupTable` in `seq.group_tables`, which the manager reaches through a `GroupView` (the
+request with that group's three fields), so every rule below runs per group with the group's
+window and key root. The prefix hit is the longest prefix every group can serve (`lookup`:
+full groups every block of it, sliding groups the blocks covering the window of the first
+query after it), computed in one place.
+
 Partial-block reuse (`partial_reuse`, off by default: rtp-llm's reuse length is a multiple of
 the block size): where the chain of whole blocks ends, a device block computed right after the
 same block (an indexed one, or a finished request's kept tail) whose first k token ids equal
@@ -53,6 +62,7 @@ from rtpkv.cache.block_pool import BlockPool
 from rtpkv.cache.eviction import EvictionPolicy
 from rtpkv.cache.events import KVEventBuffer
 from rtpkv.cache.gpu_pool import gpu_pool_blocks
+from rtpkv.cache.groups import KVGroup, group_root, kv_groups, layer_slots, slots
 from rtpkv.cache.kv_memory import KVMemory
 from rtpkv.cache.prefix_index import HashFn, KeyChain, PrefixIndex, sha256
 from rtpkv.cache.retention import KvCacheRetentionConfig
@@ -87,6 +97,7 @@ class CacheSequence(Protocol):
     prefill_only: bool
     prewarm: bool                # with prefill_only: nothing is pinned
     prefix_handle: Optional["PinnedPrefix"]
+    group_tables: list["GroupTable"]   # the tables of KV cache groups 1.. (see groups.py)
 
     @property
     def num_prompt(self) -> int: ...
@@ -103,12 +114,43 @@ class CacheSequence(Protocol):
     def allows_tier(self, name: str) -> bool: ...
 
 
+@dataclass
+class GroupTable:
+    """A request's block table, keys and key chain in one KV cache group other than group 0."""
+
+    block_table: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)
+    key_chain: Optional[KeyChain] = None
+
+
+_GROUP_FIELDS = frozenset(("block_table", "block_keys", "key_chain"))
+
+
+class GroupView:
+    """A request as one KV cache group sees it: the group's table, keys and chain, the
+    request's everything else (read and written through)."""
+
+    __slots__ = ("_seq", "_table")
+
+    def __init__(self, seq: CacheSequence, table: GroupTable):
+        object.__setattr__(self, "_seq", seq)
+        object.__setattr__(self, "_table", table)
+
+    def __getattr__(self, name: str):
+        return getattr(self._table if name in _GROUP_FIELDS else self._seq, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._table if name in _GROUP_FIELDS else self._seq, name, value)
+
+
 @dataclass(frozen=True)
 class PinnedPrefix:
-    """An opaque handle on a pinned prompt prefix (a task prompt's full blocks)."""
+    """An opaque handle on a pinned prompt prefix (a task prompt's full blocks), in every KV
+    cache group: `block_ids` group 0's, `group_block_ids` the other groups'."""
 
     block_ids: tuple[int, ...]
     num_tokens: int
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 # Why a request's reuse stopped where it did (aux_info["reuse_stop"]), in the order checked.
@@ -136,11 +178,13 @@ class PartialHit:
 
 @dataclass
 class PrefixMatch:
-    """What lookup found in the device pool: blocks to share, and a partial-block hit."""
+    """What lookup found in the device pool: blocks to share (group 0's; `groups`: the other
+    groups' table entries, RELEASED before a sliding group's window), and a partial-block hit."""
 
     device: list[int] = field(default_factory=list)
     revived: int = 0                     # device hits that are cached (unreferenced) now
     partial: Optional[PartialHit] = None
+    groups: list[list[int]] = field(default_factory=list)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -178,24 +222,30 @@ def _available_bytes() -> int:
     return int(pages * DEFAULT_CPU_MEMORY_FRACTION)
 
 
-def pool_blocks(model: "Model", config: "RuntimeConfig") -> int:
-    """Blocks in the pool. CUDA: see gpu_pool_blocks. CPU: from kv_cache_mem_mb and
-    kv_cache_max_tokens (the smaller wins when both are set), else a fixed fraction of available
-    memory, never above what concurrency_limit sequences of max_seq_len could use."""
+def pool_blocks(model: "Model", config: "RuntimeConfig",
+                groups: Sequence[KVGroup] = ()) -> int:
+    """Blocks in the pool, each holding `slots(groups)` layers (every layer without groups).
+    CUDA: see gpu_pool_blocks. CPU: from kv_cache_mem_mb and kv_cache_max_tokens (tokens of
+    every layer: with groups, that many tokens' blocks in each group; the smaller wins when
+    both are set), else a fixed fraction of available memory, never above what
+    concurrency_limit sequences of max_seq_len could use."""
     spec, B = model.spec, config.seq_size_per_block
-    per_block = KVMemory.bytes_per_block(spec.num_layers, B, spec.num_kv_heads, spec.head_dim,
+    layers = slots(groups) if groups else spec.num_layers
+    share = max(1, len(groups))
+    per_block = KVMemory.bytes_per_block(layers, B, spec.num_kv_heads, spec.head_dim,
                                          model.kv_dtype)
     if model.device.type == "cuda":
         import torch
 
-        return gpu_pool_blocks(torch.cuda.mem_get_info(model.device)[0], per_block, config)
+        return gpu_pool_blocks(torch.cuda.mem_get_info(model.device)[0], per_block, config,
+                               share)
     limits = []
     if config.kv_cache_mem_mb:
         limits.append(int(config.kv_cache_mem_mb * 2**20) // per_block)
     if config.kv_cache_max_tokens:
-        limits.append(config.kv_cache_max_tokens // B)
+        limits.append(config.kv_cache_max_tokens // B * share)
     if not limits:
-        useful = config.concurrency_limit * -(-config.max_seq_len // B)
+        useful = config.concurrency_limit * -(-config.max_seq_len // B) * share
         limits = [min(_available_bytes() // per_block, useful)]
     return max(1, min(limits))
 
@@ -209,11 +259,17 @@ class KVCacheManager:
                  tiers: Sequence["KVTier"] = (), offload_min_priority: int = DEFAULT_PRIORITY,
                  window: Optional[int] = None, ghosts: Optional[int] = None,
                  quota: Optional[Callable[[bytes], Optional[int]]] = None,
+                 groups: Sequence[KVGroup] = (),
                  clock: Callable[[], float] = time.monotonic):
+        """`groups`: the KV cache groups (groups.py); none: one group with `window`."""
         if tiers and memory is None:
             raise ValueError("tiers need the KV memory to copy blocks from and to")
         if partial_reuse and memory is None:
             raise ValueError("partial reuse needs the KV memory to copy tokens in")
+        groups = tuple(groups) or (KVGroup(0, window, ()),)
+        if len(groups) > 1 and (tiers or partial_reuse):
+            raise ValueError("KV cache groups serve the device pool only: no tiers, no partial "
+                             "reuse (kv_groups keeps one group for those)")
         self.block_size = block_size
         self.index = index
         self.memory = memory
@@ -224,7 +280,14 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, index, events, policy=policy, clock=clock,
                               on_evict=self._offload if self.ladder else None, ghosts=ghosts,
                               quota=quota)
-        self.window = window              # tokens each query attends to; None: all
+        self.groups = groups
+        self.window = groups[0].window    # group 0's: tokens each query attends to; None: all
+        grouped = len(groups) > 1
+        self.roots = [group_root(index.root, g, grouped, index.hash_fn) for g in groups]
+        if grouped:   # vLLM's fields of each group, on every event of its blocks
+            events.groups = tuple({"group_idx": g.index, "kv_cache_spec_kind": g.kind,
+                                   "kv_cache_spec_sliding_window": g.window} for g in groups)
+            events.group_roots = frozenset(self.roots)
         self.query_tokens = 0
         self.hit_tokens = 0
         self.partial_hit_tokens = 0
@@ -241,17 +304,28 @@ class KVCacheManager:
         from rtpkv.torch_threads import serial_torch
 
         spec, B = model.spec, config.seq_size_per_block
-        num_blocks = pool_blocks(model, config)
+        tiers = build_tiers(config, model, B) if tiers is None else tiers
+        groups = kv_groups(spec.layer_windows, window,
+                           split=not tiers and not config.enable_partial_reuse)
+        if len(set(spec.layer_windows)) > 1 and len(groups) == 1:
+            log.info("KV cache groups off (tiers or partial reuse are on): one block table "
+                     "keeps every layer's blocks, each layer attending over its own window")
+        num_blocks = pool_blocks(model, config, groups)
         with serial_torch():
-            memory = KVMemory(spec.num_layers, num_blocks, B, spec.num_kv_heads, spec.head_dim,
+            memory = KVMemory(slots(groups), num_blocks, B, spec.num_kv_heads, spec.head_dim,
                               model.kv_dtype, model.device)
         cache = cls(num_blocks, B, PrefixIndex(model.fingerprint, B, hash_fn), memory=memory,
                     reuse_enabled=config.reuse_cache,
                     partial_reuse=config.enable_partial_reuse,
                     events=KVEventBuffer(config.kv_cache_event_buffer_max_size),
-                    tiers=build_tiers(config, model, B) if tiers is None else tiers,
+                    tiers=tiers,
                     offload_min_priority=config.secondary_offload_min_priority, window=window,
-                    ghosts=config.kv_cache_ghost_blocks, quota=salt_quota(config))
+                    ghosts=config.kv_cache_ghost_blocks, quota=salt_quota(config),
+                    groups=groups)
+        if len(groups) > 1:
+            log.info("KV cache groups: %s (%d layers a block)", ", ".join(
+                f"{g.kind}{'' if g.window is None else f' {g.window}'} layers "
+                f"{list(g.layers)}" for g in groups), slots(groups))
         log.info("reuse_cache: %s, partial reuse: %s", config.reuse_cache,
                  config.enable_partial_reuse)
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB%s)", num_blocks, B,
@@ -283,14 +357,40 @@ class KVCacheManager:
         request starts from its pinned prompt whatever this says."""
         return self.reuse_enabled and seq.wants_reuse
 
-    def _chain(self, seq: CacheSequence) -> KeyChain:
-        """`seq`'s block keys, hashed once; the salt enters at the first block it owns."""
+    def _chain(self, seq: CacheSequence, group: int = 0) -> KeyChain:
+        """`seq`'s block keys in `group` (`seq` its view: `_views`), hashed once; the salt
+        enters at the first block it owns."""
         if seq.key_chain is None:
             handle = seq.prefix_handle
             seq.key_chain = KeyChain(self.index, seq.token_ids, seq.salt,
                                      len(handle.block_ids) if handle is not None else 0,
-                                     task=seq.prefill_only and not seq.prewarm)
+                                     task=seq.prefill_only and not seq.prewarm,
+                                     root=self.roots[group])
         return seq.key_chain
+
+    def _views(self, seq: CacheSequence) -> list[tuple[KVGroup, CacheSequence]]:
+        """Each group with `seq` as it sees it: `seq` itself for group 0, a GroupView over its
+        GroupTable for the others."""
+        if len(self.groups) == 1:
+            return [(self.groups[0], seq)]
+        while len(seq.group_tables) < len(self.groups) - 1:
+            seq.group_tables.append(GroupTable())
+        return [(self.groups[0], seq)] + [(g, GroupView(seq, t))
+                                          for g, t in zip(self.groups[1:], seq.group_tables)]
+
+    @property
+    def layer_slots(self) -> list[int]:
+        """The pool slot each model layer reads and writes (its place in its group)."""
+        if len(self.groups) == 1:
+            return list(range(self.memory.kv.shape[1])) if self.memory is not None else []
+        return [slot for _, slot in layer_slots(self.groups)]
+
+    @property
+    def layer_groups(self) -> list[int]:
+        """The KV cache group of each model layer."""
+        if len(self.groups) == 1:
+            return [0] * len(self.layer_slots)
+        return [group for group, _ in layer_slots(self.groups)]
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -300,19 +400,24 @@ class KVCacheManager:
 
     def blocks_held_at_most(self, num_tokens: int, chunk: Optional[int] = None) -> int:
         """The most blocks a request growing to num_tokens holds at once, computing at most
-        `chunk` tokens a step (default: all at once). With a window W a step's table spans
-        the W - 1 positions before its chunk plus the chunk: at most cdiv(W + chunk - 1, B) + 1
-        blocks (the span need not start on a block boundary)."""
+        `chunk` tokens a step (default: all at once), summed over the groups. With a window W a
+        step's table spans the W - 1 positions before its chunk plus the chunk: at most
+        cdiv(W + chunk - 1, B) + 1 blocks (the span need not start on a block boundary)."""
+        return sum(self._group_held_at_most(g.window, num_tokens, chunk) for g in self.groups)
+
+    def _group_held_at_most(self, window: Optional[int], num_tokens: int,
+                            chunk: Optional[int]) -> int:
         blocks = cdiv(num_tokens, self.block_size)
-        if self.window is None:
+        if window is None:
             return blocks
         chunk = num_tokens if chunk is None else min(chunk, num_tokens)
-        return min(blocks, cdiv(self.window + chunk - 1, self.block_size) + 1)
+        return min(blocks, cdiv(window + chunk - 1, self.block_size) + 1)
 
     @staticmethod
     def num_held(seq: CacheSequence) -> int:
-        """Blocks `seq` holds: its table less the entries released out of the window."""
-        return sum(1 for b in seq.block_table if b != RELEASED)
+        """Blocks `seq` holds: its tables less the entries released out of the window."""
+        tables = [seq.block_table] + [t.block_table for t in getattr(seq, "group_tables", ())]
+        return sum(1 for table in tables for b in table if b != RELEASED)
 
     def blocks_to_grow(self, seq: CacheSequence, num_tokens: int,
                        chunk: Optional[int] = None) -> int:
@@ -323,15 +428,18 @@ class KVCacheManager:
                   reserved: int = 0, chunk: Optional[int] = None) -> bool:
         """Whether `seq` can be admitted with `match` and grow to `tokens` tokens (`chunk` at
         most per step) while `reserved` blocks stay promised to requests already running."""
-        need = min(cdiv(tokens, self.block_size) - len(match.device),
-                   self.blocks_held_at_most(tokens, chunk))
+        hits = [len(match.device)] + [len(entries) for entries in match.groups]
+        hits += [0] * (len(self.groups) - len(hits))
+        need = sum(min(cdiv(tokens, self.block_size) - hit,
+                       self._group_held_at_most(g.window, tokens, chunk))
+                   for g, hit in zip(self.groups, hits))
         return need <= self.pool.num_allocatable() - match.revived - reserved
 
     def pin_shortfall(self, num_tokens: int) -> Optional[str]:
         """Why pinning a prompt of num_tokens would break the budget (pinned blocks may take at
         most half the pool), or None when it fits."""
         num_blocks = self.pool.num_blocks
-        after = self.pool.num_pinned + num_tokens // self.block_size
+        after = self.pool.num_pinned + num_tokens // self.block_size * len(self.groups)
         if after <= num_blocks // 2:
             return None
         return (f"pinned task prompts would take {after} KV blocks ({num_tokens} tokens in this "
@@ -345,6 +453,8 @@ class KVCacheManager:
         device hits, then (partial reuse) a partial-block hit. Read-only."""
         cap = seq.num_tokens - 1 if cap is None else cap
         limit = cap // self.block_size
+        if len(self.groups) > 1:
+            return self._group_lookup(seq, limit)
         chain = self._chain(seq)
         blocks = self.pool.blocks
         match = PrefixMatch()
@@ -374,6 +484,71 @@ class KVCacheManager:
             match.revived += match.partial is not None and \
                 blocks[match.partial.block_id].ref_count == 0
         return match
+
+    def _group_lookup(self, seq: CacheSequence, limit: int) -> PrefixMatch:
+        """The prefix every group serves, at most `limit` blocks: the longest chain each full
+        group holds bounds it, and it shortens until every sliding group holds the blocks the
+        first query after it attends (those from its window's first block on). A task's pinned
+        blocks serve as device hits; the pin's handle holds them in every group."""
+        views = self._views(seq)
+        handle = seq.prefix_handle
+        pinned = ([handle.block_ids, *handle.group_block_ids] if handle is not None
+                  else [()] * len(views))
+        reuse = self.reuse_applies(seq)
+        served = []   # per group: block index -> a verified block id
+        for (group, view), pins in zip(views, pinned):
+            served.append(self._group_blocks(view, group, pins, limit, reuse))
+        h = min([limit] + [len(blocks) for (g, _), blocks in zip(views, served)
+                           if g.window is None])
+        while h and not all(all(j in blocks for j in range(self._first_needed(g, h), h))
+                            for (g, _), blocks in zip(views, served) if g.window is not None):
+            h -= 1
+        match = PrefixMatch()
+        for (group, _), blocks in zip(views, served):
+            first = self._first_needed(group, h)
+            entries = [RELEASED] * first + [blocks[j] for j in range(first, h)]
+            match.revived += sum(1 for b in entries
+                                 if b != RELEASED and self.pool.blocks[b].ref_count == 0)
+            if group.index == 0:
+                match.device = entries
+            else:
+                match.groups.append(entries)
+        return match
+
+    def _first_needed(self, group: KVGroup, h: int) -> int:
+        """The first of `h` hit blocks the query after them attends in `group` (0: full)."""
+        if group.window is None or not h:
+            return 0
+        # the last hit block stays whatever the window: the lineage the next commit chains from
+        return min(max(0, h * self.block_size - group.window + 1) // self.block_size, h - 1)
+
+    def _group_blocks(self, seq: CacheSequence, group: KVGroup, pins: Sequence[int],
+                      limit: int, reuse: bool) -> dict[int, int]:
+        """The verified blocks of `seq`'s first `limit` in `group`: the pinned ones, then with
+        reuse the indexed ones (key, tokens and extra bytes compared, and the lineage of each
+        block after another found). A full group's run stops at its first miss; a sliding
+        group's may skip blocks (those behind a window need not be held)."""
+        chain = self._chain(seq, group.index)
+        blocks = self.pool.blocks
+        found: dict[int, int] = {}
+        for i, block_id in enumerate(pins[:limit]):
+            block = blocks[block_id]
+            parent = blocks[found[i - 1]].serial if i else 0
+            if block.tokens != chain.tokens(i) or block.parent_serial != parent:
+                break
+            found[i] = block_id
+        if not reuse:
+            return found
+        for i in range(len(found), limit):
+            block = self.pool.cached(chain.key(i))
+            if (block is None or block.tokens != chain.tokens(i) or block.extra != chain.extra(i)
+                    or (i - 1 in found and block.parent_serial != blocks[found[i - 1]].serial)
+                    or (i == 0 and block.parent_serial != 0)):
+                if group.window is None:
+                    break
+                continue
+            found[i] = block.block_id
+        return found
 
     def _partial_hit(self, seq: CacheSequence, i: int, parent_serial: int,
                      cap: int) -> Optional[PartialHit]:
@@ -432,6 +607,8 @@ class KVCacheManager:
         name. On any exception `seq` holds no block afterwards."""
         assert not seq.block_table, "admit a request once, or again after free"
         B = self.block_size
+        if len(self.groups) > 1:
+            return self._group_admit(seq, match)
         partial = 0
         try:
             for block_id in match.device:
@@ -460,6 +637,23 @@ class KVCacheManager:
             reused["partial"] = partial
         seq.num_computed = len(seq.block_keys) * B + partial
         return reused
+
+    def _group_admit(self, seq: CacheSequence, match: PrefixMatch) -> dict[str, int]:
+        """admit with KV cache groups: each group shares its entries of the match (no tiers,
+        no partial reuse: the constructor refuses them with groups)."""
+        try:
+            for (group, view), entries in zip(self._views(seq), [match.device, *match.groups]):
+                chain = self._chain(view, group.index)
+                for i, block_id in enumerate(entries):
+                    if block_id != RELEASED:
+                        self.pool.acquire(block_id)
+                    view.block_table.append(block_id)
+                    view.block_keys.append(chain.key(i))
+        except BaseException:
+            self.free(seq)
+            raise
+        seq.num_computed = len(match.device) * self.block_size
+        return {"local": seq.num_computed}
 
     def _copy_partial(self, seq: CacheSequence) -> int:
         """Copy the partial-block hit at the end of `seq`'s table (found again: tiers may
@@ -515,6 +709,8 @@ class KVCacheManager:
             return ReuseStop("reuse_off")
         B, cap, reused = self.block_size, seq.num_tokens - 1, seq.num_computed
         i = reused // B                          # the block where reuse stopped
+        if len(self.groups) > 1 and i < cap // B and self._holds(self._chain(seq), i):
+            return ReuseStop("window")   # group 0 goes on: a sliding group lacks its window
         if not self.partial_reuse:
             parent_serial = self.pool.blocks[seq.block_table[i - 1]].serial if i else 0
             hit = self._partial_hit(seq, i, parent_serial, cap)
@@ -547,13 +743,13 @@ class KVCacheManager:
     def grow(self, seq: CacheSequence, num_tokens: int) -> bool:
         """Append blocks so `seq`'s table covers its first num_tokens positions. False (and
         nothing taken) when the blocks cannot be had: the caller pauses someone."""
-        need = cdiv(num_tokens, self.block_size) - len(seq.block_table)
-        if need <= 0:
-            return True
-        if need > self.pool.num_allocatable():
+        views = [view for _, view in self._views(seq)]
+        needs = [cdiv(num_tokens, self.block_size) - len(view.block_table) for view in views]
+        if sum(max(0, n) for n in needs) > self.pool.num_allocatable():
             return False
-        for _ in range(need):
-            seq.block_table.append(self.pool.allocate())
+        for view, need in zip(views, needs):
+            for _ in range(need):
+                view.block_table.append(self.pool.allocate())
         return True
 
     def _offload(self, block: Block) -> None:
@@ -570,8 +766,12 @@ class KVCacheManager:
         tiers that want it). Requests without reuse commit nothing, except a prompt to pin."""
         if not (self.reuse_applies(seq) or seq.prefill_only):
             return
+        for group, view in self._views(seq):
+            self._commit_group(view, group.index)
+
+    def _commit_group(self, seq: CacheSequence, group: int) -> None:
         B = self.block_size
-        chain = self._chain(seq)
+        chain = self._chain(seq, group)
         retention = seq.retention or _DEFAULT_RETENTION
         blocks = self.pool.blocks
         for i in range(len(seq.block_keys), seq.num_computed // B):
@@ -585,7 +785,7 @@ class KVCacheManager:
             meta = BlockMeta(key=key, parent_key=chain.parent(i), tokens=chain.tokens(i),
                              extra=chain.extra(i), priority=priority)
             if (self.pool.commit(block_id, key, meta.parent_key, parent_serial, meta.tokens,
-                                 meta.extra, priority, duration, chain.tenant(i))
+                                 meta.extra, priority, duration, chain.tenant(i), group)
                     and self.ladder):
                 self.ladder.write_through(meta, seq.allows_tier,
                                           lambda: self.memory.read_block(block_id))
@@ -597,9 +797,12 @@ class KVCacheManager:
         A prompt being pinned keeps every block (a prewarm pins nothing: it holds what a
         request holds, as admission assumed); a request that commits keeps the parent of its
         next block to commit (its lineage). Returns the blocks released."""
-        if self.window is None or (seq.prefill_only and not seq.prewarm):
+        return sum(self._release_group(view, group.window) for group, view in self._views(seq))
+
+    def _release_group(self, seq: CacheSequence, window: Optional[int]) -> int:
+        if window is None or (seq.prefill_only and not seq.prewarm):
             return 0
-        end = max(0, seq.num_computed - self.window + 1) // self.block_size
+        end = max(0, seq.num_computed - window + 1) // self.block_size
         if self.reuse_applies(seq):
             end = min(end, len(seq.block_keys) - 1)
         retention = seq.retention or _DEFAULT_RETENTION
@@ -621,11 +824,12 @@ class KVCacheManager:
         tiers = self.ladder.allowed(seq.allows_tier)
         if self.partial_reuse and self.reuse_applies(seq):
             self._keep_tail(seq)
-        for i in reversed(range(len(seq.block_table))):
-            if seq.block_table[i] != RELEASED:
-                self._release_entry(seq, i, retention, tiers)
-        seq.block_table.clear()
-        seq.block_keys.clear()
+        for _, view in reversed(self._views(seq)):
+            for i in reversed(range(len(view.block_table))):
+                if view.block_table[i] != RELEASED:
+                    self._release_entry(view, i, retention, tiers)
+            view.block_table.clear()
+            view.block_keys.clear()
 
     def _keep_tail(self, seq: CacheSequence) -> None:
         """Keep `seq`'s partly filled last block as a partial-hit source when its computed
@@ -657,14 +861,17 @@ class KVCacheManager:
     def pin(self, seq: CacheSequence) -> PinnedPrefix:
         """Pin the full blocks of `seq`'s computed prompt; they stay until unpinned."""
         n = min(seq.num_computed, seq.num_tokens) // self.block_size
-        ids = tuple(seq.block_table[:n])
-        for block_id in ids:
-            self.pool.pin(block_id)
-        return PinnedPrefix(ids, n * self.block_size)
+        tables = [tuple(view.block_table[:n]) for _, view in self._views(seq)]
+        for ids in tables:
+            assert RELEASED not in ids, "a task prompt's blocks are never released"
+            for block_id in ids:
+                self.pool.pin(block_id)
+        return PinnedPrefix(tables[0], n * self.block_size, tuple(tables[1:]))
 
     def unpin(self, handle: PinnedPrefix) -> None:
-        for block_id in reversed(handle.block_ids):
-            self.pool.unpin(block_id)
+        for ids in reversed([handle.block_ids, *handle.group_block_ids]):
+            for block_id in reversed(ids):
+                self.pool.unpin(block_id)
 
     # ------------------------------------------------------------------ visibility
     def stats(self) -> dict[str, object]:
@@ -687,6 +894,8 @@ class KVCacheManager:
             "evictions": pool.evictions,
             "evictions_by_priority": dict(sorted(pool.evictions_by_priority.items())),
             "block_size": self.block_size,
+            "kv_cache_groups": [{"kind": g.kind, "window": g.window, "layers": len(g.layers)}
+                                for g in self.groups] if len(self.groups) > 1 else [],
             "reuse_stops": {r: self.reuse_stops[r] for r in REUSE_STOPS},
             "ghost_blocks": len(pool.ghosts),
             "ghost_capacity": pool.ghosts.capacity,
@@ -724,12 +933,17 @@ class KVCacheManager:
         blocks = self.pool.blocks
         expected = [b.pin_count for b in blocks]
         for seq in live:
-            for block_id in seq.block_table:
-                if block_id != RELEASED:
-                    expected[block_id] += 1
-            if self.window is not None:
-                first = max(0, seq.num_computed - self.window + 1) // self.block_size
-                assert RELEASED not in seq.block_table[first:], \
-                    "a block inside the attention window was released"
+            for group, view in self._views(seq):
+                for block_id in view.block_table:
+                    if block_id != RELEASED:
+                        expected[block_id] += 1
+                if group.window is None:
+                    assert RELEASED not in view.block_table, \
+                        f"group {group.index} attends fully but released a block"
+                else:
+                    first = max(0, seq.num_computed - group.window + 1) // self.block_size
+                    assert RELEASED not in view.block_table[first:], \
+                        "a block inside the attention window was released"
+                assert len(view.block_keys) <= len(view.block_table), "keys past the table"
         actual = [b.ref_count for b in blocks]
         assert expected == actual, "reference counts differ from the live block tables"

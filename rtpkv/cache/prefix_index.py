@@ -69,8 +69,11 @@ class KeyChain:
     admission, its commits and a re-admission after preemption all read the same chain)."""
 
     def __init__(self, index: PrefixIndex, token_ids: list[int], salt: bytes, salt_block: int,
-                 task: bool = False):
+                 task: bool = False, root: Optional[bytes] = None):
+        """`root`: the key block 0 chains from (a KV cache group's, groups.py); the index's
+        by default."""
         self.index = index
+        self.root = index.root if root is None else root
         self.token_ids = token_ids          # the sequence's own list: it grows as tokens arrive
         self.salt = salt
         self.salt_block = salt_block        # the first block the sequence owns
@@ -96,10 +99,10 @@ class KeyChain:
         keys = self._keys
         while len(keys) <= i:
             j = len(keys)
-            keys.append(self.index.key(keys[-1] if keys else self.index.root, self.tokens(j),
+            keys.append(self.index.key(keys[-1] if keys else self.root, self.tokens(j),
                                        self.extra(j)))
         return keys[i]
 
     def parent(self, i: int) -> bytes:
         """The key block i chains from: the previous block's, or the root for block 0."""
-        return self.key(i - 1) if i else self.index.root
+        return self.key(i - 1) if i else self.root

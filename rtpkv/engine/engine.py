@@ -61,7 +61,9 @@ class Engine:
         self.cache = KVCacheManager.build(model, config, self.window.tokens, hash_fn, tiers)
         self.events = self.cache.events
         self.scheduler = Scheduler(config, self.cache)
-        self.runner = ModelRunner(model.module, self.cache.memory, self.window.tokens)
+        self.runner = ModelRunner(model.module, self.cache.memory, self.window.tokens,
+                                  self.cache.groups, self.cache.layer_slots,
+                                  self.cache.layer_groups)
         self.lock = threading.RLock()
         self.step_log: deque[list[tuple[int, int, str]]] = deque(maxlen=STEP_LOG_SIZE)
         self.steps = 0

@@ -9,22 +9,30 @@ last row of each chunk that reaches the end of its sequence.
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import replace
+from typing import Optional, Sequence
 
 import torch
 
 from rtpkv.cache import KVMemory
+from rtpkv.cache.groups import KVGroup
 from rtpkv.engine.scheduler import ScheduledChunk
 from rtpkv.kernels import AttentionBatch
 from rtpkv.model_factory.llama import CausalLM
 
 
 class ModelRunner:
-    def __init__(self, module: CausalLM, memory: KVMemory, window: Optional[int] = None):
+    def __init__(self, module: CausalLM, memory: KVMemory, window: Optional[int] = None,
+                 groups: Sequence[KVGroup] = (), layer_slots: Optional[Sequence[int]] = None,
+                 layer_groups: Sequence[int] = ()):
+        """`groups`: the KV cache groups past group 0 have their own tables (groups.py);
+        `layer_slots` and `layer_groups`: each layer's pool slot and group."""
         self.module = module
         self.window = window          # tokens each query attends to (AttentionBatch.window)
+        self.groups = tuple(groups)
+        self.layer_groups = list(layer_groups)
         self.memory = memory
-        self.kv_caches = memory.layer_caches()
+        self.kv_caches = memory.layer_caches(layer_slots)
         self.block_size = memory.block_size
         self.device = memory.kv.device
         self.kv_heads = memory.kv.shape[2]
@@ -63,13 +71,27 @@ class ModelRunner:
             device=self.device)
         return ids, batch
 
+    def _layer_batches(self, chunks: list[ScheduledChunk], batch: AttentionBatch
+                       ) -> Optional[list[AttentionBatch]]:
+        """With KV cache groups, each layer's view of the batch: its group's block tables and
+        window (group 0's is `batch`); None without groups."""
+        if len(self.groups) < 2:
+            return None
+        ends = [-(-(c.start + c.num_tokens) // self.block_size) for c in chunks]
+        per_group = [batch] + [
+            replace(batch, window=group.window, block_tables=[
+                c.request.group_tables[group.index - 1].block_table[:end]
+                for c, end in zip(chunks, ends)])
+            for group in self.groups[1:]]
+        return [per_group[g] for g in self.layer_groups]
+
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Forward the batch. Returns logits (n, vocab) and the chunks they belong to."""
         ordered = ([c for c in chunks if c.num_tokens == 1]
                    + [c for c in chunks if c.num_tokens > 1])
         ids, batch = self.batch(ordered)
-        meta = self.module.attention_metadata(batch)
+        meta = self.module.attention_metadata(batch, self._layer_batches(ordered, batch))
         wanted, rows = [], []
         for c, row, n in zip(ordered, batch.query_start, batch.query_len):
             req = c.request

@@ -18,6 +18,7 @@ from rtpkv.generate_config import GenerateConfig
 
 if TYPE_CHECKING:
     from rtpkv.cache import KeyChain, PinnedPrefix
+    from rtpkv.cache.manager import GroupTable
     from rtpkv.cache.tiers.ladder import TierPlan
 
 _ids = itertools.count(1)
@@ -65,6 +66,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)
     key_chain: Optional["KeyChain"] = None
+    group_tables: list["GroupTable"] = field(default_factory=list)   # KV cache groups 1..
     tier_plan: Optional["TierPlan"] = None
     salt: bytes = b""
     num_computed: int = 0

@@ -57,6 +57,7 @@ class KVEventPublisher:
         self.layout = layout
         self.block_size = block_size
         self.root_key = root_key
+        self.group_roots = events.group_roots   # KV cache groups' roots: first blocks too
         self.topic = topic.encode()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
@@ -106,14 +107,17 @@ class KVEventPublisher:
             # header, raise: _translated drops that event and logs it)
             salt = bytes.fromhex(event.get("extra", "")).decode()
             tokens = [t for block in event["token_ids"] for t in block]
+            first = parent == self.root_key or parent in self.group_roots
+            group = {f: event[f] for f in wire.GROUP_FIELDS["BlockStored"] if f in event}
             return wire.block_stored(
                 [wire.wire_hash(bytes.fromhex(h)) for h in event["block_hashes"]],
-                None if parent == self.root_key else wire.wire_hash(parent), tokens,
+                None if first else wire.wire_hash(parent), tokens,
                 self.block_size, medium,
-                [[salt]] + [None] * (len(event["block_hashes"]) - 1) if salt else None)
+                [[salt]] + [None] * (len(event["block_hashes"]) - 1) if salt else None, group)
         if event["type"] == "removed":
             return wire.block_removed([wire.wire_hash(bytes.fromhex(h))
-                                       for h in event["block_hashes"]], medium)
+                                       for h in event["block_hashes"]], medium,
+                                      event.get("group_idx"))
         return None
 
     # ------------------------------------------------------------------ thread

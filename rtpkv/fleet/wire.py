@@ -44,6 +44,11 @@ FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "blo
                           "lora_id", "medium", "lora_name", "extra_keys"),
           "BlockRemoved": ("block_hashes", "medium"),
           "AllBlocksCleared": ()}
+# vLLM's KV cache group fields, after those: only on the events of a model with several groups
+# (rtpkv/cache/groups.py); a one-group model's events stay as they were
+GROUP_FIELDS = {"BlockStored": ("group_idx", "kv_cache_spec_kind",
+                                "kv_cache_spec_sliding_window"),
+                "BlockRemoved": ("group_idx",), "AllBlocksCleared": ()}
 
 
 def wire_hash(key: bytes) -> int:
@@ -57,14 +62,17 @@ Event = dict[str, Any]
 
 
 def block_stored(hashes: Sequence[int], parent: Optional[int], token_ids: Sequence[int],
-                 block_size: int, medium: str, extra_keys: Optional[list[Any]] = None) -> Event:
+                 block_size: int, medium: str, extra_keys: Optional[list[Any]] = None,
+                 group: Optional[dict[str, Any]] = None) -> Event:
+    """`group`: the KV cache group's fields (GROUP_FIELDS), for a model with several."""
     return {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent,
             "token_ids": list(token_ids), "block_size": block_size, "lora_id": None,
-            "medium": medium, "lora_name": None, "extra_keys": extra_keys}
+            "medium": medium, "lora_name": None, "extra_keys": extra_keys, **(group or {})}
 
 
-def block_removed(hashes: Sequence[int], medium: str) -> Event:
-    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium}
+def block_removed(hashes: Sequence[int], medium: str, group_idx: Optional[int] = None) -> Event:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium,
+            **({} if group_idx is None else {"group_idx": group_idx})}
 
 
 def all_blocks_cleared() -> Event:
@@ -75,7 +83,8 @@ def encode_batch(ts: float, events: Sequence[Event], data_parallel_rank: int = 0
                  layout: str = "map") -> bytes:
     """The msgpack batch of `events` (maps as built above) in `layout`."""
     if layout == "array":
-        events = [[e["type"], *(e[f] for f in FIELDS[e["type"]])] for e in events]
+        events = [[e["type"], *(e[f] for f in FIELDS[e["type"]]),
+                   *(e[f] for f in GROUP_FIELDS[e["type"]] if f in e)] for e in events]
     return msgpack.packb([ts, list(events), data_parallel_rank], use_bin_type=True)
 
 
@@ -83,5 +92,6 @@ def decode_batch(payload: bytes) -> tuple[float, list[Event], Optional[int]]:
     """(ts, events as maps, data_parallel_rank) of an encoded batch, in either layout."""
     batch = msgpack.unpackb(payload, raw=False)
     events = [e if isinstance(e, dict) else
-              {"type": e[0], **dict(zip(FIELDS[e[0]], e[1:]))} for e in batch[1]]
+              {"type": e[0], **dict(zip(FIELDS[e[0]] + GROUP_FIELDS[e[0]], e[1:]))}
+              for e in batch[1]]
     return batch[0], events, batch[2] if len(batch) > 2 else None

@@ -25,6 +25,7 @@ class Seq:
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)
     key_chain: Optional[KeyChain] = None
+    group_tables: list = field(default_factory=list)
     tier_plan: Optional[TierPlan] = None
     num_computed: int = 0
 

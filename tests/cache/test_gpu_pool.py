@@ -25,6 +25,8 @@ def test_the_smaller_of_fraction_and_max_tokens_wins():
     assert gpu_pool_blocks(GIB, PER_BLOCK, _config(kv_cache_free_gpu_mem_fraction=0.5,
                                                    kv_cache_max_tokens=10**7)) == 512
     assert gpu_pool_blocks(10 * GIB, PER_BLOCK, _config(kv_cache_mem_mb=300)) == 300
+    # KV cache groups: a token's K/V spread over 4 groups' blocks (rtpkv/cache/groups.py)
+    assert gpu_pool_blocks(10 * GIB, PER_BLOCK, _config(kv_cache_max_tokens=6400), share=4) == 400
 
 
 def test_without_caps_never_more_than_the_sequences_need():
