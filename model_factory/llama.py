@@ -1,5 +1,6 @@
 """The decoder-only models (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, and QWen read as
-Qwen2: model_factory/qwen.py) over a paged KV cache, built from and running their layer plan (model_factory/plan.py).
+Qwen2: model_factory/qwen.py) over a paged KV cache, built from and running their layer plan
+(model_factory/plan.py).
 
 Parameter names follow the Hugging Face checkpoints so a state dict loads as is; `fuse()` then
 concatenates q/k/v and gate/up projections so each layer runs two fewer matmuls.
