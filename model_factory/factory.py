@@ -15,6 +15,7 @@ import torch
 
 from rtpkv.config import RuntimeConfig, Settings, resolve
 from rtpkv.errors import ConfigError
+from rtpkv.kernels.cpu_build import select_isa
 from rtpkv.kernels.linear import bf16_gemm_supported
 from rtpkv.locked_tokenizer import LockedTokenizer
 from rtpkv.model_factory.llama import CausalLM
@@ -177,6 +178,10 @@ class ModelFactory:
         config = config.replace(max_seq_len=max_seq_len)
 
         files = weight_files(model_dir)
+        try:
+            select_isa(config.rtpkv_isa)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         with serial_torch():
             module = _load_module(spec, files, device, dtype, kv_dtype, config, max_seq_len,
                                   show_progress, model_dir)

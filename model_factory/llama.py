@@ -16,6 +16,7 @@ from torch import nn
 from rtpkv.kernels import (AttentionBackend, apply_rope_, attention_backend, rms_norm, rope_table,
                            silu_and_mul)
 from rtpkv.kernels.fused_decoder import FusedDecoder
+from rtpkv.kernels.bf16_linear import Bf16Linear
 from rtpkv.kernels.int8_linear import Int8Linear
 from rtpkv.kernels.w8a8_linear import W8A8Linear
 from rtpkv.kernels.linear import InferenceLinear, linear_path
@@ -137,15 +138,16 @@ class CausalLM(nn.Module):
                 kv_dtype: Optional[torch.dtype] = None) -> None:
         """After weights are loaded: tie, fuse, choose the GEMM path (kernels/linear.py; `linear`
         is RTPKV_LINEAR) or quantize the linear layers (`weight_quantization`: "int8",
-        kernels/int8_linear.py, or "w8a8_int8", kernels/w8a8_linear.py),
+        kernels/int8_linear.py, "w8a8_int8", kernels/w8a8_linear.py, or "bf16",
+        kernels/bf16_linear.py),
         build the RoPE table, pick the attention backend (`attention` is RTPKV_ATTENTION) for
         the pool's `kv_dtype` (torch.int8: the int8 KV cache; default: the model's dtype) and,
         where every layer runs on the C kernels, the fused decoder (kernels/fused_decoder.py)."""
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         weight = self.model.embed_tokens.weight
-        quantized = ({"int8": Int8Linear, "w8a8_int8": W8A8Linear}[weight_quantization]
-                     if weight_quantization else None)
+        quantized = ({"int8": Int8Linear, "w8a8_int8": W8A8Linear,
+                      "bf16": Bf16Linear}[weight_quantization] if weight_quantization else None)
         self.linear_path = (quantized.path if quantized
                             else linear_path(weight.dtype, weight.device, linear))
         freed = 0   # bytes of float weights the quantized layers free
@@ -170,15 +172,17 @@ class CausalLM(nn.Module):
         self.lm_head = convert(self.lm_head, shared=tied)
         if quantized:
             held = sum(m.nbytes for m in self.modules() if isinstance(m, quantized))
-            log.info("WEIGHT_TYPE=%s: %d linear layers (the LM head included) quantized to "
-                     "int8, one scale per output channel and %d inputs%s: %.1f MiB of float32 "
-                     "weights freed, %.1f MiB of int8 weights and scales held (%.1f MiB saved%s); "
+            kind = ("bfloat16" if quantized is Bf16Linear else
+                    f"int8, one scale per output channel and {self.lm_head.group_size} inputs")
+            log.info("WEIGHT_TYPE=%s: %d linear layers (the LM head included) held as %s%s: "
+                     "%.1f MiB of float32 weights freed, %.1f MiB held (%.1f MiB saved%s); "
                      "embeddings and norms stay float32", weight_quantization.upper(),
-                     4 * len(self.model.layers) + 1, self.lm_head.group_size,
+                     4 * len(self.model.layers) + 1, kind,
                      ", activations quantized per row and group at each call"
                      if quantized is W8A8Linear else "",
                      freed / 2**20, held / 2**20, (freed - held) / 2**20,
-                     "; the tied LM head is an int8 copy of the float32 embedding" if tied else "")
+                     f"; the tied LM head is a {kind.split(',')[0]} copy of the float32 embedding"
+                     if tied else "")
         self.cos, self.sin = rope_table(self.spec.inv_freq(), max_positions, weight.dtype, weight.device)
         self.attention = attention_backend(weight.device, weight.dtype, self.spec.head_dim,
                                            attention, kv_dtype)

@@ -21,7 +21,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rtpkv.cache.block import DEFAULT_PRIORITY
 from rtpkv.errors import ConfigError
-from rtpkv.kernels.names import ATTENTION_BACKENDS, LINEAR_PATHS
+from rtpkv.kernels.names import ATTENTION_BACKENDS, ISA_LEVELS, LINEAR_PATHS
 
 # Values in error messages: bounded in depth and length, so a value nested a thousand levels
 # deep or megabytes long is reported in a line (a plain repr would recurse or flood the log).
@@ -30,7 +30,7 @@ _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdi
     4, 200, 200, 10, 10
 
 _TRUE = {"1", "true", "on"}
-WEIGHT_TYPES = ("auto", "int8", "w8a8_int8")
+WEIGHT_TYPES = ("auto", "int8", "w8a8_int8", "bf16")
 KV_CACHE_DTYPES = ("auto", "int8")
 KV_EVENTS_LAYOUTS = ("map", "array")   # the KV events' layouts (rtpkv.fleet.wire)
 _CHOICES = {"weight_type": WEIGHT_TYPES, "kv_cache_dtype": KV_CACHE_DTYPES,
@@ -195,12 +195,16 @@ class RuntimeConfig(BaseModel):
     # kernel choices (rtpkv.kernels): auto = the fastest that builds and supports the dtype
     rtpkv_attention: str = Field("auto", pattern=f"^({'|'.join(ATTENTION_BACKENDS)})$")
     rtpkv_linear: str = Field("auto", pattern=f"^({'|'.join(LINEAR_PATHS)})$")
+    # the vector ISA the C kernels are built for (rtpkv.kernels.cpu_build): auto = the highest
+    # this CPU runs; every level gives the same bits
+    rtpkv_isa: str = Field("auto", pattern=f"^({'|'.join(ISA_LEVELS)})$")
     # seconds between malloc_trim(0) calls from the engine thread (rtpkv.engine.heap_trim), which
     # keep glibc's freed activations from staying resident under load; 0: off
     rtpkv_malloc_trim_s: float = Field(10.0, ge=0)
     # int8 linear layers: rtp-llm's weight-only int8 (rtpkv.kernels.int8_linear), WEIGHT_TYPE=INT8
     # or INT8_MODE=1 (its older alias); or int8 weights and activations
-    # (rtpkv.kernels.w8a8_linear), WEIGHT_TYPE=W8A8_INT8; "auto" keeps the model's dtype
+    # (rtpkv.kernels.w8a8_linear), WEIGHT_TYPE=W8A8_INT8; or bfloat16 weights computed in float32
+    # (rtpkv.kernels.bf16_linear), WEIGHT_TYPE=BF16; "auto" keeps the model's dtype
     weight_type: str = "auto"
     int8_mode: bool = False
     # the KV cache's storage (rtpkv.kernels.kv_quant): KV_CACHE_DTYPE=int8, or rtp-llm's
@@ -268,7 +272,8 @@ class RuntimeConfig(BaseModel):
     def weight_quantization(self) -> Optional[str]:
         """How the linear layers are quantized: "int8" (weight-only: WEIGHT_TYPE=INT8 or
         INT8_MODE=1), "w8a8_int8" (weights and activations: WEIGHT_TYPE=W8A8_INT8; it wins over
-        INT8_MODE=1), or None (the model's dtype)."""
+        INT8_MODE=1), "bf16" (bfloat16 weights, float32 arithmetic: WEIGHT_TYPE=BF16), or None
+        (the model's dtype)."""
         if self.weight_type != "auto":
             return self.weight_type
         return "int8" if self.int8_mode else None

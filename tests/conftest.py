@@ -65,6 +65,22 @@ def checkpoints(tmp_path_factory) -> Callable[[str], Path]:
     return get
 
 
+def c_kernels_missing() -> str | None:
+    """Why this host cannot run the project's C kernels (None where it can): the CPU flags it
+    lacks, or no working C compiler."""
+    from rtpkv.kernels import cpu_build, fp32_linear
+
+    if not cpu_build.available_isas():
+        return "this CPU lacks AVX2 or FMA, which the C kernels need"
+    if not fp32_linear.available():
+        return "the C kernels do not build here (no C compiler, or the build failed)"
+    return None
+
+
+needs_c_kernels = pytest.mark.skipif(c_kernels_missing() is not None,
+                                     reason=c_kernels_missing() or "")
+
+
 @pytest.fixture(scope="session")
 def llama_path(checkpoints) -> Path:
     return checkpoints("llama")

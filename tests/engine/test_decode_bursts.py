@@ -6,9 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import idle_in_use, run
+from conftest import idle_in_use, needs_c_kernels, run
 from rtpkv.errors import ConfigError
 from rtpkv.model_factory import ModelConfig
+
+pytestmark = needs_c_kernels
+
+
+@pytest.fixture(autouse=True)
+def fused_path(monkeypatch):
+    """The fused decoder needs every linear layer on the C kernels: float32 models ask for the
+    avx2 path by name instead of relying on what `auto` picks on this host."""
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
 
 # the modes the fused decoder runs: float32 weights, int8, w8a8; float32 or int8 KV
 FUSED_MODES = {"float32": {}, "int8": dict(weight_type="INT8"),
