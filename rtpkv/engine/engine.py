@@ -38,6 +38,7 @@ from rtpkv.engine.scheduler import ScheduledChunk, Scheduler
 from rtpkv.engine.window import attention_window
 from rtpkv.errors import EngineStoppedError, RequestTimeoutError
 from rtpkv.log_limit import RateLimitedLog
+from rtpkv.torch_threads import engine_threads
 from rtpkv.model_factory.factory import Model
 
 if TYPE_CHECKING:
@@ -69,7 +70,10 @@ class Engine:
         self._inbox: "queue.Queue[Optional[Request]]" = queue.Queue()
         self._stopped = threading.Event()
         self._submitting = threading.Lock()
-        self._threads = torch.get_num_threads()
+        self._threads = engine_threads()
+        if self._threads < torch.get_num_threads():
+            log.info("engine threads: %d of torch's %d (the CPUs this process may use: affinity "
+                     "and cgroup quota)", self._threads, torch.get_num_threads())
         self._step_failed = RateLimitedLog(log, logging.ERROR)
         self.heap = HeapTrimmer(config.rtpkv_malloc_trim_s, libc_malloc_trim())
         log.info("attention window: %s, attention backend: %s", self.window.describe(),
