@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
 needs_flash = pytest.mark.skipif(
     not torch.cuda.is_available() or load_flash_attn() is None,
     reason=NO_GPU if not torch.cuda.is_available()
-    else "flash_attn is not installed (pip install -e '.[gpu]', see the README)")
+    else "flash_attn is not installed (pip install -e '.[gpu]', see docs/USAGE.md)")
 DTYPES = {"float16": (torch.float16, 1e-2), "bfloat16": (torch.bfloat16, 6e-2)}
 # Each attention backend that runs on CUDA: torch's reference always, flash-attn where it imports.
 ATTENTIONS = ["torch", pytest.param("flash-attn", marks=needs_flash)]
