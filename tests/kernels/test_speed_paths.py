@@ -183,7 +183,7 @@ def test_bad_kernel_choices_are_refused(monkeypatch):
 def test_without_a_compiler_attention_falls_back_to_torch(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("RTPKV_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    cpu_build.load_library.cache_clear()
+    cpu_build._load_library.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="rtpkv"):
             backend = attention_backend(CPU, torch.float32, D)
@@ -192,7 +192,7 @@ def test_without_a_compiler_attention_falls_back_to_torch(monkeypatch, tmp_path,
         with pytest.raises(RuntimeError, match="could not be built"):
             attention_backend(CPU, torch.float32, D, "cpu-paged")
     finally:
-        cpu_build.load_library.cache_clear()
+        cpu_build._load_library.cache_clear()
 
 
 def test_auto_dtype_on_cpu_is_the_fastest_exact_one(tmp_path, llama_path):
