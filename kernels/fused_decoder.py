@@ -26,10 +26,8 @@ import torch
 from rtpkv.kernels.cpu_attention import CpuMetadata, CpuPagedAttention, kernel_args, _Args
 from rtpkv.kernels.cpu_build import Signatures, bound_library
 from rtpkv.kernels.fused_ops import ptr
-from rtpkv.kernels import fused_ops, int8_linear, w8a8_linear
-from rtpkv.kernels.bf16_linear import Bf16Linear
+from rtpkv.kernels import fused_ops, weight_types
 from rtpkv.kernels.int8_linear import Int8Linear, QuantizedLinear
-from rtpkv.kernels.w8a8_linear import W8A8Linear
 
 if TYPE_CHECKING:
     from rtpkv.model_factory.llama import CausalLM
@@ -73,8 +71,8 @@ class _Burst(ctypes.Structure):
 KEPT_ROWS = 64
 
 # the linear layers' path -> (LINEAR_* of csrc/decoder.c, the fewest rows of its prefill tiles)
-_LINEAR_KINDS = {"avx2": (0, 0), Int8Linear.path: (1, int8_linear.PANEL_MIN_ROWS),
-                 W8A8Linear.path: (2, w8a8_linear.MANY_ROWS_FROM), Bf16Linear.path: (3, 0)}
+_LINEAR_KINDS = {"avx2": (0, 0), **{t.layer.path: (t.kernel_kind, t.panel_rows)
+                                    for t in weight_types.REGISTRY.values()}}
 
 _SIGNATURES: Signatures = {
     "rtpkv_decoder_forward": ([ctypes.POINTER(_Model), ctypes.POINTER(_Step)], None),

@@ -15,10 +15,8 @@ from torch import nn
 
 from rtpkv.kernels import (AttentionBackend, apply_rope_, attention_backend, rms_norm, rope_table,
                            silu_and_mul)
+from rtpkv.kernels import weight_types
 from rtpkv.kernels.fused_decoder import FusedDecoder
-from rtpkv.kernels.bf16_linear import Bf16Linear
-from rtpkv.kernels.int8_linear import Int8Linear
-from rtpkv.kernels.w8a8_linear import W8A8Linear
 from rtpkv.kernels.linear import InferenceLinear, linear_path
 from rtpkv.model_factory.spec import ModelSpec
 
@@ -137,28 +135,26 @@ class CausalLM(nn.Module):
                 weight_quantization: Optional[str] = None,
                 kv_dtype: Optional[torch.dtype] = None) -> None:
         """After weights are loaded: tie, fuse, choose the GEMM path (kernels/linear.py; `linear`
-        is RTPKV_LINEAR) or quantize the linear layers (`weight_quantization`: "int8",
-        kernels/int8_linear.py, "w8a8_int8", kernels/w8a8_linear.py, or "bf16",
-        kernels/bf16_linear.py),
+        is RTPKV_LINEAR) or convert the linear layers (`weight_quantization`: a WEIGHT_TYPE of
+        kernels/weight_types.py),
         build the RoPE table, pick the attention backend (`attention` is RTPKV_ATTENTION) for
         the pool's `kv_dtype` (torch.int8: the int8 KV cache; default: the model's dtype) and,
         where every layer runs on the C kernels, the fused decoder (kernels/fused_decoder.py)."""
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         weight = self.model.embed_tokens.weight
-        quantized = ({"int8": Int8Linear, "w8a8_int8": W8A8Linear,
-                      "bf16": Bf16Linear}[weight_quantization] if weight_quantization else None)
-        self.linear_path = (quantized.path if quantized
+        kind = weight_types.REGISTRY[weight_quantization] if weight_quantization else None
+        self.linear_path = (kind.layer.path if kind
                             else linear_path(weight.dtype, weight.device, linear))
         freed = 0   # bytes of float weights the quantized layers free
 
         def convert(layer: nn.Linear, shared: bool = False) -> nn.Module:
             nonlocal freed
-            if quantized is None:
+            if kind is None:
                 return InferenceLinear(layer, self.linear_path)
             if not shared:
                 freed += sum(p.numel() * p.element_size() for p in layer.parameters())
-            return quantized(layer)
+            return kind.convert(layer)
 
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -170,19 +166,14 @@ class CausalLM(nn.Module):
             mlp.down_proj = convert(mlp.down_proj)
         tied = self.spec.tie_word_embeddings
         self.lm_head = convert(self.lm_head, shared=tied)
-        if quantized:
-            held = sum(m.nbytes for m in self.modules() if isinstance(m, quantized))
-            kind = ("bfloat16" if quantized is Bf16Linear else
-                    f"int8, one scale per output channel and {self.lm_head.group_size} inputs")
-            log.info("WEIGHT_TYPE=%s: %d linear layers (the LM head included) held as %s%s: "
+        if kind:
+            held = sum(m.nbytes for m in self.modules() if isinstance(m, kind.layer))
+            log.info("WEIGHT_TYPE=%s: %d linear layers (the LM head included) held as %s: "
                      "%.1f MiB of float32 weights freed, %.1f MiB held (%.1f MiB saved%s); "
-                     "embeddings and norms stay float32", weight_quantization.upper(),
-                     4 * len(self.model.layers) + 1, kind,
-                     ", activations quantized per row and group at each call"
-                     if quantized is W8A8Linear else "",
+                     "embeddings and norms stay float32", kind.name.upper(),
+                     4 * len(self.model.layers) + 1, kind.held_as,
                      freed / 2**20, held / 2**20, (freed - held) / 2**20,
-                     f"; the tied LM head is a {kind.split(',')[0]} copy of the float32 embedding"
-                     if tied else "")
+                     "; the tied LM head is a copy of the float32 embedding" if tied else "")
         self.cos, self.sin = rope_table(self.spec.inv_freq(), max_positions, weight.dtype, weight.device)
         self.attention = attention_backend(weight.device, weight.dtype, self.spec.head_dim,
                                            attention, kv_dtype)

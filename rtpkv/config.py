@@ -21,7 +21,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rtpkv.cache.block import DEFAULT_PRIORITY
 from rtpkv.errors import ConfigError
-from rtpkv.kernels.names import ATTENTION_BACKENDS, ISA_LEVELS, LINEAR_PATHS
+from rtpkv.kernels.names import ATTENTION_BACKENDS, ISA_LEVELS, LINEAR_PATHS, WEIGHT_TYPES
 
 # Values in error messages: bounded in depth and length, so a value nested a thousand levels
 # deep or megabytes long is reported in a line (a plain repr would recurse or flood the log).
@@ -30,7 +30,6 @@ _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdi
     4, 200, 200, 10, 10
 
 _TRUE = {"1", "true", "on"}
-WEIGHT_TYPES = ("auto", "int8", "w8a8_int8", "bf16")
 KV_CACHE_DTYPES = ("auto", "int8")
 KV_EVENTS_LAYOUTS = ("map", "array")   # the KV events' layouts (rtpkv.fleet.wire)
 _CHOICES = {"weight_type": WEIGHT_TYPES, "kv_cache_dtype": KV_CACHE_DTYPES,
