@@ -302,8 +302,7 @@ class Pipeline:
                 from rtpkv.fleet import publisher  # the `fleet` extra: only when asked for
 
                 self.kv_event_publisher = publisher.KVEventPublisher.from_config(
-                    config, self.engine.events, self.engine.block_size,
-                    self.engine.cache.index.root)
+                    config, self.engine.events, self.engine.block_size, self.engine.root_key)
                 self.engine.announce_tiers()  # a restarted replica's disk records
             for task in task_list:
                 self.add_task(task.task_id, task.prompt)
@@ -486,7 +485,7 @@ class Pipeline:
         are now cached: a request that extends the prompt reuses that many (one equal to it,
         all but its last token at most). Blocks until done; refused when reuse is off."""
         req, _ = self._prepare(prompt, generate_config, kwargs, prewarm=True)
-        if not self.engine.cache.reuse_applies(req):
+        if not self.engine.reuse_applies(req):
             raise RequestError("prewarm would cache nothing: reuse is off (REUSE_CACHE=0, or "
                                "reuse_cache false for this request)")
         self.engine.submit(req)

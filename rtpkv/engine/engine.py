@@ -98,11 +98,11 @@ class Engine:
     def unpin(self, handle: PinnedPrefix) -> None:
         """Let a task prompt's blocks go: they become ordinary cached blocks."""
         with self.lock:
-            self.scheduler.unpin(handle)
+            self.cache.unpin(handle)
 
     def pin_shortfall(self, num_tokens: int) -> Optional[str]:
         with self.lock:
-            return self.scheduler.pin_shortfall(num_tokens)
+            return self.cache.pin_shortfall(num_tokens)
 
     def stop(self) -> None:
         """End the loop, fail what is in flight with EngineStoppedError, join the thread."""
@@ -125,7 +125,9 @@ class Engine:
 
     def cache_stats(self) -> dict[str, Any]:
         with self.lock:
-            stats = self.scheduler.cache_stats()
+            stats = self.cache.stats()
+            stats["requests_running"] = len(self.scheduler.running)
+            stats["requests_waiting"] = len(self.scheduler.waiting)
             stats["attention_window"] = self.window.tokens
             stats["attention_window_source"] = self.window.source
             return stats
@@ -133,16 +135,35 @@ class Engine:
     def cached_tokens(self, req: Request) -> int:
         """How many of `req`'s tokens the device pool holds now, as a prefix."""
         with self.lock:
-            return self.scheduler.cached_tokens(req)
+            return self.cache.cached_tokens(req)
 
     def check_integrity(self) -> None:
         with self.lock:
-            self.scheduler.check_integrity()
+            self.cache.check_integrity(self.scheduler.running)
 
     def announce_tiers(self) -> None:
         """Emit a stored event for each block the tiers held before events were listened to."""
         with self.lock:
-            self.scheduler.announce_tiers()
+            self.cache.announce_tiers()
+
+    def reuse_applies(self, req: Request) -> bool:
+        """Whether `req` looks up and registers cached blocks (REUSE_CACHE and its own
+        `reuse_cache`)."""
+        return self.cache.reuse_applies(req)
+
+    @property
+    def root_key(self) -> bytes:
+        """The key every chain of block keys starts from (the KV events' first parent)."""
+        return self.cache.index.root
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens the device pool holds when full."""
+        return self.cache.num_blocks * self.block_size
+
+    def tier_names(self) -> list[str]:
+        """The tiers below the device pool, nearest first."""
+        return [tier.name for tier in self.cache.ladder.tiers]
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:

@@ -23,9 +23,9 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
-from rtpkv.cache.manager import KVCacheManager, PinnedPrefix
+from rtpkv.cache.manager import KVCacheManager
 from rtpkv.config import CapacitySchedulerPolicy, ContextChunkingPolicy, RuntimeConfig, SchedulePolicy
 from rtpkv.engine.request import FinishReason, Request
 from rtpkv.errors import CapacityError
@@ -79,27 +79,6 @@ class Scheduler:
                 f"max_new_tokens {req.max_new_tokens}, {self.block_size} tokens per block"
                 f"{shown}) but the pool has {usable} usable blocks ({total} total, "
                 f"{total - usable} pinned)")
-
-    def unpin(self, handle: PinnedPrefix) -> None:
-        self.cache.unpin(handle)
-
-    def pin_shortfall(self, num_tokens: int) -> Optional[str]:
-        return self.cache.pin_shortfall(num_tokens)
-
-    def cache_stats(self) -> dict[str, Any]:
-        stats = self.cache.stats()
-        stats["requests_running"] = len(self.running)
-        stats["requests_waiting"] = len(self.waiting)
-        return stats
-
-    def check_integrity(self) -> None:
-        self.cache.check_integrity(self.running)
-
-    def announce_tiers(self) -> None:
-        self.cache.announce_tiers()
-
-    def cached_tokens(self, req: Request) -> int:
-        return self.cache.cached_tokens(req)
 
     def take_failed(self) -> list[Request]:
         """Requests that failed while being admitted (their `error` says why); each is out of
