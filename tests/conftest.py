@@ -146,12 +146,12 @@ def load(path: Path, **config: Any) -> Model:
 
 @pytest.fixture
 def make_pipeline(llama_path):
-    """make_pipeline(path=None, tasks=None, hash_fn=..., **options) -> a Pipeline that is
+    """make_pipeline(path=None, tasks=None, **options) -> a Pipeline that is
     integrity-checked and stopped after the test."""
     made: list[Pipeline] = []
 
     def make(path: Path | None = None, **options: Any) -> Pipeline:
-        extra = {k: options.pop(k) for k in ("tasks", "hash_fn") if k in options}
+        extra = {k: options.pop(k) for k in ("tasks",) if k in options}
         options.setdefault("kv_cache_max_tokens", 8192)
         model = load(path or llama_path, **options)
         pipe = Pipeline(model, model.tokenizer, **extra)

@@ -54,7 +54,7 @@ from rtpkv.cache.eviction import EvictionPolicy
 from rtpkv.cache.events import KVEventBuffer
 from rtpkv.cache.gpu_pool import gpu_pool_blocks
 from rtpkv.cache.kv_memory import KVMemory
-from rtpkv.cache.prefix_index import HashFn, KeyChain, PrefixIndex, sha256
+from rtpkv.cache.prefix_index import KeyChain, PrefixIndex
 from rtpkv.cache.retention import KvCacheRetentionConfig
 from rtpkv.cache.tiers.base import BlockMeta
 from rtpkv.cache.tiers.ladder import TierHit, TierLadder, TierPlan
@@ -232,11 +232,10 @@ class KVCacheManager:
         self.reuse_stops: Counter[str] = Counter()
 
     @classmethod
-    def build(cls, model: "Model", config: "RuntimeConfig", window: Optional[int],
-              hash_fn: HashFn = sha256,
-              tiers: Optional[Sequence["KVTier"]] = None) -> "KVCacheManager":
+    def build(cls, model: "Model", config: "RuntimeConfig",
+              window: Optional[int]) -> "KVCacheManager":
         """The cache the configuration asks for: the pool sized by `pool_blocks`, the KV memory,
-        the event buffer and the tiers (`tiers` replaces the configured ones)."""
+        the event buffer and the tiers."""
         from rtpkv.cache.tiers.factory import build_tiers
         from rtpkv.torch_threads import serial_torch
 
@@ -245,11 +244,11 @@ class KVCacheManager:
         with serial_torch():
             memory = KVMemory(spec.num_layers, num_blocks, B, spec.num_kv_heads, spec.head_dim,
                               model.kv_dtype, model.device)
-        cache = cls(num_blocks, B, PrefixIndex(model.fingerprint, B, hash_fn), memory=memory,
+        cache = cls(num_blocks, B, PrefixIndex(model.fingerprint, B), memory=memory,
                     reuse_enabled=config.reuse_cache,
                     partial_reuse=config.enable_partial_reuse,
                     events=KVEventBuffer(config.kv_cache_event_buffer_max_size),
-                    tiers=build_tiers(config, model, B) if tiers is None else tiers,
+                    tiers=build_tiers(config, model, B),
                     offload_min_priority=config.secondary_offload_min_priority, window=window,
                     ghosts=config.kv_cache_ghost_blocks, quota=salt_quota(config))
         log.info("reuse_cache: %s, partial reuse: %s", config.reuse_cache,
