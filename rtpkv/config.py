@@ -19,8 +19,8 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
                       field_validator)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from rtpkv.cache.block import DEFAULT_PRIORITY
 from rtpkv.errors import ConfigError
+from rtpkv.switches import parse_switch
 from rtpkv.kernels.names import ATTENTION_BACKENDS, ISA_LEVELS, LINEAR_PATHS, WEIGHT_TYPES
 
 # Values in error messages: bounded in depth and length, so a value nested a thousand levels
@@ -29,12 +29,13 @@ _SHORT = reprlib.Repr()
 _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = \
     4, 200, 200, 10, 10
 
-_TRUE = {"1", "true", "on"}
 KV_CACHE_DTYPES = ("auto", "int8")
 KV_EVENTS_LAYOUTS = ("map", "array")   # the KV events' layouts (rtpkv.fleet.wire)
 _CHOICES = {"weight_type": WEIGHT_TYPES, "kv_cache_dtype": KV_CACHE_DTYPES,
             "kv_events_layout": KV_EVENTS_LAYOUTS}   # lower-cased
-_FALSE = {"0", "false", "off"}
+# a block's retention priority when no request gave one (rtp-llm's default; 0-100, higher kept
+# longer): the cache's default, and SECONDARY_OFFLOAD_MIN_PRIORITY's
+DEFAULT_PRIORITY = 35
 
 
 class CapacitySchedulerPolicy(str, enum.Enum):
@@ -57,18 +58,6 @@ class SchedulePolicy(str, enum.Enum):
 
     FCFS = "fcfs"
     LPM = "lpm"
-
-
-def parse_switch(value: Any) -> Any:
-    """Accept 1/0, true/false, on/off in any case (and real booleans); refuse anything else."""
-    if isinstance(value, bool) or value is None:
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ValueError("accepted values are 1/0, true/false, on/off (any case)")
 
 
 def describe_validation_error(exc: ValidationError, name: Callable[[str], str] = str,

@@ -20,7 +20,7 @@ from rtpkv.server import openai
 from rtpkv.server.errors import ApiError, ErrorCode, api_error
 
 if TYPE_CHECKING:
-    from rtpkv.server.app import ServerState
+    from rtpkv.server.state import ServerState
 
 
 def _generate_request(model: str, token_ids: list[int], max_tokens: Any) -> dict[str, Any]:
