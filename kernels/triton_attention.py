@@ -1,9 +1,9 @@
 """The Triton attention backend: paged attention read in place from rtpkv's head-major KV pool
 (kv_store), any block size, in one launch per layer for a whole mixed batch.
 
-The batch is cut into tiles of up to TILE_ROWS consecutive query rows of one sequence: a
-decode token is a tile of its own, a prefill chunk (after a cached prefix or not) is cut into
-tiles. One program per (tile, query head) walks the keys from its rows' oldest key to its
+The batch is cut into tiles of up to TILE_ROWS consecutive query rows of one sequence, aligned
+to positions (see `tiles`): a decode token is a tile of its own, a prefill chunk (after a
+cached prefix or not) is cut into tiles. One program per (tile, query head) walks the keys from its rows' oldest key to its
 newest in chunks of KEY_CHUNK positions, each chunk starting at a multiple of KEY_CHUNK, each
 key's pool row looked up through the sequence's block table (so SEQ_SIZE_PER_BLOCK may be any
 power of two), with an online softmax in float32. GQA maps query head h to KV head
@@ -13,8 +13,9 @@ query, and table entries before a tile's window (released, -1) are never read.
 Batch-invariant: a query row sees the same key chunks in the same order with the same tile
 shapes wherever it is (alone, batched, in a chunk starting at 0 or after a reused prefix, as a
 decode step): a chunk wholly masked for a row leaves its running max, sum and accumulator
-bit-for-bit unchanged (its scores are -inf, its weights exactly 0, its rescale exactly 1), and
-the matrix products' per-row results do not depend on the other rows of the tile. So reuse on
+bit-for-bit unchanged (its scores are -inf, its weights exactly 0, its rescale exactly 1), a
+row sits at the same index of its tile (its position modulo TILE_ROWS) and a key at the same
+index of its chunk, and a matrix product's row does not depend on the tile's other rows. So reuse on
 and reuse off give the same tokens, as with the CPU paged kernel (cpu_attention).
 
 The metadata is four device tensors whose shapes depend only on the batch's rows, sequences and
@@ -34,7 +35,7 @@ import triton.language as tl
 
 from rtpkv.kernels import triton_support
 from rtpkv.kernels.attention import AttentionBatch
-from rtpkv.kernels.triton_ops import store_kv
+from rtpkv.kernels.triton_ops import add, maximum, minimum, store_kv
 
 TILE_ROWS = 16       # query rows a program attends (the smallest tl.dot tile)
 KEY_CHUNK = 32       # keys per step of a program's loop, at multiples of KEY_CHUNK
@@ -53,31 +54,32 @@ def _paged_attention_kernel(q_ptr, k_cache, v_cache, out_ptr, positions_ptr, tab
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
-    seq = tl.load(tiles_ptr + 3 * tile)
-    first_row = tl.load(tiles_ptr + 3 * tile + 1)
-    num_rows = tl.load(tiles_ptr + 3 * tile + 2)
+    seq = tl.load(tiles_ptr + 4 * tile)
+    first_row = tl.load(tiles_ptr + 4 * tile + 1)
+    num_rows = tl.load(tiles_ptr + 4 * tile + 2)
+    lead = tl.load(tiles_ptr + 4 * tile + 3)   # the tile's index of its first row
 
     offs_m = tl.arange(0, TILE)
     offs_n = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < num_rows
+    row_ok = (offs_m >= lead) & (offs_m < lead + num_rows)
     d_ok = offs_d < HEAD_DIM
-    rows = (first_row + offs_m).to(tl.int64)
+    rows = tl.where(row_ok, first_row - lead + offs_m, first_row).to(tl.int64)
     pos = tl.load(positions_ptr + rows, mask=row_ok, other=0)
     if window > 0:
         oldest = tl.maximum(pos - window + 1, 0)      # each row's oldest key
     else:
         oldest = pos * 0
-    newest = tl.max(tl.where(row_ok, pos, 0), axis=0)
-    start = tl.min(tl.where(row_ok, oldest, newest), axis=0) // CHUNK * CHUNK
+    newest = tl.reduce(tl.where(row_ok, pos, 0), 0, maximum)
+    start = tl.reduce(tl.where(row_ok, oldest, newest), 0, minimum) // CHUNK * CHUNK
 
     q = tl.load(q_ptr + rows[:, None] * q_row_stride + head * q_head_stride + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    m_i = tl.zeros([TILE], dtype=tl.float32) - 1.0e30   # finite: a masked chunk keeps it
-    l_i = tl.zeros([TILE], dtype=tl.float32)
-    acc = tl.zeros([TILE, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([TILE], -1.0e30, tl.float32)   # finite: a wholly masked chunk keeps it
+    l_i = tl.full([TILE], 0.0, tl.float32)
+    acc = tl.full([TILE, BLOCK_D], 0.0, tl.float32)
     table = tables_ptr + seq.to(tl.int64) * table_stride
     for key in range(start, newest + 1, CHUNK):
         kpos = key + offs_n
@@ -92,10 +94,10 @@ def _paged_attention_kernel(q_ptr, k_cache, v_cache, out_ptr, positions_ptr, tab
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         seen = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] >= oldest[:, None])
         s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, maximum))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        l_i = l_i * alpha + tl.reduce(p, 1, add)
         v = tl.load(v_cache + krow[:, None] * HEAD_DIM + offs_d[None, :], mask=kv_mask, other=0.0)
         p = p.to(v.dtype)   # rounded to the model's dtype, as flash attention does
         if DOT_FP32:
@@ -115,16 +117,26 @@ class TritonMetadata:
     slots: torch.Tensor        # (T,) int64 pool slot of each row's new K/V; -1: not written
     positions: torch.Tensor    # (T,) int32
     tables: torch.Tensor       # (num_seqs, width) int32, released entries (-1) as block 0
-    tiles: torch.Tensor        # (num_tiles, 3) int32: sequence, first row, rows
+    tiles: torch.Tensor        # (num_tiles, 4) int32: sequence, first row, rows, lead
     block_size: int
     window: int                # keys each query attends, itself included; 0: all
 
 
-def tiles(query_start: list[int], query_len: list[int]) -> list[tuple[int, int, int]]:
-    """(sequence, first row, rows) of each tile: each sequence's rows cut every TILE_ROWS."""
-    return [(seq, row, min(TILE_ROWS, start + n - row))
-            for seq, (start, n) in enumerate(zip(query_start, query_len))
-            for row in range(start, start + n, TILE_ROWS)]
+def tiles(query_start: list[int], query_len: list[int],
+          first_position: list[int]) -> list[tuple[int, int, int, int]]:
+    """(sequence, first row, rows, lead) of each tile: a tile holds the step's rows of one
+    sequence at positions [k * TILE_ROWS, (k + 1) * TILE_ROWS), the row at position p at index
+    p % TILE_ROWS (its `lead` for the first): a row's index in its tile, and so the arithmetic
+    that computes it, is the same however the sequence's tokens are cut into steps."""
+    out = []
+    for seq, (row, n, position) in enumerate(zip(query_start, query_len, first_position)):
+        end = row + n
+        while row < end:
+            lead = position % TILE_ROWS
+            rows = min(TILE_ROWS - lead, end - row)
+            out.append((seq, row, rows, lead))
+            row, position = row + rows, position + rows
+    return out
 
 
 class TritonAttention:
@@ -157,8 +169,9 @@ class TritonAttention:
             slots=slots,
             positions=torch.tensor(batch.positions, dtype=torch.int32, device=device),
             tables=batch.block_tables_tensor.clamp(min=0).to(torch.int32),
-            tiles=torch.tensor(tiles(batch.query_start, batch.query_len),
-                               dtype=torch.int32, device=device).view(-1, 3),
+            tiles=torch.tensor(tiles(batch.query_start, batch.query_len,
+                                     [c - n for c, n in zip(batch.context_len, batch.query_len)]),
+                               dtype=torch.int32, device=device).view(-1, 4),
             block_size=batch.block_size, window=batch.window or 0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

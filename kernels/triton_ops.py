@@ -20,6 +20,25 @@ import triton.language as tl
 ACTIVATION_BLOCK = 1024   # elements of a row each activation program handles
 
 
+# Reductions go through tl.reduce with these (and fills through tl.full) rather than tl.sum,
+# tl.max, tl.min, tl.zeros, which triton.language defines as kernels when triton is imported:
+# so Triton's interpreter (TRITON_INTERPRET=1) runs rtpkv's kernels even where it was switched
+# on after that import.
+@triton.jit
+def add(a, b):
+    return a + b
+
+
+@triton.jit
+def maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def minimum(a, b):
+    return tl.minimum(a, b)
+
+
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, slots_ptr, k_row_stride, k_head_stride,
                      v_row_stride, v_head_stride, num_slots,
@@ -63,7 +82,7 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, dim, eps,
              + x.to(tl.float32)).to(x.dtype)
         tl.store(residual_ptr + row + offs, x, mask=mask)
     h = x.to(tl.float32)
-    variance = tl.sum(h * h, axis=0) / dim
+    variance = tl.reduce(h * h, 0, add) / dim
     normed = (h * (1.0 / tl.sqrt(variance + eps))).to(x.dtype)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     tl.store(out_ptr + row + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype),
@@ -143,9 +162,11 @@ def _gated_activation_kernel(x_ptr, out_ptr, inter, GELU_TANH: tl.constexpr,
     gate = tl.load(x_ptr + row * 2 * inter + offs, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * 2 * inter + inter + offs, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    if GELU_TANH:   # 0.5 g (1 + tanh(u)), tanh(u) = 2 sigmoid(2u) - 1
+    if GELU_TANH:   # 0.5 g (1 + tanh(u)), tanh(|u|) = (1 - e) / (1 + e), e = exp(-2|u|) <= 1
         u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        act = 0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * u)))
+        e = tl.exp(-2.0 * tl.abs(u))
+        tanh = (1.0 - e) / (1.0 + e)
+        act = 0.5 * g * (1.0 + tl.where(u >= 0, tanh, -tanh))
     else:
         act = g / (1.0 + tl.exp(-g))
     out = (act.to(gate.dtype).to(tl.float32) * up.to(tl.float32)).to(gate.dtype)

@@ -53,6 +53,34 @@ def flash_attn_standin(monkeypatch):
     return standin
 
 
+TRITON_MODULES = ("rtpkv.kernels.triton_ops", "rtpkv.kernels.triton_attention")
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """rtpkv's Triton kernels run by Triton's interpreter on CPU tensors (TRITON_INTERPRET=1,
+    read when a kernel is defined): their modules are imported afresh under it and dropped after
+    the test, so a later test on a GPU compiles them. Skips, with the reason, where triton does
+    not import. Yields (triton_ops, triton_attention)."""
+    import importlib
+    import sys
+
+    from rtpkv import kernels
+    from rtpkv.kernels import triton_support
+
+    why = triton_support.import_error()
+    if why:
+        pytest.skip(why)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for name in TRITON_MODULES:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        monkeypatch.delattr(kernels, name.rsplit(".", 1)[1], raising=False)
+    yield tuple(importlib.import_module(name) for name in TRITON_MODULES)
+    for name in TRITON_MODULES:
+        sys.modules.pop(name, None)
+        kernels.__dict__.pop(name.rsplit(".", 1)[1], None)
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> Callable[[str], Path]:
     built: dict[str, Path] = {}
