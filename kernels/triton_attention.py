@@ -38,7 +38,7 @@ from rtpkv.kernels.attention import AttentionBatch
 from rtpkv.kernels.triton_ops import add, maximum, minimum, store_kv
 
 TILE_ROWS = 16       # query rows a program attends (the smallest tl.dot tile)
-KEY_CHUNK = 32       # keys per step of a program's loop, at multiples of KEY_CHUNK
+KEY_CHUNK = 64       # keys per step of a program's loop, at multiples of KEY_CHUNK
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -20,23 +20,13 @@ import triton.language as tl
 ACTIVATION_BLOCK = 1024   # elements of a row each activation program handles
 
 
-# Reductions go through tl.reduce with these (and fills through tl.full) rather than tl.sum,
-# tl.max, tl.min, tl.zeros, which triton.language defines as kernels when triton is imported:
-# so Triton's interpreter (TRITON_INTERPRET=1) runs rtpkv's kernels even where it was switched
-# on after that import.
-@triton.jit
-def add(a, b):
-    return a + b
-
-
-@triton.jit
-def maximum(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def minimum(a, b):
-    return tl.minimum(a, b)
+# Reductions go through tl.reduce with triton.language's own combine functions (and fills
+# through tl.full) rather than tl.sum, tl.max, tl.min, tl.zeros: those are kernels defined when
+# triton is imported, which Triton's interpreter (TRITON_INTERPRET=1) can run only where it was
+# on at that import; it recognises these combine functions and reduces with numpy.
+add = tl.standard._sum_combine
+maximum = tl.standard._elementwise_max
+minimum = tl.standard._elementwise_min
 
 
 @triton.jit

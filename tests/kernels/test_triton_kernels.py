@@ -132,7 +132,7 @@ def _attend(backend, batch, q, k, v, k_cache, v_cache):
 # decodes first then prefill chunks, a chunk after a cached prefix, block sizes from 1 to 64,
 # windows whose oldest blocks are released, GQA groups of 2 and 4 and plain MHA.
 CASES = [
-    (16, [(20, 1), (5, 1), (0, 40), (33, 30)], None, (4, 2)),
+    (16, [(70, 1), (5, 1), (0, 40), (50, 30)], None, (4, 2)),
     (1, [(7, 1), (0, 9)], None, (4, 1)),
     (64, [(100, 1), (0, 3), (70, 20)], 24, (4, 2)),
     (4, [(50, 1), (30, 17)], 9, (2, 2)),
@@ -170,27 +170,28 @@ def test_paged_attention_rows_do_not_depend_on_their_batch(triton_interpreter):
     g = torch.Generator().manual_seed(5)
     k_cache = torch.randn(kv_heads * num_blocks * block, d, generator=g)
     v_cache = torch.randn(kv_heads * num_blocks * block, d, generator=g)
-    tables = [[3, 7, 1], [2, 9, 4]]
-    q = torch.randn(41, heads, d, generator=g)
-    k, v = torch.randn(41, kv_heads, d, generator=g), torch.randn(41, kv_heads, d, generator=g)
+    tables = [[3, 7, 1, 12, 5], [2, 9, 4, 0, 15]]
+    q = torch.randn(71, heads, d, generator=g)
+    k, v = torch.randn(71, kv_heads, d, generator=g), torch.randn(71, kv_heads, d, generator=g)
 
     def run(seqs, rows):
         batch = attention_batch([tables[i] for i in seqs], [seqs[i] for i in seqs], block,
                                 num_blocks, kv_heads)
         return _attend(backend, batch, q[rows], k[rows], v[rows], k_cache, v_cache)
 
-    whole = run({0: (0, 40), 1: (30, 1)}, list(range(41)))    # prefill 0..39 then a decode
-    decode_alone = run({1: (30, 1)}, [40])
-    assert torch.equal(whole[0][40], decode_alone[0][0])
-    full = _attend(backend, attention_batch([tables[0]], [(0, 40)], block, num_blocks, kv_heads),
-                   q[:40], k[:40], v[:40], k_cache, v_cache)
-    prefix = attention_batch([tables[0]], [(0, 21)], block, num_blocks, kv_heads)
+    # keys in two chunks of KEY_CHUNK (64): positions up to 69
+    whole = run({0: (0, 70), 1: (66, 1)}, list(range(71)))    # prefill 0..69 then a decode
+    decode_alone = run({1: (66, 1)}, [70])
+    assert torch.equal(whole[0][70], decode_alone[0][0])
+    full = _attend(backend, attention_batch([tables[0]], [(0, 70)], block, num_blocks, kv_heads),
+                   q[:70], k[:70], v[:70], k_cache, v_cache)
+    prefix = attention_batch([tables[0]], [(0, 41)], block, num_blocks, kv_heads)
     k2, v2 = k_cache.clone(), v_cache.clone()
-    first = backend.forward(q[:21], k[:21], v[:21], k2, v2, backend.build(prefix), d ** -0.5)
-    rest = attention_batch([tables[0]], [(21, 19)], block, num_blocks, kv_heads)
-    second = backend.forward(q[21:40], k[21:40], v[21:40], k2, v2, backend.build(rest), d ** -0.5)
+    first = backend.forward(q[:41], k[:41], v[:41], k2, v2, backend.build(prefix), d ** -0.5)
+    rest = attention_batch([tables[0]], [(41, 29)], block, num_blocks, kv_heads)
+    second = backend.forward(q[41:70], k[41:70], v[41:70], k2, v2, backend.build(rest), d ** -0.5)
     assert torch.equal(torch.cat([first, second]), full[0])
-    assert torch.equal(whole[0][:40], full[0])
+    assert torch.equal(whole[0][:70], full[0])
 
 
 def test_padding_rows_are_attended_but_never_written(triton_interpreter):
