@@ -74,8 +74,9 @@ def attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
                 raise
             from rtpkv.kernels import triton_support
 
-            name = "torch" if triton_support.import_error() else "triton"
-            log.warning("RTPKV_ATTENTION=auto: %s; using the %s backend", exc, name)
+            name = "torch" if triton_support.unusable(device) else "triton"
+            log.warning("RTPKV_ATTENTION=auto: %s; using the %s backend", exc,
+                        "torch reference" if name == "torch" else name)
     if name == "triton":
         from rtpkv.kernels import triton_support
 
