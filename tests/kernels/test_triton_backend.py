@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run
+from conftest import hf_reference, run
 from graph_capture import EagerReplay
 from rtpkv.engine.cuda_graphs import DecodeGraphs
 
@@ -57,6 +57,19 @@ def test_pipeline_matches_the_torch_backend(triton_pipeline, make_pipeline, wind
         assert ours.outputs[1].aux_info["reuse_len"] == 48
     for a, b in zip(ours.outputs, reference.outputs):
         _same(a, b)
+
+
+def test_reused_prefix_matches_transformers(triton_pipeline, hf):
+    """A prompt whose first 32 tokens are cached: tokens and logits of transformers on the same
+    weights."""
+    pipe = triton_pipeline(dtype="float32", seq_size_per_block=16, reuse_cache=True)
+    prompt = _ids(45, 11)
+    run(pipe, prompt[:33], max_new_tokens=1)
+    res = run(pipe, prompt, max_new_tokens=4, return_logits=True)
+    assert res.aux_info["reuse_len"] == 32
+    tokens, logits = hf_reference(hf, prompt, 4)
+    assert res.output_ids == tokens
+    torch.testing.assert_close(res.logits, logits, atol=1e-4, rtol=0)
 
 
 def test_a_batch_matches_the_torch_backend(triton_pipeline, make_pipeline):
