@@ -8,7 +8,9 @@ newest in chunks of KEY_CHUNK positions, each chunk starting at a multiple of KE
 key's pool row looked up through the sequence's block table (so SEQ_SIZE_PER_BLOCK may be any
 power of two), with an online softmax in float32. GQA maps query head h to KV head
 h // (heads / kv_heads); the attention window masks keys older than W - 1 positions before each
-query, and table entries before a tile's window (released, -1) are never read.
+query, and released table entries (-1, wholly before the window) are never read: a key chunk
+may reach back past a row's window, and a never-written pool row (a CUDA pool is not zeroed)
+could hold NaN, which a weight of 0 would not cancel.
 
 Batch-invariant: a query row sees the same key chunks in the same order with the same tile
 shapes wherever it is (alone, batched, in a chunk starting at 0 or after a reused prefix, as a
@@ -83,8 +85,8 @@ def _paged_attention_kernel(q_ptr, k_cache, v_cache, out_ptr, positions_ptr, tab
     table = tables_ptr + seq.to(tl.int64) * table_stride
     for key in range(start, newest + 1, CHUNK):
         kpos = key + offs_n
-        k_ok = kpos <= newest
-        block = tl.load(table + kpos // block_size, mask=k_ok, other=0)
+        block = tl.load(table + kpos // block_size, mask=kpos <= newest, other=-1)
+        k_ok = (kpos <= newest) & (block >= 0)   # released entries (-1): not read, weight 0
         block = tl.maximum(block, 0)
         krow = (kv_head * num_slots + block * block_size + kpos % block_size).to(tl.int64)
         kv_mask = k_ok[:, None] & d_ok[None, :]
@@ -116,7 +118,7 @@ class TritonMetadata:
 
     slots: torch.Tensor        # (T,) int64 pool slot of each row's new K/V; -1: not written
     positions: torch.Tensor    # (T,) int32
-    tables: torch.Tensor       # (num_seqs, width) int32, released entries (-1) as block 0
+    tables: torch.Tensor       # (num_seqs, width) int32; released entries -1, never read
     tiles: torch.Tensor        # (num_tiles, 4) int32: sequence, first row, rows, lead
     block_size: int
     window: int                # keys each query attends, itself included; 0: all
@@ -152,7 +154,6 @@ class TritonAttention:
         if head_dim % 2 or head_dim > MAX_HEAD_DIM:
             raise ValueError(f"RTPKV_ATTENTION=triton needs an even head size up to "
                              f"{MAX_HEAD_DIM}, not {head_dim}")
-        self.head_dim = head_dim
         # Triton's interpreter multiplies 16-bit floats' bit patterns in tl.dot: there the
         # products run on the float32 values (exact for bf16/fp16 inputs, sums in float32 as
         # on the GPU's tensor cores).
@@ -168,7 +169,7 @@ class TritonAttention:
         return TritonMetadata(
             slots=slots,
             positions=torch.tensor(batch.positions, dtype=torch.int32, device=device),
-            tables=batch.block_tables_tensor.clamp(min=0).to(torch.int32),
+            tables=batch.block_tables_tensor.to(torch.int32),
             tiles=torch.tensor(tiles(batch.query_start, batch.query_len,
                                      [c - n for c, n in zip(batch.context_len, batch.query_len)]),
                                dtype=torch.int32, device=device).view(-1, 4),
