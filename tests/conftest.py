@@ -56,12 +56,10 @@ def flash_attn_standin(monkeypatch):
 TRITON_MODULES = ("rtpkv.kernels.triton_ops", "rtpkv.kernels.triton_attention")
 
 
-@pytest.fixture
-def triton_interpreter(monkeypatch):
-    """rtpkv's Triton kernels run by Triton's interpreter on CPU tensors (TRITON_INTERPRET=1,
-    read when a kernel is defined): their modules are imported afresh under it and dropped after
-    the test, so a later test on a GPU compiles them. Skips, with the reason, where triton does
-    not import. Yields (triton_ops, triton_attention)."""
+def _fresh_triton_modules(monkeypatch, interpret: bool):
+    """rtpkv's Triton kernel modules imported afresh with TRITON_INTERPRET set or not (Triton
+    reads it when a kernel is defined), dropped again after the test so that the next test
+    imports its own. Skips, with the reason, where triton does not import."""
     import importlib
     import sys
 
@@ -71,7 +69,10 @@ def triton_interpreter(monkeypatch):
     why = triton_support.import_error()
     if why:
         pytest.skip(why)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for name in TRITON_MODULES:
         monkeypatch.delitem(sys.modules, name, raising=False)
         monkeypatch.delattr(kernels, name.rsplit(".", 1)[1], raising=False)
@@ -79,6 +80,20 @@ def triton_interpreter(monkeypatch):
     for name in TRITON_MODULES:
         sys.modules.pop(name, None)
         kernels.__dict__.pop(name.rsplit(".", 1)[1], None)
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """rtpkv's Triton kernels run by Triton's interpreter on CPU tensors (TRITON_INTERPRET=1).
+    Yields (triton_ops, triton_attention)."""
+    yield from _fresh_triton_modules(monkeypatch, interpret=True)
+
+
+@pytest.fixture
+def triton_compiled(monkeypatch):
+    """rtpkv's Triton kernels as Triton compiles them for a GPU (no interpreter). Yields
+    (triton_ops, triton_attention)."""
+    yield from _fresh_triton_modules(monkeypatch, interpret=False)
 
 
 @pytest.fixture(scope="session")
