@@ -1,7 +1,8 @@
 """The Triton kernels compiled for a real GPU, and decode from CUDA graphs: each kernel against
 its torch reference on the device (bfloat16 rounds as torch does there: one rounding step at
 most), the paged attention batch-invariant on the device, and a pipeline on the Triton backend
-giving the same tokens with graphs (the default) and with ENFORCE_EAGER=1, reuse on and off.
+giving the same tokens with graphs (the default) and with ENFORCE_EAGER=1, and with reuse on and
+off (logits within a bf16 step: the attention is batch-invariant, cuBLAS may not be).
 Skipped, with the reason, where CUDA or triton is absent."""
 
 from __future__ import annotations
@@ -144,9 +145,9 @@ def test_reuse_on_and_off_give_the_same_tokens_and_logits(llama_path, block):
         finally:
             pipe.stop()
     assert outs[0][1].aux_info["reuse_len"] > 0 and outs[1][1].aux_info["reuse_len"] == 0
-    for on, off in zip(*outs):
+    for on, off in zip(*outs):   # attention is batch-invariant; cuBLAS may split by shape
         assert on.output_ids == off.output_ids
-        assert torch.equal(on.logits, off.logits)
+        torch.testing.assert_close(on.logits, off.logits, atol=2e-2, rtol=0)
 
 
 @pytest.mark.skipif(load_flash_attn() is not None, reason="flash_attn imports: auto picks it")
