@@ -251,8 +251,8 @@ class CausalLM(nn.Module):
         return self.fused.generate(ids, positions, kv_caches, meta, steps, stops)
 
     def check_ids(self, ids: list[int], positions: list[int]) -> None:
-        """What the fused decoder reads unchecked: one position per id, each inside the RoPE
-        table, each id inside the vocabulary."""
+        """What the fused decoder and a CUDA graph's replay read unchecked: one position per id,
+        each inside the RoPE table, each id inside the vocabulary."""
         if len(positions) != len(ids):
             raise ValueError(f"{len(ids)} token ids but {len(positions)} positions")
         if ids:

@@ -3,8 +3,8 @@
 Rows are laid out decode tokens first, then prefill chunks. The runner describes the batch once
 (`AttentionBatch`: positions, each sequence's rows, context length and block table) and the
 model's attention backend builds its own metadata from it. Logits are computed only for the
-last row of each chunk that reaches the end of its sequence. A step of decode tokens only
-replays a CUDA graph where the runner has them (cuda_graphs.DecodeGraphs).
+last row of each chunk that reaches the end of its sequence. A step whose rows are all decode
+tokens replays a CUDA graph where the runner has them (cuda_graphs.DecodeGraphs).
 """
 
 from __future__ import annotations
