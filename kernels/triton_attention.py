@@ -3,10 +3,10 @@
 
 The batch is cut into tiles of up to TILE_ROWS consecutive query rows of one sequence, aligned
 to positions (see `tiles`): a decode token is a tile of its own, a prefill chunk (after a
-cached prefix or not) is cut into tiles. One program per (tile, query head) walks the keys from its rows' oldest key to its
-newest in chunks of KEY_CHUNK positions, each chunk starting at a multiple of KEY_CHUNK, each
-key's pool row looked up through the sequence's block table (so SEQ_SIZE_PER_BLOCK may be any
-power of two), with an online softmax in float32. GQA maps query head h to KV head
+cached prefix or not) is cut into tiles. One program per (tile, query head) walks the keys from
+its rows' oldest key to its newest in chunks of KEY_CHUNK positions, each chunk starting at a
+multiple of KEY_CHUNK, each key's pool row looked up through the sequence's block table (so
+SEQ_SIZE_PER_BLOCK may be any power of two), with an online softmax in float32. GQA maps query head h to KV head
 h // (heads / kv_heads); the attention window masks keys older than W - 1 positions before each
 query, and released table entries (-1, wholly before the window) are never read: a key chunk
 may reach back past a row's window, and a never-written pool row (a CUDA pool is not zeroed)
@@ -189,7 +189,8 @@ class TritonAttention:
             q = q.contiguous()
         _paged_attention_kernel[(meta.tiles.shape[0], heads)](
             q, k_cache, v_cache, out, meta.positions, meta.tables, meta.tiles,
-            q.stride(0), q.stride(1), out.stride(0), meta.tables.stride(0), k_cache.shape[0] // kv_heads,
+            q.stride(0), q.stride(1), out.stride(0), meta.tables.stride(0),
+            k_cache.shape[0] // kv_heads,
             meta.block_size, meta.window, scale,
             GROUP=heads // kv_heads, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
             TILE=TILE_ROWS, CHUNK=KEY_CHUNK, PRECISION=self.precision, DOT_FP32=self.dot_fp32)

@@ -98,7 +98,8 @@ def test_rope_matches_the_reference_for_each_kind(triton_interpreter, dtype, kin
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gated_activations_match_torch(triton_interpreter, dtype, kind):
     ops, _ = triton_interpreter
-    gate_up = (torch.randn(3, 2, 2 * 1100, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    g = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(3, 2, 2 * 1100, generator=g) * 3).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)   # 1100: two programs per row, the second partial
     if kind == "silu":
         ours, ref = ops.silu_and_mul(gate_up), F.silu(gate) * up
@@ -157,7 +158,8 @@ def test_paged_attention_matches_the_torch_backend(triton_interpreter, case, dty
     used = {b for t in batch.block_tables for b in t} | ({0} if window is None else set())
     for b in set(range(num_blocks)) - used:
         for h in range(kv_heads):
-            rows = slice(h * num_blocks * block + b * block, h * num_blocks * block + (b + 1) * block)
+            first = (h * num_blocks + b) * block
+            rows = slice(first, first + block)
             k_cache[rows] = v_cache[rows] = float("nan")
     ours = _attend(attention.TritonAttention(d, dtype, CPU), batch, q, k, v, k_cache, v_cache)
     ref = _attend(TorchAttention(d, dtype, CPU), batch, q, k, v, k_cache, v_cache)
