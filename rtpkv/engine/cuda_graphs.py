@@ -116,7 +116,7 @@ class DecodeGraphs:
                bucket: int) -> tuple[list[int], AttentionBatch]:
         """Ids and the AttentionBatch of `bucket` one-token rows: the step's, then padding
         rows (token 0 at position 0, table of block 0, slot -1); tables padded to the width."""
-        n, pad = len(ids), bucket - len(ids)
+        pad = bucket - len(ids)
         width = self.table_width
         if any(len(t) > width for t in tables):
             raise ValueError(f"a block table is longer than {width} blocks")
