@@ -129,14 +129,15 @@ def _attend(backend, batch, q, k, v, k_cache, v_cache):
     return out, k_cache, v_cache
 
 
-# (block size, [(first position, tokens this step)] per sequence, window, (heads, kv heads)):
-# decodes first then prefill chunks, a chunk after a cached prefix, block sizes from 1 to 64,
-# windows whose oldest blocks are released, GQA groups of 2 and 4 and plain MHA.
+# (block size, [(first position, tokens this step)] per sequence, window, (heads, kv heads),
+# head size): decodes first then prefill chunks, a chunk after a cached prefix, block sizes from
+# 1 to 64, windows whose oldest blocks are released, GQA groups of 2 and 4 and plain MHA, a head
+# size that is not a power of two.
 CASES = [
-    (16, [(70, 1), (5, 1), (0, 40), (50, 30)], None, (4, 2)),
-    (1, [(7, 1), (0, 9)], None, (4, 1)),
-    (64, [(100, 1), (0, 3), (70, 20)], 24, (4, 2)),
-    (4, [(50, 1), (30, 17)], 9, (2, 2)),
+    (16, [(70, 1), (5, 1), (0, 40), (50, 30)], None, (4, 2), 16),
+    (1, [(7, 1), (0, 9)], None, (4, 1), 16),
+    (64, [(100, 1), (0, 3), (70, 20)], 24, (4, 2), 16),
+    (4, [(50, 1), (30, 17)], 9, (2, 2), 24),
 ]
 
 
@@ -144,8 +145,8 @@ CASES = [
                          + [(0, torch.bfloat16), (2, torch.bfloat16)])
 def test_paged_attention_matches_the_torch_backend(triton_interpreter, case, dtype):
     _, attention = triton_interpreter
-    block, seqs, window, (heads, kv_heads) = CASES[case]
-    d, num_blocks = 16, 64
+    block, seqs, window, (heads, kv_heads), d = CASES[case]
+    num_blocks = 64
     batch = attention_batch(_tables(seqs, block, num_blocks, window, case), seqs, block,
                             num_blocks, kv_heads, window)
     g = torch.Generator().manual_seed(case)
