@@ -73,25 +73,27 @@ def test_paged_attention_matches_torch_and_is_batch_invariant(dtype, block, wind
     from rtpkv.kernels.triton_attention import TritonAttention
 
     seqs = [(599, 1), (39, 1), (280, 20), (0, 130)]
-    free = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()
+    num_blocks = 128   # 69 blocks of 16 tokens in use
+    free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
     tables = []
     for start, n in seqs:
         first = 0 if window is None else max(0, start - window + 1) // block
         table = [free.pop() for _ in range(-(-(start + n) // block))]
         tables.append([-1] * first + table[first:])
-    batch = attention_batch(tables, seqs, block, 64, 2, window)
+    batch = attention_batch(tables, seqs, block, num_blocks, 2, window)
     batch.device = CUDA
     T, d = len(batch.positions), 128
     g = torch.Generator(device=CUDA).manual_seed(1)
     q, k, v = (torch.randn(T, h, d, device=CUDA, generator=g).to(dtype) for h in (8, 2, 2))
-    caches = [torch.randn(2 * 64 * block, d, device=CUDA, generator=g).to(dtype) for _ in "kv"]
+    caches = [torch.randn(2 * num_blocks * block, d, device=CUDA, generator=g).to(dtype)
+              for _ in "kv"]
     outs = []
     for backend in (TritonAttention(d, dtype, CUDA), TorchAttention(d, dtype, CUDA)):
         kc, vc = (c.clone() for c in caches)
         outs.append(backend.forward(q, k, v, kc, vc, backend.build(batch), d ** -0.5))
     tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
-    alone = attention_batch(tables[:1], seqs[:1], block, 64, 2, window)
+    alone = attention_batch(tables[:1], seqs[:1], block, num_blocks, 2, window)
     alone.device = CUDA
     backend = TritonAttention(d, dtype, CUDA)
     kc, vc = (c.clone() for c in caches)
