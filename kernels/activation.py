@@ -1,15 +1,20 @@
-"""The gated MLP activation: SiLU(gate) * up over the fused gate_up projection."""
+"""The gated MLP activation: SiLU(gate) * up over the fused gate_up projection (the Triton
+kernel on CUDA, the C kernel on a CPU, else torch)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from rtpkv.kernels import fused_ops
+from rtpkv.kernels import fused_ops, triton_support
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """(..., 2 * inter) -> (..., inter): the C kernel when it takes the tensor, else torch."""
+    """(..., 2 * inter) -> (..., inter): the Triton or C kernel when it takes the tensor, else
+    torch."""
+    triton_ops = triton_support.ops_for(gate_up)
+    if triton_ops is not None:
+        return triton_ops.silu_and_mul(gate_up)
     inter = gate_up.shape[-1] // 2
     if not (gate_up.is_contiguous() and inter % fused_ops.ROW_MULTIPLE == 0
             and fused_ops.usable(gate_up)):

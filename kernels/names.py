@@ -2,7 +2,7 @@
 list each, read by the configuration's validation and by the dispatch (WEIGHT_TYPE's by
 kernels/weight_types.py's registry)."""
 
-ATTENTION_BACKENDS = ("auto", "cpu-paged", "flash-attn", "torch")
+ATTENTION_BACKENDS = ("auto", "cpu-paged", "flash-attn", "torch", "triton")
 LINEAR_PATHS = ("auto", "native", "onednn", "fp32-compute", "avx2")
 ISA_LEVELS = ("auto", "avx2", "avx512")
 WEIGHT_TYPES = ("auto", "int8", "w8a8_int8", "bf16")

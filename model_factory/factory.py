@@ -114,9 +114,9 @@ def _pick_kv_dtype(config: RuntimeConfig, device: torch.device, dtype: torch.dty
     if device.type != "cpu":
         raise ConfigError(f"KV_CACHE_DTYPE=int8 (or INT8_KV_CACHE=1) runs on a CPU; "
                           f"device={device.type} is not supported with it")
-    if config.rtpkv_attention == "flash-attn":
-        raise ConfigError("RTPKV_ATTENTION=flash-attn does not read an int8 KV cache "
-                          "(KV_CACHE_DTYPE=int8 / INT8_KV_CACHE=1): use cpu-paged or torch")
+    if config.rtpkv_attention in ("flash-attn", "triton"):
+        raise ConfigError(f"RTPKV_ATTENTION={config.rtpkv_attention} does not read an int8 KV "
+                          "cache (KV_CACHE_DTYPE=int8 / INT8_KV_CACHE=1): use cpu-paged or torch")
     return torch.int8
 
 

@@ -189,6 +189,14 @@ class CausalLM(nn.Module):
         """`meta` comes from `self.attention.build` for this batch."""
         if positions.numel():
             self._check_position(int(positions.max()))
+        return self.hidden_states(input_ids, positions, kv_caches, meta)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      meta: Any) -> torch.Tensor:
+        """`forward` without its check of the positions, which reads them back from the
+        device: for a CUDA graph's capture (rtpkv.engine.cuda_graphs), whose caller checks the
+        host's ids and positions (`check_ids`) before copying them in."""
         residual = self.model.embed_tokens(input_ids)   # the residual stream, added to in place
         if self.fused is not None:
             return self.fused.forward(residual, positions, kv_caches, meta)
@@ -211,7 +219,7 @@ class CausalLM(nn.Module):
         the engine samples from. Where the fused decoder runs, one C call from the ids to the
         logits, with no torch op between (kernels/fused_decoder.py)."""
         if self.fused is not None:   # it reads ids, positions and rows unchecked
-            self._check_ids(ids, positions)
+            self.check_ids(ids, positions)
             if rows and not (len(rows) <= len(ids) and 0 <= min(rows) <= max(rows) < len(ids)):
                 raise IndexError(f"logit rows {min(rows)}..{max(rows)} ({len(rows)} of them) "
                                  f"are not rows of a forward of {len(ids)} tokens")
@@ -234,7 +242,7 @@ class CausalLM(nn.Module):
         if not (len(ids) == len(stops) == len(lengths) == meta.T and steps >= 1):
             raise ValueError(f"{len(ids)} ids, {len(stops)} stop lists, {len(lengths)} block "
                              f"tables, {meta.T} rows and {steps} steps")
-        self._check_ids(ids, [p + steps - 1 for p in positions])   # the last step's positions
+        self.check_ids(ids, [p + steps - 1 for p in positions])   # the last step's positions
         B = meta.block_size
         for row, (position, length) in enumerate(zip(positions, lengths)):
             if (position + steps - 1) // B >= length:   # the C loop writes K/V at each position
@@ -242,9 +250,9 @@ class CausalLM(nn.Module):
                                  f"end of its block table ({length} blocks of {B})")
         return self.fused.generate(ids, positions, kv_caches, meta, steps, stops)
 
-    def _check_ids(self, ids: list[int], positions: list[int]) -> None:
-        """What the fused decoder reads unchecked: one position per id, each inside the RoPE
-        table, each id inside the vocabulary."""
+    def check_ids(self, ids: list[int], positions: list[int]) -> None:
+        """What the fused decoder and a CUDA graph's replay read unchecked: one position per id,
+        each inside the RoPE table, each id inside the vocabulary."""
         if len(positions) != len(ids):
             raise ValueError(f"{len(ids)} token ids but {len(positions)} positions")
         if ids:

@@ -186,6 +186,10 @@ class RuntimeConfig(BaseModel):
     # the vector ISA the C kernels are built for (rtpkv.kernels.cpu_build): auto = the highest
     # this CPU runs; every level gives the same bits
     rtpkv_isa: str = Field("auto", pattern=f"^({'|'.join(ISA_LEVELS)})$")
+    # decode-only steps on CUDA replay a CUDA graph captured per batch-size bucket (1, 2, 4, ...;
+    # rtpkv.engine.cuda_graphs, with RTPKV_ATTENTION=triton); ENFORCE_EAGER=1 (vLLM's name)
+    # runs every step eagerly
+    enforce_eager: bool = False
     # seconds between malloc_trim(0) calls from the engine thread (rtpkv.engine.heap_trim), which
     # keep glibc's freed activations from staying resident under load; 0: off
     rtpkv_malloc_trim_s: float = Field(10.0, ge=0)
@@ -225,7 +229,7 @@ class RuntimeConfig(BaseModel):
 
     @field_validator("reuse_cache", "enable_partial_reuse", "enable_memory_cache",
                      "enable_memory_cache_disk", "write_cache_sync", "enable_remote_cache",
-                     "int8_mode", "int8_kv_cache", mode="before")
+                     "int8_mode", "int8_kv_cache", "enforce_eager", mode="before")
     @classmethod
     def _switch(cls, value: Any) -> Any:
         return parse_switch(value)

@@ -53,6 +53,49 @@ def flash_attn_standin(monkeypatch):
     return standin
 
 
+TRITON_MODULES = ("rtpkv.kernels.triton_ops", "rtpkv.kernels.triton_attention")
+
+
+def _fresh_triton_modules(monkeypatch, interpret: bool):
+    """rtpkv's Triton kernel modules imported afresh with TRITON_INTERPRET set or not (Triton
+    reads it when a kernel is defined), dropped again after the test so that the next test
+    imports its own. Skips, with the reason, where triton does not import."""
+    import importlib
+    import sys
+
+    from rtpkv import kernels
+    from rtpkv.kernels import triton_support
+
+    why = triton_support.import_error()
+    if why:
+        pytest.skip(why)
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for name in TRITON_MODULES:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        monkeypatch.delattr(kernels, name.rsplit(".", 1)[1], raising=False)
+    yield tuple(importlib.import_module(name) for name in TRITON_MODULES)
+    for name in TRITON_MODULES:
+        sys.modules.pop(name, None)
+        kernels.__dict__.pop(name.rsplit(".", 1)[1], None)
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """rtpkv's Triton kernels run by Triton's interpreter on CPU tensors (TRITON_INTERPRET=1).
+    Yields (triton_ops, triton_attention)."""
+    yield from _fresh_triton_modules(monkeypatch, interpret=True)
+
+
+@pytest.fixture
+def triton_compiled(monkeypatch):
+    """rtpkv's Triton kernels as Triton compiles them for a GPU (no interpreter). Yields
+    (triton_ops, triton_attention)."""
+    yield from _fresh_triton_modules(monkeypatch, interpret=False)
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> Callable[[str], Path]:
     built: dict[str, Path] = {}

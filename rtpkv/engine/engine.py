@@ -62,7 +62,8 @@ class Engine:
         self.cache = KVCacheManager.build(model, config, self.window.tokens)
         self.events = self.cache.events
         self.scheduler = Scheduler(config, self.cache)
-        self.runner = ModelRunner(model.module, self.cache.memory, self.window.tokens)
+        self.runner = ModelRunner(model.module, self.cache.memory, self.window.tokens,
+                                  config.concurrency_limit, config.enforce_eager)
         self.lock = threading.RLock()
         self.step_log: deque[list[tuple[int, int, str]]] = deque(maxlen=STEP_LOG_SIZE)
         self.steps = 0
