@@ -42,6 +42,20 @@ def setup_threads(threads: int = 2) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
+def kernel_paths(module) -> str:
+    """What a figure measured: the CPU kind, the kernels' ISA level, each layer's linear path,
+    the attention backend and whether the fused decoder ran."""
+    from rtpkv.kernels.cpu_build import cpu_kind, isa
+
+    layer = module.model.layers[0]
+    paths = sorted({getattr(m, "path", type(m).__name__) for m in
+                    (layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up,
+                     layer.mlp.down_proj)})
+    return (f"CPU: {cpu_kind()}; kernels built for {isa()}; linear layers: {', '.join(paths)}; "
+            f"attention: {module.attention_name}; fused decoder: "
+            f"{'on' if module.fused is not None else 'off'}")
+
+
 def bench_checkpoint(counts: bool = False) -> Path:
     """The BENCHMARKS.md model, or with `counts` the small one for counting benchmarks."""
     from rtpkv.model_factory.tiny import cached_tiny_checkpoint

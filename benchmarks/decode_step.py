@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from common import bench_parser, pipeline, random_ids, setup_threads, table
+from common import bench_parser, kernel_paths, pipeline, random_ids, setup_threads, table
 
 PROMPT, NEW = 512, 128
 PARTS = ("GEMV", "attention", "elementwise kernels", "forward's Python", "metadata", "sampling",
@@ -86,7 +86,9 @@ def one_run(options: dict[str, Any], layers: bool) -> dict[str, float]:
         if fused is not None:
             fused.seconds = torch.zeros(len(FUSED_PARTS), dtype=torch.float64)
         linear = next(type(m) for m in module.modules()
-                      if type(m).__name__ in ("InferenceLinear", "Int8Linear", "W8A8Linear"))
+                      if type(m).__name__ in ("InferenceLinear", "Int8Linear", "W8A8Linear",
+                                              "Bf16Linear"))
+        one_run.paths = kernel_paths(module)
         attention = module.attention
         per_step: list[dict[str, float]] = []
         last_end = [None]
@@ -168,6 +170,7 @@ def main() -> None:
           f"{'layers one by one' if args.layers else 'as in service'}, one stream: {PROMPT}-token "
           f"prompt, {NEW} new tokens; medians of {args.runs} runs of the per-step medians, "
           f"torch threads {torch.get_num_threads()}")
+    print(one_run.paths)
     print(table(["part", "ms per decode step", "share of the step"], rows))
     print(f"non-GEMV share of the step: {(step - med['GEMV']) / step * 100:.1f}%; "
           f"of step + gap: {(step + med['between'] - med['GEMV']) / (step + med['between']) * 100:.1f}%")

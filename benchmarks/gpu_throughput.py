@@ -1,11 +1,13 @@
 """Engine speed on one CUDA GPU against transformers on the same GPU and checkpoint: prefill
 tokens/s (one long prompt), decode tokens/s (one stream, and STREAMS concurrent streams), and
-the time to first token of a prompt whose prefix is cached (reuse: the prefill chunk after a
-cached prefix runs through flash-attn). rtpkv runs with RTPKV_ATTENTION=auto (flash-attn when it
-imports; the table says which), transformers with its default (SDPA) attention. Method and
-figures: docs/BENCHMARKS.md.
+the time to first token of a prompt whose prefix is cached (reuse: only the chunk after the
+cached prefix is computed). rtpkv runs with RTPKV_ATTENTION=--attention (auto: flash-attn when
+it imports, else Triton when it imports, else torch; the table says which) and its decode steps
+from CUDA graphs where the backend allows (triton) unless --eager (ENFORCE_EAGER=1);
+transformers with its default (SDPA) attention. Method and figures: docs/BENCHMARKS.md.
 
     python benchmarks/gpu_throughput.py [--runs 3] [--block 256] [--dtype bfloat16] [--model PATH]
+                                        [--attention auto|torch|flash-attn|triton] [--eager]
 """
 
 from __future__ import annotations
@@ -29,15 +31,18 @@ def _synced(fn):
     return time.perf_counter() - t0, out
 
 
-def ours(path: Path, dtype: str, block: int) -> tuple[str, list[float]]:
+def ours(path: Path, dtype: str, block: int, attention: str,
+         eager: bool) -> tuple[str, list[float]]:
     from rtpkv.model_factory import ModelConfig, ModelFactory
     from rtpkv.pipeline import Pipeline
 
     model = ModelFactory.from_huggingface(path, ModelConfig(
         device="cuda", dtype=dtype, seq_size_per_block=block, reuse_cache=True,
-        kv_cache_max_tokens=STREAMS * (DECODE_PROMPT + DECODE_NEW) + 4 * PREFILL),
+        kv_cache_max_tokens=STREAMS * (DECODE_PROMPT + DECODE_NEW) + 4 * PREFILL,
+        rtpkv_attention=attention, enforce_eager=eager, concurrency_limit=STREAMS),
         show_progress=False)
     with Pipeline(model, model.tokenizer) as pipe:
+        graphs = "CUDA graphs" if pipe.engine.runner.graphs is not None else "eager"
         timed_request(pipe, random_ids(PREFILL, seed=0), 2)            # warm-up
         prefill = PREFILL / statistics.median(
             timed_request(pipe, random_ids(PREFILL, seed=1 + i), 1)[0] for i in range(5))
@@ -54,7 +59,8 @@ def ours(path: Path, dtype: str, block: int) -> tuple[str, list[float]]:
         cached = random_ids(PREFILL, seed=50)
         timed_request(pipe, cached, 1)
         reuse_ttft = timed_request(pipe, cached[:REUSED] + random_ids(64, seed=51), 1)[0]
-        return model.module.attention_name, [prefill, decode, batched, reuse_ttft * 1e3]
+        return (f"{model.module.attention_name}, {graphs}",
+                [prefill, decode, batched, reuse_ttft * 1e3])
 
 
 def theirs(path: Path, dtype: str) -> list[float]:
@@ -87,11 +93,16 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--model", type=Path, default=None,
                         help="a checkpoint directory (default: the BENCHMARKS.md random Llama)")
+    parser.add_argument("--attention", choices=("auto", "torch", "flash-attn", "triton"),
+                        default="auto", help="RTPKV_ATTENTION for rtpkv")
+    parser.add_argument("--eager", action="store_true",
+                        help="ENFORCE_EAGER=1: no CUDA graphs for decode")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_throughput.py needs a CUDA device")
     path = args.model or bench_checkpoint()
-    runs = [ours(path, args.dtype, args.block) for _ in range(args.runs)]
+    runs = [ours(path, args.dtype, args.block, args.attention, args.eager)
+            for _ in range(args.runs)]
     backend = runs[0][0]
     mine = [statistics.median(r[1][i] for r in runs) for i in range(4)]
     ref = [statistics.median(col) for col in zip(*(theirs(path, args.dtype) for _ in range(args.runs)))]

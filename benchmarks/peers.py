@@ -46,7 +46,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from common import bench_checkpoint, pipeline, random_ids, setup_threads, table, timed_request
+from common import (bench_checkpoint, kernel_paths, pipeline, random_ids, setup_threads, table,
+                    timed_request)
 from token_timing import token_timing
 
 A_NEW, B_NEW, C_NEW, D_NEW = 16, 32, 64, 128
@@ -74,6 +75,7 @@ class Rtpkv:
 
     def run(self, name: str, job: dict[str, Any], **overrides: Any) -> dict[str, Any]:
         with pipeline(**{**self.options, **overrides}) as pipe:
+            self.paths = kernel_paths(pipe.model.module)
             return getattr(self, f"_{name}")(pipe, **job)
 
     @staticmethod
@@ -187,8 +189,10 @@ def rtpkv_engines(dtype: str, args: argparse.Namespace) -> dict[str, dict[str, A
             for name, options in engines.items()}
 
 
-def measure(dtype: str, args: argparse.Namespace, jobs: dict[str, dict[str, Any]]) -> dict:
-    """{engine: {workload: [result per run]}} with the engines interleaved run by run."""
+def measure(dtype: str, args: argparse.Namespace,
+            jobs: dict[str, dict[str, Any]]) -> tuple[dict, dict[str, str]]:
+    """{engine: {workload: [result per run]}} with the engines interleaved run by run, and
+    each rtpkv engine's kernel paths (`kernel_paths`)."""
     engines: dict[str, Any] = {name: Rtpkv(dtype, args.block, **options)
                                for name, options in rtpkv_engines(dtype, args).items()}
     peers = peer_engines(dtype, args)
@@ -213,7 +217,7 @@ def measure(dtype: str, args: argparse.Namespace, jobs: dict[str, dict[str, Any]
     finally:
         for peer in peers.values():
             peer.close()
-    return results
+    return results, {name: e.paths for name, e in engines.items() if isinstance(e, Rtpkv)}
 
 
 def spread(values: list[float]) -> str:
@@ -221,7 +225,7 @@ def spread(values: list[float]) -> str:
     return f"{(max(values) - min(values)) / statistics.median(values) * 100:.0f}%"
 
 
-def report(dtype: str, results: dict, args: argparse.Namespace,
+def report(dtype: str, results: dict, paths: dict[str, str], args: argparse.Namespace,
            reuse_equal: Optional[dict[str, bool]]) -> None:
     ours_engines = [e for e in results if e.startswith("rtpkv")]
     peers = [e for e in results if e not in ours_engines]
@@ -252,6 +256,8 @@ def report(dtype: str, results: dict, args: argparse.Namespace,
         row.append(" / ".join(spread(v) for v in values.values()))
         rows.append(row)
     print(f"\n{dtype}, block {args.block}, 2 threads, medians of {args.runs} interleaved runs")
+    for e in ours_engines:
+        print(f"{e}: {paths[e]}")
     print(table(headers, rows))
     for p in peers:
         same = {w: results[base][w][0]["outputs"] == results[p][w][0]["outputs"]
@@ -291,7 +297,7 @@ def main() -> None:
     all_jobs = workloads()
     jobs = {w: all_jobs[w] for w in args.workloads.split(",")}
     for dtype in args.dtypes.split(","):
-        results = measure(dtype, args, jobs)
+        results, paths = measure(dtype, args, jobs)
         reuse_equal = None
         if args.check_reuse:
             reuse_equal = {f"{name} {w}": Rtpkv(dtype, args.block, **options).run(
@@ -299,7 +305,7 @@ def main() -> None:
                            == results[name][w][0]["outputs"]
                            for name, options in rtpkv_engines(dtype, args).items()
                            for w in args.check_reuse.split(",") if w in jobs}
-        report(dtype, results, args, reuse_equal)
+        report(dtype, results, paths, args, reuse_equal)
 
 
 if __name__ == "__main__":

@@ -87,11 +87,11 @@ class FolderKvCacheConnector(KvCacheConnector):
 
 
 def main() -> None:
-    from rtpkv.cli import example_model_path
+    from example_args import model_path
     from rtpkv.model_factory import ModelConfig, ModelFactory
     from rtpkv.pipeline import Pipeline
 
-    model_name = example_model_path(__doc__)
+    model_name = model_path(__doc__)
     test_text = (
         "Nvidia Corporation is an American technology company headquartered in Santa Clara, California."
         "Founded in 1993 by Jensen Huang, Chris Malachowsky, and Curtis Priem, it develops graphics processing units (GPUs), "

@@ -10,9 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from rtpkv.cli import DEMO_CHECKPOINT
 from rtpkv.model_factory import ModelConfig, ModelFactory
-from rtpkv.model_factory.tiny import cached_tiny_checkpoint
+from rtpkv.model_factory.tiny import model_or_demo
 from rtpkv.pipeline import Pipeline
 
 
@@ -26,7 +25,7 @@ def main(args: argparse.Namespace) -> None:
     max_seq_len = 128
     kv_cache_max_tokens = 128
     kv_cache_page_size = 16
-    model_dir = args.model or str(cached_tiny_checkpoint("demo", **DEMO_CHECKPOINT))
+    model_dir = model_or_demo(args.model)
     host_cache_size = 2 ** 30 if args.enable_offloading else 0   # 1 GiB of host memory, or none
 
     model = ModelFactory.from_huggingface(model_dir, ModelConfig(

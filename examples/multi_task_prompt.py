@@ -11,11 +11,11 @@ os.environ.setdefault("MULTI_TASK_PROMPT", str(Path(__file__).with_name("tasks.j
 os.environ.setdefault("SEQ_SIZE_PER_BLOCK", "4")
 # os.environ["MULTI_TASK_PROMPT_STR"] = "{json str}"
 
-from rtpkv.cli import example_model_path  # noqa: E402
+from example_args import model_path  # noqa: E402
 from rtpkv.model_factory import ModelConfig, ModelFactory  # noqa: E402
 from rtpkv.pipeline import Pipeline  # noqa: E402
 
-model_name = example_model_path(__doc__)
+model_name = model_path(__doc__)
 model = ModelFactory.from_huggingface(model_name, ModelConfig())
 pipeline = Pipeline(model, model.tokenizer)
 

@@ -11,11 +11,11 @@ import os
 os.environ.setdefault("REUSE_CACHE", "1")
 os.environ.setdefault("SEQ_SIZE_PER_BLOCK", "4")
 
-from rtpkv.cli import example_model_path  # noqa: E402
+from example_args import model_path  # noqa: E402
 from rtpkv.model_factory import ModelConfig, ModelFactory  # noqa: E402
 from rtpkv.pipeline import Pipeline  # noqa: E402
 
-model_name = example_model_path(__doc__)
+model_name = model_path(__doc__)
 model = ModelFactory.from_huggingface(model_name, ModelConfig())
 pipeline = Pipeline(model, model.tokenizer)
 generate_config = {"top_k": 1, "max_new_tokens": 100}

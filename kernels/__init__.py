@@ -1,7 +1,7 @@
 """Kernels: attention backends, linear layers, RoPE, RMSNorm, SiLU-and-mul, the KV write; the C
-kernels of the CPU path live in csrc/ (see docs/DESIGN.md, "CPU fast path"), flash-attn serves
-CUDA (flash_attention.py, "GPU path"). `attention_backend` is the one dispatch point that
-chooses the attention implementation."""
+kernels of the CPU path live in csrc/ (see docs/DESIGN.md, "CPU fast path"), flash-attn and the
+Triton kernels serve CUDA (flash_attention.py, triton_attention.py, triton_ops.py, "GPU path").
+`attention_backend` is the one dispatch point that chooses the attention implementation."""
 
 from __future__ import annotations
 
@@ -22,21 +22,27 @@ log = logging.getLogger("rtpkv")
 def auto_attention(device: torch.device, dtype: torch.dtype, head_dim: int,
                    softcap: bool = False) -> tuple[str, str]:
     """What RTPKV_ATTENTION=auto picks for `device` and `dtype`, and why (the start-up log):
-    flash-attn on CUDA for float16/bfloat16 when the package imports, the CPU paged kernel on a
-    CPU when it builds and supports the dtype and head size, else the torch reference (the
-    only backend that soft-caps attention logits, `softcap`: Gemma 2)."""
-    from rtpkv.kernels import cpu_attention, flash_attention
+    on CUDA flash-attn for float16/bfloat16 when the package imports, else the Triton kernels
+    when triton imports (any of the three float dtypes), else the torch reference; on a CPU the
+    paged C kernel when it builds and supports the dtype and head size, else the torch
+    reference. A model that soft-caps attention logits (`softcap`: Gemma 2) gets the torch
+    reference, the only backend that does."""
+    from rtpkv.kernels import cpu_attention, flash_attention, triton_support
 
     if softcap:
         return "torch", "the model soft-caps attention logits, which only the torch backend does"
     dtype_name = str(dtype).removeprefix("torch.")
     if device.type == "cuda":
-        if dtype not in flash_attention.CUDA_DTYPES:
-            return "torch", f"flash-attn runs float16/bfloat16, the model is {dtype_name}"
         module = flash_attention.load_flash_attn()
-        if module is None:
-            return "torch", "the flash_attn package does not import"
-        return "flash-attn", f"CUDA, {dtype_name}, flash_attn {getattr(module, '__version__', '?')}"
+        if dtype in flash_attention.CUDA_DTYPES and module is not None:
+            return ("flash-attn",
+                    f"CUDA, {dtype_name}, flash_attn {getattr(module, '__version__', '?')}")
+        flash_why = ("the flash_attn package does not import" if module is None
+                     else f"flash-attn runs float16/bfloat16, the model is {dtype_name}")
+        triton_why = triton_support.import_error()
+        if triton_why is None:
+            return "triton", f"CUDA, {dtype_name}, {flash_why}"
+        return "torch", f"{flash_why}; {triton_why}"
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         if cpu_attention.available(head_dim):
             return "cpu-paged", f"CPU, {dtype_name}"
@@ -50,9 +56,10 @@ def attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
                       softcap: bool = False) -> AttentionBackend:
     """The attention implementation for `device` and `dtype`. `name` (RTPKV_ATTENTION in the
     configuration) picks one; "auto" is `auto_attention`'s choice, logged with its reason, and
-    falls back to the torch reference where flash-attn imports but cannot run. `kv_dtype` is the
-    pool's (torch.int8 for the int8 cache, which flash-attn does not read); the model's by
-    default. `softcap`: the model soft-caps attention logits (only the torch backend does)."""
+    falls back to Triton (or the torch reference where triton does not import) where flash-attn
+    imports but cannot run. `kv_dtype` is the pool's (torch.int8 for the int8 cache, which
+    neither flash-attn nor Triton reads); the model's by default. `softcap`: the model
+    soft-caps attention logits (only the torch backend does)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"RTPKV_ATTENTION={name!r} is invalid: accepted values are "
                          f"{', '.join(ATTENTION_BACKENDS)}")
@@ -74,8 +81,24 @@ def attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
         except RuntimeError as exc:   # its start-up probe failed (e.g. a pre-Ampere GPU)
             if asked != "auto":
                 raise
-            log.warning("RTPKV_ATTENTION=auto: %s; using the torch reference backend", exc)
-            name = "torch"
+            from rtpkv.kernels import triton_support
+
+            name = "torch" if triton_support.unusable(device) else "triton"
+            log.warning("RTPKV_ATTENTION=auto: %s; using the %s backend", exc,
+                        "torch reference" if name == "torch" else name)
+    if name == "triton":
+        from rtpkv.kernels import triton_support
+
+        if kv_dtype == torch.int8:
+            raise ValueError("RTPKV_ATTENTION=triton does not read an int8 KV cache "
+                             "(KV_CACHE_DTYPE=int8 / INT8_KV_CACHE=1): use cpu-paged or torch")
+        why = triton_support.unusable(device)
+        if why:
+            raise RuntimeError(f"RTPKV_ATTENTION=triton: {why}; choose RTPKV_ATTENTION=auto or "
+                               "torch (Triton installs with pip install -e '.[gpu]')")
+        from rtpkv.kernels.triton_attention import TritonAttention
+
+        return TritonAttention(head_dim, dtype, device)
     if name == "cpu-paged":
         from rtpkv.kernels import cpu_attention
 

@@ -1,16 +1,20 @@
-"""The gated MLP activations over the fused gate_up projection: SiLU(gate) * up (SwiGLU) and
-GELU(gate) * up (GeGLU)."""
+"""The gated MLP activations over the fused gate_up projection: SiLU(gate) * up (SwiGLU: the
+Triton kernel on CUDA, the C kernel on a CPU, else torch) and GELU(gate) * up (GeGLU: Triton on CUDA, else torch)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from rtpkv.kernels import fused_ops
+from rtpkv.kernels import fused_ops, triton_support
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """(..., 2 * inter) -> (..., inter): the C kernel when it takes the tensor, else torch."""
+    """(..., 2 * inter) -> (..., inter): the Triton or C kernel when it takes the tensor, else
+    torch."""
+    triton_ops = triton_support.ops_for(gate_up)
+    if triton_ops is not None:
+        return triton_ops.silu_and_mul(gate_up)
     inter = gate_up.shape[-1] // 2
     if not (gate_up.is_contiguous() and inter % fused_ops.ROW_MULTIPLE == 0
             and fused_ops.usable(gate_up)):
@@ -25,6 +29,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """(..., 2 * inter) -> (..., inter): GELU(gate, tanh approximation) * up, Gemma's GeGLU
-    (transformers' gelu_pytorch_tanh), in torch."""
+    (transformers' gelu_pytorch_tanh): the Triton kernel on CUDA, else torch."""
+    triton_ops = triton_support.ops_for(gate_up)
+    if triton_ops is not None:
+        return triton_ops.gelu_tanh_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up

@@ -59,6 +59,10 @@ class AttentionBatch:
     # released (see KVCacheManager): a backend must not read them.
     window: Optional[int] = None
     device: torch.device = torch.device("cpu")   # where the `*_tensor` views are made
+    # The last `padding` sequences are one-token rows that fill a CUDA graph's batch size
+    # (rtpkv.engine.cuda_graphs): attended, never written to the pool, their outputs dropped.
+    # Only a backend with `graph_safe` honours it (the Triton one).
+    padding: int = 0
 
     def first_key(self, position: int) -> int:
         """The oldest position a query at `position` attends to."""
@@ -92,6 +96,9 @@ class AttentionBatch:
 
     def write_rows(self) -> torch.Tensor:
         """(kv_heads, T) rows of each new token's K/V in a head-major pool layer."""
+        if self.padding:
+            raise ValueError("a batch with padding rows has no pool row for them: only a "
+                             "graph-safe attention backend (triton) runs it")
         return head_major_rows(self.slots(), self.kv_heads, self.num_slots)
 
 

@@ -3,7 +3,15 @@
 The library is plain C with OpenMP (no torch headers, so a build takes about a second), compiled
 for the host CPU (-march=native; no FMA contraction, so the same expression gives the same bits
 wherever it is inlined: the kernels write their FMAs out) into the user's cache directory, keyed
-by the source and the headers of csrc/, the compiler and the CPU's flags. It links the same
+by the source and the headers of csrc/, the compiler, the CPU's flags and the ISA level.
+
+ISA levels (RTPKV_ISA): "avx2" (AVX2 + FMA: 8 float lanes) and "avx512" (AVX-512 F/BW/DQ/VL:
+16 lanes, with VNNI's int8 dot products where the CPU has them); "auto" takes the highest this
+CPU runs. A level is a set of compiler flags over -march=native (the avx2 level turns AVX-512
+and VNNI off), so every level builds the same sources, each kernel choosing its vectors with
+`#if defined(__AVX512F__)`. Every kernel gives the same bits at every level (each output's
+arithmetic is fixed, whatever the vector width), so the level changes speed only. The level is
+process-wide, like the libraries: `select_isa` (the model factory's call) sets it. It links the same
 `libgomp.so.1` torch loads, so it runs on torch's own OpenMP thread pool: one pool, sized by
 `torch.set_num_threads`. When no compiler is found or the build fails, `load_library` returns
 None and callers use their pure-torch fallback; `bound_library` is how the bindings ask for a
@@ -23,12 +31,19 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
+from rtpkv.kernels.names import ISA_LEVELS
 from rtpkv.user_cache import user_cache_dir
 
 log = logging.getLogger("rtpkv")
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+# each ISA level: the CPU flags it needs, the compiler flags that hold the build to it
+ISA_NEEDS = {"avx2": ("avx2", "fma"), "avx512": ("avx2", "fma", "avx512f", "avx512bw",
+                                                  "avx512dq", "avx512vl")}
+ISA_FLAGS = {"avx2": ["-mno-avx512f", "-mno-avxvnni"], "avx512": []}
+
+_selected_isa = "auto"
 
 
 def cache_dir() -> Path:
@@ -56,10 +71,55 @@ def cpu_identity() -> str:
 
 
 @lru_cache(maxsize=None)
+def available_isas() -> tuple[str, ...]:
+    """The ISA levels this CPU runs, lowest first (empty without AVX2 and FMA); read once, as
+    every kernel call asks for the current level."""
+    flags = set(cpu_flags().split())
+    return tuple(level for level, needs in ISA_NEEDS.items() if flags.issuperset(needs))
+
+
+def cpu_kind() -> str:
+    """One line naming the CPU and the instructions the kernels care about: what a benchmark
+    figure was measured on."""
+    flags = set(cpu_flags().split())
+    extras = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16",
+                          "amx_tile", "amx_int8", "amx_bf16") if f in flags]
+    model = _cpuinfo("model name").partition(":")[2].strip() or "unknown CPU"
+    return f"{model}, {os.cpu_count()} CPUs, {' '.join(extras) or 'no AVX2'}"
+
+
+def select_isa(name: str) -> None:
+    """Sets the ISA level later builds and loads use (RTPKV_ISA); refuses a level this CPU
+    lacks, naming the flags it needs."""
+    if name not in ISA_LEVELS:
+        raise ValueError(f"RTPKV_ISA={name!r} is invalid: accepted values are "
+                         f"{', '.join(ISA_LEVELS)}")
+    if name != "auto" and name not in available_isas():
+        missing = sorted(set(ISA_NEEDS[name]) - set(cpu_flags().split()))
+        raise ValueError(f"RTPKV_ISA={name} needs a CPU with {', '.join(ISA_NEEDS[name])}; this "
+                         f"one lacks {', '.join(missing)}")
+    global _selected_isa
+    _selected_isa = name
+
+
+def isa() -> str:
+    """The ISA level the kernels are built for now: the selected one, or the highest this CPU
+    runs ("none" without AVX2: the builds then fail and callers fall back to torch)."""
+    if _selected_isa != "auto":
+        return _selected_isa
+    levels = available_isas()
+    return levels[-1] if levels else "none"
+
+
 def load_library(name: str, *linked: str) -> Optional[ctypes.CDLL]:
     """csrc/<name>.c, with csrc/<linked>.c for each of `linked` compiled beside it (a driver
-    calling other kernels), as a loaded shared library, built on first use; None if it cannot
-    be built."""
+    calling other kernels), as a loaded shared library built for the current ISA level on first
+    use; None if it cannot be built."""
+    return _load_library(name, linked, isa())
+
+
+@lru_cache(maxsize=None)
+def _load_library(name: str, linked: tuple[str, ...], level: str) -> Optional[ctypes.CDLL]:
     requested = os.environ.get("CC")
     compiler = shutil.which(requested) if requested else shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -68,15 +128,16 @@ def load_library(name: str, *linked: str) -> Optional[ctypes.CDLL]:
         return None
     sources = [SOURCE_DIR / f"{n}.c" for n in (name, *linked)]
     headers = b"".join(h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h")))
+    flags = FLAGS + ISA_FLAGS.get(level, [])
     key = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + headers
-                         + " ".join([compiler] + FLAGS).encode()
+                         + " ".join([compiler] + flags).encode()
                          + cpu_flags().encode()).hexdigest()[:16]
-    target = cache_dir() / f"{name}-{key}.so"
+    target = cache_dir() / f"{name}-{level}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
         os.close(fd)
-        cmd = [compiler, *FLAGS, *map(str, sources), "-o", tmp, "-lm"]
+        cmd = [compiler, *flags, *map(str, sources), "-o", tmp, "-lm"]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             os.unlink(tmp)

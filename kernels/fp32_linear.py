@@ -17,7 +17,8 @@ PANEL = 16   # output channels per packed panel
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-_SIGNATURES: Signatures = {"rtpkv_fp32_linear": ([_P, _I, _I, _P, _I, _P, _P], None)}
+_SIGNATURES: Signatures = {"rtpkv_fp32_linear": ([_P, _I, _I, _P, _I, _P, _P], None),
+                           "rtpkv_bf16w_linear": ([_P, _I, _I, _P, _I, _P, _P], None)}
 
 
 def library() -> Optional[ctypes.CDLL]:

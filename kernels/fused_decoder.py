@@ -1,10 +1,10 @@
 """A forward's decoder layers in one C call (csrc/decoder.c) where the model runs on the C
-kernels end to end: float32 on the CPU, linear layers all on the avx2, the int8 or the w8a8
-kernel, the CPU paged-attention backend (over a float32 or an int8 KV cache), the fused ops, and
-a layer plan (model_factory/plan.py) of Llama's layers only (`runs_plan`). It calls the same
-kernels the per-layer Python path calls, in the same order, so the two give the same bits
-(tests/kernels/test_fused_decoder.py); it only removes the Python between them, which dominates
-the small kernels of a one-token decode step. `FusedDecoder.build`
+kernels end to end: float32 on the CPU, linear layers all on the avx2, the bf16-weight, the
+int8 or the w8a8 kernel, the CPU paged-attention backend (over a float32 or an int8 KV cache),
+the fused ops, and a layer plan (model_factory/plan.py) of Llama's layers only (`runs_plan`). It
+calls the same kernels the per-layer Python path calls, in the same order, so the two give the
+same bits (tests/kernels/test_fused_decoder.py); it only removes the Python between them, which
+dominates the small kernels of a one-token decode step. `FusedDecoder.build`
 returns None for any other model, and CausalLM then runs its layers one by one.
 
 `logits` is the engine's call: from token ids to the LM head's logits of the rows that sample
@@ -27,9 +27,8 @@ import torch
 from rtpkv.kernels.cpu_attention import CpuMetadata, CpuPagedAttention, kernel_args, _Args
 from rtpkv.kernels.cpu_build import Signatures, bound_library
 from rtpkv.kernels.fused_ops import ptr
-from rtpkv.kernels import fused_ops, int8_linear, w8a8_linear
+from rtpkv.kernels import fused_ops, weight_types
 from rtpkv.kernels.int8_linear import Int8Linear, QuantizedLinear
-from rtpkv.kernels.w8a8_linear import W8A8Linear
 
 if TYPE_CHECKING:
     from rtpkv.model_factory.llama import CausalLM
@@ -74,8 +73,8 @@ class _Burst(ctypes.Structure):
 KEPT_ROWS = 64
 
 # the linear layers' path -> (LINEAR_* of csrc/decoder.c, the fewest rows of its prefill tiles)
-_LINEAR_KINDS = {"avx2": (0, 0), Int8Linear.path: (1, int8_linear.PANEL_MIN_ROWS),
-                 W8A8Linear.path: (2, w8a8_linear.MANY_ROWS_FROM)}
+_LINEAR_KINDS = {"avx2": (0, 0), **{t.layer.path: (t.kernel_kind, t.panel_rows)
+                                    for t in weight_types.REGISTRY.values()}}
 
 _SIGNATURES: Signatures = {
     "rtpkv_decoder_forward": ([ctypes.POINTER(_Model), ctypes.POINTER(_Step)], None),
@@ -105,7 +104,7 @@ def runs_plan(plan: "ModelPlan", head_dim: int) -> bool:
 
 def _linear(layer: torch.nn.Module) -> _Linear:
     if isinstance(layer, QuantizedLinear):
-        return _Linear(layer.q.data_ptr(), layer.scale.data_ptr(), ptr(layer.bias))
+        return _Linear(layer.q.data_ptr(), ptr(layer.scale), ptr(layer.bias))
     return _Linear(layer.packed.data_ptr(), None, ptr(layer.bias))
 
 

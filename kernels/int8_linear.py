@@ -98,7 +98,7 @@ class QuantizedLinear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        """Bytes the layer holds: int8 weights, scales and bias."""
+        """Bytes the layer holds: weights, scales and bias."""
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.bias)
                    if t is not None)
 

@@ -12,13 +12,15 @@ Paths (`RTPKV_LINEAR` in the configuration, default "auto"):
                 weights packed once into panels of 16 channels, every output one FMA chain in
                 order, so it is batch-invariant by construction (min_rows 1, no probe).
   native        F.linear in the model's dtype (MKL for float32 on x86): the reference.
-"auto" takes avx2 for float32 on CPUs with AVX2 and FMA but no AVX-512 (where oneDNN computes
-with 8-lane vectors too), onednn elsewhere where torch has it (fp32-compute for bf16 on CPUs
-without bf16 GEMMs) and native on other devices. On the 2-core AVX2 EPYC of the benchmarks
-oneDNN runs float32 GEMMs at about 73 GFLOPS against MKL's 20-31, and a one-row GEMV 3-7x faster
-than MKL's padded call; the avx2 kernel gives oneDNN's bits there, as fast for many rows and
-without the ~30 us oneDNN spends setting up each call, a third of a 512x512 GEMV
-(docs/BENCHMARKS.md, "Single-stream decode").
+"auto" takes avx2 for float32 on every CPU with AVX2 and FMA (AVX-512 CPUs included: the kernel
+is then built with 16-lane vectors, RTPKV_ISA, same bits), so the fused decoder runs there;
+onednn elsewhere where torch has it (bfloat16 models; fp32-compute for bf16 on CPUs without bf16
+GEMMs) and native on other devices. On the 2-core AVX2 EPYC of the benchmarks oneDNN runs
+float32 GEMMs at about 73 GFLOPS against MKL's 20-31, and a one-row GEMV 3-7x faster than MKL's
+padded call; the avx2 kernel gives oneDNN's bits there, as fast for many rows and without the
+~30 us oneDNN spends setting up each call, a third of a 512x512 GEMV (docs/BENCHMARKS.md,
+"Single-stream decode"). On AVX-512 CPUs oneDNN's float32 GEMMs take another reduction order,
+so there the avx2 path's bits are its own (still batch-invariant), not oneDNN's.
 
 Batch invariance: a GEMM library may pick another kernel, and so another reduction order, for
 another row count (MKL does below 16 rows; oneDNN with weights packed for one row does). The
@@ -45,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rtpkv.kernels import fp32_linear
-from rtpkv.kernels.cpu_build import cache_dir, cpu_flags, cpu_identity
+from rtpkv.kernels.cpu_build import cache_dir, cpu_identity
 from rtpkv.kernels.names import LINEAR_PATHS
 
 # oneDNN keeps a primitive per GEMM shape (each row count is a shape) in two caches, ideep's
@@ -82,8 +84,7 @@ def linear_path(dtype: torch.dtype, device: torch.device, name: str = "auto") ->
     if device.type != "cpu":
         return "native"
     if name == "auto":
-        if (dtype == torch.float32 and "avx512f" not in cpu_flags().split()
-                and fp32_linear.available()):
+        if dtype == torch.float32 and fp32_linear.available():
             return "avx2"
         if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16):
             return "native"

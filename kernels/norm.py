@@ -1,5 +1,6 @@
 """RMSNorm, computed in float32 as transformers does, cast back to the input dtype; optionally
-fused with the residual add before it (vLLM's fused_add_rms_norm)."""
+fused with the residual add before it (vLLM's fused_add_rms_norm). On CUDA the Triton kernel
+(triton_ops) where triton imports; on a CPU the C kernel; else the torch reference."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from rtpkv.kernels import fused_ops
+from rtpkv.kernels import fused_ops, triton_support
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -16,6 +17,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     The C kernel when it takes the tensors (x made contiguous first: q/k heads of a qk-norm model
     are strided views, and one row at a time must be computed as in a batch), else
     rms_norm_reference."""
+    triton_ops = triton_support.ops_for(x)
+    if triton_ops is not None:
+        return triton_ops.rms_norm(x, weight, eps, residual)
     dim = x.shape[-1]
     if not (fused_ops.usable(x, weight, *(() if residual is None else (residual,)))
             and weight.is_contiguous() and weight.numel() == dim

@@ -1,9 +1,10 @@
 """Rotary position embedding (Llama's rotate_half form) with a cos/sin table precomputed once
-per model, applied in place."""
+per model, applied in place: the Triton kernel on CUDA (triton_ops), the C kernel on a CPU,
+else the torch reference."""
 
 import torch
 
-from rtpkv.kernels import fused_ops
+from rtpkv.kernels import fused_ops, triton_support
 
 
 def rope_table(inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype,
@@ -26,6 +27,10 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     tables, positions: (T,) int64, each below max_positions (the caller checks, once a step:
     the C kernel does not). The C kernel takes rows of any stride with contiguous heads
     (views into the fused qkv output); otherwise the torch reference."""
+    triton_ops = triton_support.ops_for(q)
+    if triton_ops is not None and q.stride(2) == 1 and k.stride(2) == 1:
+        triton_ops.apply_rope_(q, k, cos, sin, positions)
+        return
     if (q.stride(1) == q.shape[2] and q.stride(2) == 1 and k.stride(1) == k.shape[2]
             and k.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()
             and positions.dtype == torch.int64 and positions.is_contiguous()

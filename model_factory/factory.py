@@ -15,6 +15,8 @@ import torch
 
 from rtpkv.config import RuntimeConfig, Settings, resolve
 from rtpkv.errors import ConfigError
+from rtpkv.kernels import weight_types
+from rtpkv.kernels.cpu_build import select_isa
 from rtpkv.kernels.linear import bf16_gemm_supported
 from rtpkv.locked_tokenizer import LockedTokenizer
 from rtpkv.model_factory import qwen, qwen_tokenizer
@@ -90,12 +92,13 @@ def _pick_dtype(name: str, spec: ModelSpec, device: torch.device,
     compute in float32 on a CPU (kernels/int8_linear.py, kernels/w8a8_linear.py): any other
     device or dtype is refused."""
     if weight_quantization:
-        if device.type != "cpu" or name not in ("auto", "float32"):
+        compute = str(weight_types.COMPUTE_DTYPE).removeprefix("torch.")
+        if device.type != weight_types.DEVICE or name not in ("auto", compute):
             switch = f"WEIGHT_TYPE={weight_quantization.upper()}" + (
                 " (or INT8_MODE=1)" if weight_quantization == "int8" else "")
-            raise ConfigError(f"{switch} runs on a CPU in float32; "
+            raise ConfigError(f"{switch} runs on a CPU in {compute}; "
                               f"device={device.type}, dtype={name} is not supported with it")
-        return torch.float32
+        return weight_types.COMPUTE_DTYPE
     if name != "auto":
         return _DTYPES[name]
     dtype = _DTYPES.get(str(spec.torch_dtype).removeprefix("torch."), torch.float32)
@@ -112,9 +115,9 @@ def _pick_kv_dtype(config: RuntimeConfig, device: torch.device, dtype: torch.dty
     if device.type != "cpu":
         raise ConfigError(f"KV_CACHE_DTYPE=int8 (or INT8_KV_CACHE=1) runs on a CPU; "
                           f"device={device.type} is not supported with it")
-    if config.rtpkv_attention == "flash-attn":
-        raise ConfigError("RTPKV_ATTENTION=flash-attn does not read an int8 KV cache "
-                          "(KV_CACHE_DTYPE=int8 / INT8_KV_CACHE=1): use cpu-paged or torch")
+    if config.rtpkv_attention in ("flash-attn", "triton"):
+        raise ConfigError(f"RTPKV_ATTENTION={config.rtpkv_attention} does not read an int8 KV "
+                          "cache (KV_CACHE_DTYPE=int8 / INT8_KV_CACHE=1): use cpu-paged or torch")
     return torch.int8
 
 
@@ -186,6 +189,10 @@ class ModelFactory:
         config = config.replace(max_seq_len=max_seq_len)
 
         files = weight_files(model_dir)
+        try:
+            select_isa(config.rtpkv_isa)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         with serial_torch():
             module = _load_module(spec, files, device, dtype, kv_dtype, config, max_seq_len,
                                   show_progress, model_dir)
@@ -197,7 +204,8 @@ class ModelFactory:
         # quantized layers give other K/V than the float ones, and an int8 KV cache other
         # blocks: their blocks must never be shared with another setting's
         quantized = config.weight_quantization
-        weights = f"|{quantized}-g{module.lm_head.group_size}" if quantized else ""
+        weights = (weight_types.REGISTRY[quantized].fingerprint(module.lm_head) if quantized
+                   else "")
         kv = "|kv-int8" if kv_dtype == torch.int8 else ""
         fingerprint = hashlib.sha256(
             f"{spec.architecture}|{weights_digest(files)}|{dtype}{weights}{kv}".encode()

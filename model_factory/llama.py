@@ -18,11 +18,10 @@ from torch import nn
 
 from rtpkv.kernels import (AttentionBackend, AttentionBatch, apply_rope_, attention_backend,
                            rms_norm, rope_table, silu_and_mul)
+from rtpkv.kernels import weight_types
 from rtpkv.kernels.activation import gelu_tanh_and_mul
 from rtpkv.kernels.norm import rms_norm_float_weight
 from rtpkv.kernels.fused_decoder import FusedDecoder
-from rtpkv.kernels.int8_linear import Int8Linear
-from rtpkv.kernels.w8a8_linear import W8A8Linear
 from rtpkv.kernels.linear import InferenceLinear, linear_path
 from rtpkv.model_factory.plan import (GLOBAL_ROPE, LayerPlan, ModelPlan, NormPlan, capped_window,
                                       model_plan)
@@ -187,8 +186,8 @@ class CausalLM(nn.Module):
                 weight_quantization: Optional[str] = None,
                 kv_dtype: Optional[torch.dtype] = None) -> None:
         """After weights are loaded: tie, fuse, choose the GEMM path (kernels/linear.py; `linear`
-        is RTPKV_LINEAR) or quantize the linear layers (`weight_quantization`: "int8",
-        kernels/int8_linear.py, or "w8a8_int8", kernels/w8a8_linear.py),
+        is RTPKV_LINEAR) or convert the linear layers (`weight_quantization`: a WEIGHT_TYPE of
+        kernels/weight_types.py),
         build the RoPE table, pick the attention backend (`attention` is RTPKV_ATTENTION) for
         the pool's `kv_dtype` (torch.int8: the int8 KV cache; default: the model's dtype) and,
         where every layer runs on the C kernels, the fused decoder (kernels/fused_decoder.py)."""
@@ -200,19 +199,18 @@ class CausalLM(nn.Module):
                 norm.prepare()
         if self.plan.embedding_scale is not None:   # as transformers: a float32 scalar, cast
             self.embedding_scale = torch.tensor(self.plan.embedding_scale).to(weight)
-        quantized = ({"int8": Int8Linear, "w8a8_int8": W8A8Linear}[weight_quantization]
-                     if weight_quantization else None)
-        self.linear_path = (quantized.path if quantized
+        kind = weight_types.REGISTRY[weight_quantization] if weight_quantization else None
+        self.linear_path = (kind.layer.path if kind
                             else linear_path(weight.dtype, weight.device, linear))
         freed = 0   # bytes of float weights the quantized layers free
 
         def convert(layer: nn.Linear, shared: bool = False) -> nn.Module:
             nonlocal freed
-            if quantized is None:
+            if kind is None:
                 return InferenceLinear(layer, self.linear_path)
             if not shared:
                 freed += sum(p.numel() * p.element_size() for p in layer.parameters())
-            return quantized(layer)
+            return kind.convert(layer)
 
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -224,17 +222,14 @@ class CausalLM(nn.Module):
             mlp.down_proj = convert(mlp.down_proj)
         tied = self.spec.tie_word_embeddings
         self.lm_head = convert(self.lm_head, shared=tied)
-        if quantized:
-            held = sum(m.nbytes for m in self.modules() if isinstance(m, quantized))
-            log.info("WEIGHT_TYPE=%s: %d linear layers (the LM head included) quantized to "
-                     "int8, one scale per output channel and %d inputs%s: %.1f MiB of float32 "
-                     "weights freed, %.1f MiB of int8 weights and scales held (%.1f MiB saved%s); "
-                     "embeddings and norms stay float32", weight_quantization.upper(),
-                     4 * len(self.model.layers) + 1, self.lm_head.group_size,
-                     ", activations quantized per row and group at each call"
-                     if quantized is W8A8Linear else "",
+        if kind:
+            held = sum(m.nbytes for m in self.modules() if isinstance(m, kind.layer))
+            log.info("WEIGHT_TYPE=%s: %d linear layers (the LM head included) held as %s: "
+                     "%.1f MiB of float32 weights freed, %.1f MiB held (%.1f MiB saved%s); "
+                     "embeddings and norms stay float32", kind.name.upper(),
+                     4 * len(self.model.layers) + 1, kind.held_as,
                      freed / 2**20, held / 2**20, (freed - held) / 2**20,
-                     "; the tied LM head is an int8 copy of the float32 embedding" if tied else "")
+                     "; the tied LM head is a copy of the float32 embedding" if tied else "")
         self.ropes = {name: rope_table(self.spec.inv_freq(rope), max_positions, weight.dtype,
                                        weight.device)
                       for name, rope in self.plan.ropes.items()}
@@ -272,6 +267,14 @@ class CausalLM(nn.Module):
         """`meta` comes from `self.attention_metadata` for this batch."""
         if positions.numel():
             self._check_position(int(positions.max()))
+        return self.hidden_states(input_ids, positions, kv_caches, meta)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      meta: list[Any]) -> torch.Tensor:
+        """`forward` without its check of the positions, which reads them back from the
+        device: for a CUDA graph's capture (rtpkv.engine.cuda_graphs), whose caller checks the
+        host's ids and positions (`check_ids`) before copying them in."""
         residual = self.model.embed_tokens(input_ids)   # the residual stream, added to in place
         if self.embedding_scale is not None:
             residual = residual * self.embedding_scale
@@ -297,7 +300,7 @@ class CausalLM(nn.Module):
         the engine samples from. Where the fused decoder runs, one C call from the ids to the
         logits, with no torch op between (kernels/fused_decoder.py)."""
         if self.fused is not None:   # it reads ids, positions and rows unchecked
-            self._check_ids(ids, positions)
+            self.check_ids(ids, positions)
             if rows and not (len(rows) <= len(ids) and 0 <= min(rows) <= max(rows) < len(ids)):
                 raise IndexError(f"logit rows {min(rows)}..{max(rows)} ({len(rows)} of them) "
                                  f"are not rows of a forward of {len(ids)} tokens")
@@ -321,7 +324,7 @@ class CausalLM(nn.Module):
         if not (len(ids) == len(stops) == len(lengths) == meta.T and steps >= 1):
             raise ValueError(f"{len(ids)} ids, {len(stops)} stop lists, {len(lengths)} block "
                              f"tables, {meta.T} rows and {steps} steps")
-        self._check_ids(ids, [p + steps - 1 for p in positions])   # the last step's positions
+        self.check_ids(ids, [p + steps - 1 for p in positions])   # the last step's positions
         B = meta.block_size
         for row, (position, length) in enumerate(zip(positions, lengths)):
             if (position + steps - 1) // B >= length:   # the C loop writes K/V at each position
@@ -329,9 +332,9 @@ class CausalLM(nn.Module):
                                  f"end of its block table ({length} blocks of {B})")
         return self.fused.generate(ids, positions, kv_caches, meta, steps, stops)
 
-    def _check_ids(self, ids: list[int], positions: list[int]) -> None:
-        """What the fused decoder reads unchecked: one position per id, each inside the RoPE
-        table, each id inside the vocabulary."""
+    def check_ids(self, ids: list[int], positions: list[int]) -> None:
+        """What the fused decoder and a CUDA graph's replay read unchecked: one position per id,
+        each inside the RoPE table, each id inside the vocabulary."""
         if len(positions) != len(ids):
             raise ValueError(f"{len(ids)} token ids but {len(positions)} positions")
         if ids:

@@ -152,6 +152,18 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
     return out
 
 
+# The demo model's vocabulary is exactly the tokenizer's, so every generated id decodes to text.
+DEMO_CHECKPOINT = dict(architecture="LlamaForCausalLM", vocab_size=2000, hidden_size=256,
+                       intermediate_size=704, num_layers=4, num_heads=8, num_kv_heads=4,
+                       max_position_embeddings=2048, tokenizer_vocab_size=2000)
+
+
+def model_or_demo(model: Optional[str]) -> str:
+    """`model`, or without one the tiny demo checkpoint (built once): what `rtpkv demo`,
+    `rtpkv fleet` and the examples run when given no model."""
+    return model or str(cached_tiny_checkpoint("demo", **DEMO_CHECKPOINT))
+
+
 def cached_tiny_checkpoint(name: str = "demo", cache_dir: Optional[os.PathLike] = None,
                            show_progress: bool = True, **kwargs: Any) -> Path:
     """Build once into the user's cache dir (keyed by the arguments) and reuse afterwards."""

@@ -12,10 +12,6 @@ from typing import Any, Optional
 
 from rtpkv import __version__
 
-# The demo model's vocabulary is exactly the tokenizer's, so every generated id decodes to text.
-DEMO_CHECKPOINT = dict(architecture="LlamaForCausalLM", vocab_size=2000, hidden_size=256,
-                       intermediate_size=704, num_layers=4, num_heads=8, num_kv_heads=4,
-                       max_position_embeddings=2048, tokenizer_vocab_size=2000)
 DEMO_PROMPTS = ["hello, what's your name", "hello, what's your name? how old are you?"]
 RANDOM_WEIGHTS_NOTE = (
     "The built-in demo model has random weights, so its text is meaningless by design: the demo\n"
@@ -25,31 +21,14 @@ RANDOM_WEIGHTS_NOTE = (
 SAMPLING_KEYS = {"do_sample", "top_k", "top_p", "temperature", "random_seed"}
 
 
-def example_model_path(doc: Optional[str], argv: Optional[list[str]] = None) -> str:
-    """The examples' command line: an optional MODEL_DIR (default: the demo checkpoint), with
-    --help, so `--help` is never taken for a model path."""
-    parser = argparse.ArgumentParser(description=doc,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model_dir", nargs="?", metavar="MODEL_DIR",
-                        help="a checkpoint directory or hub id (default: the tiny demo one)")
-    return _model_path(parser.parse_args(argv).model_dir)
-
-
-def _model_path(model: Optional[str]) -> str:
-    if model:
-        return model
-    from rtpkv.model_factory.tiny import cached_tiny_checkpoint
-
-    return str(cached_tiny_checkpoint("demo", **DEMO_CHECKPOINT))
-
-
 def _pipeline(model: Optional[str], defaults: dict[str, Any]):
     from rtpkv.model_factory import ModelConfig, ModelFactory
+    from rtpkv.model_factory.tiny import model_or_demo
     from rtpkv.pipeline import Pipeline
 
     # The demo's defaults apply only where the environment says nothing.
     options = {k: v for k, v in defaults.items() if k.upper() not in os.environ}
-    loaded = ModelFactory.from_huggingface(_model_path(model), ModelConfig(**options))
+    loaded = ModelFactory.from_huggingface(model_or_demo(model), ModelConfig(**options))
     return Pipeline(loaded, loaded.tokenizer)
 
 

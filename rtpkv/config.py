@@ -19,9 +19,9 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
                       field_validator)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from rtpkv.cache.block import DEFAULT_PRIORITY
 from rtpkv.errors import ConfigError
-from rtpkv.kernels.names import ATTENTION_BACKENDS, LINEAR_PATHS
+from rtpkv.switches import parse_switch
+from rtpkv.kernels.names import ATTENTION_BACKENDS, ISA_LEVELS, LINEAR_PATHS, WEIGHT_TYPES
 
 # Values in error messages: bounded in depth and length, so a value nested a thousand levels
 # deep or megabytes long is reported in a line (a plain repr would recurse or flood the log).
@@ -29,13 +29,13 @@ _SHORT = reprlib.Repr()
 _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = \
     4, 200, 200, 10, 10
 
-_TRUE = {"1", "true", "on"}
-WEIGHT_TYPES = ("auto", "int8", "w8a8_int8")
 KV_CACHE_DTYPES = ("auto", "int8")
 KV_EVENTS_LAYOUTS = ("map", "array")   # the KV events' layouts (rtpkv.fleet.wire)
 _CHOICES = {"weight_type": WEIGHT_TYPES, "kv_cache_dtype": KV_CACHE_DTYPES,
             "kv_events_layout": KV_EVENTS_LAYOUTS}   # lower-cased
-_FALSE = {"0", "false", "off"}
+# a block's retention priority when no request gave one (rtp-llm's default; 0-100, higher kept
+# longer): the cache's default, and SECONDARY_OFFLOAD_MIN_PRIORITY's
+DEFAULT_PRIORITY = 35
 
 
 class CapacitySchedulerPolicy(str, enum.Enum):
@@ -58,18 +58,6 @@ class SchedulePolicy(str, enum.Enum):
 
     FCFS = "fcfs"
     LPM = "lpm"
-
-
-def parse_switch(value: Any) -> Any:
-    """Accept 1/0, true/false, on/off in any case (and real booleans); refuse anything else."""
-    if isinstance(value, bool) or value is None:
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ValueError("accepted values are 1/0, true/false, on/off (any case)")
 
 
 def describe_validation_error(exc: ValidationError, name: Callable[[str], str] = str,
@@ -195,12 +183,20 @@ class RuntimeConfig(BaseModel):
     # kernel choices (rtpkv.kernels): auto = the fastest that builds and supports the dtype
     rtpkv_attention: str = Field("auto", pattern=f"^({'|'.join(ATTENTION_BACKENDS)})$")
     rtpkv_linear: str = Field("auto", pattern=f"^({'|'.join(LINEAR_PATHS)})$")
+    # the vector ISA the C kernels are built for (rtpkv.kernels.cpu_build): auto = the highest
+    # this CPU runs; every level gives the same bits
+    rtpkv_isa: str = Field("auto", pattern=f"^({'|'.join(ISA_LEVELS)})$")
+    # decode-only steps on CUDA replay a CUDA graph captured per batch-size bucket (1, 2, 4, ...;
+    # rtpkv.engine.cuda_graphs, with RTPKV_ATTENTION=triton); ENFORCE_EAGER=1 (vLLM's name)
+    # runs every step eagerly
+    enforce_eager: bool = False
     # seconds between malloc_trim(0) calls from the engine thread (rtpkv.engine.heap_trim), which
     # keep glibc's freed activations from staying resident under load; 0: off
     rtpkv_malloc_trim_s: float = Field(10.0, ge=0)
     # int8 linear layers: rtp-llm's weight-only int8 (rtpkv.kernels.int8_linear), WEIGHT_TYPE=INT8
     # or INT8_MODE=1 (its older alias); or int8 weights and activations
-    # (rtpkv.kernels.w8a8_linear), WEIGHT_TYPE=W8A8_INT8; "auto" keeps the model's dtype
+    # (rtpkv.kernels.w8a8_linear), WEIGHT_TYPE=W8A8_INT8; or bfloat16 weights computed in float32
+    # (rtpkv.kernels.bf16_linear), WEIGHT_TYPE=BF16; "auto" keeps the model's dtype
     weight_type: str = "auto"
     int8_mode: bool = False
     # the KV cache's storage (rtpkv.kernels.kv_quant): KV_CACHE_DTYPE=int8, or rtp-llm's
@@ -233,7 +229,7 @@ class RuntimeConfig(BaseModel):
 
     @field_validator("reuse_cache", "enable_partial_reuse", "enable_memory_cache",
                      "enable_memory_cache_disk", "write_cache_sync", "enable_remote_cache",
-                     "int8_mode", "int8_kv_cache", mode="before")
+                     "int8_mode", "int8_kv_cache", "enforce_eager", mode="before")
     @classmethod
     def _switch(cls, value: Any) -> Any:
         return parse_switch(value)
@@ -268,7 +264,8 @@ class RuntimeConfig(BaseModel):
     def weight_quantization(self) -> Optional[str]:
         """How the linear layers are quantized: "int8" (weight-only: WEIGHT_TYPE=INT8 or
         INT8_MODE=1), "w8a8_int8" (weights and activations: WEIGHT_TYPE=W8A8_INT8; it wins over
-        INT8_MODE=1), or None (the model's dtype)."""
+        INT8_MODE=1), "bf16" (bfloat16 weights, float32 arithmetic: WEIGHT_TYPE=BF16), or None
+        (the model's dtype)."""
         if self.weight_type != "auto":
             return self.weight_type
         return "int8" if self.int8_mode else None

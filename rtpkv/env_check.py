@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Iterable, Mapping, Optional
 
-from rtpkv.config import parse_switch
+from rtpkv.switches import parse_switch
 from rtpkv.errors import ConfigError
 
 log = logging.getLogger("rtpkv")

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Option
 
 import torch
 
-from rtpkv.cache.prefix_index import HashFn, sha256
 from rtpkv.chat import Messages, render_chat
 from rtpkv.config import RuntimeConfig
 from rtpkv.engine import Engine, Request, StepOutput
@@ -276,7 +275,7 @@ class ResponseStream(Iterator[Union[Response, BatchResponse]],
 class Pipeline:
     def __init__(self, model: Model, tokenizer: Any = None, *,
                  tasks: Optional[Sequence[Union[dict[str, Any], TaskPrompt]]] = None,
-                 hash_fn: HashFn = sha256, **options: Any):
+                 **options: Any):
         """`options` are ModelConfig field names (reuse_cache=True, seq_size_per_block=16, ...)
         overriding the environment and the model's ModelConfig. `tasks` are task prompts given
         in code; otherwise ModelConfig.tasks, MULTI_TASK_PROMPT or MULTI_TASK_PROMPT_STR."""
@@ -293,7 +292,7 @@ class Pipeline:
         self._token_chars = longest_token_chars(self.tokenizer)
         self._long_encoder: Optional[LockedTokenizer] = None
         self._long_encoder_lock = threading.Lock()
-        self.engine = Engine(model, config, hash_fn=hash_fn)
+        self.engine = Engine(model, config)
         self._retention_noted = False
         self.tasks = TaskRegistry()
         self.kv_event_publisher: Optional["KVEventPublisher"] = None
@@ -302,8 +301,7 @@ class Pipeline:
                 from rtpkv.fleet import publisher  # the `fleet` extra: only when asked for
 
                 self.kv_event_publisher = publisher.KVEventPublisher.from_config(
-                    config, self.engine.events, self.engine.block_size,
-                    self.engine.cache.index.root)
+                    config, self.engine.events, self.engine.block_size, self.engine.root_key)
                 self.engine.announce_tiers()  # a restarted replica's disk records
             for task in task_list:
                 self.add_task(task.task_id, task.prompt)
@@ -486,7 +484,7 @@ class Pipeline:
         are now cached: a request that extends the prompt reuses that many (one equal to it,
         all but its last token at most). Blocks until done; refused when reuse is off."""
         req, _ = self._prepare(prompt, generate_config, kwargs, prewarm=True)
-        if not self.engine.cache.reuse_applies(req):
+        if not self.engine.reuse_applies(req):
             raise RequestError("prewarm would cache nothing: reuse is off (REUSE_CACHE=0, or "
                                "reuse_cache false for this request)")
         self.engine.submit(req)

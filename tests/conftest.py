@@ -72,6 +72,49 @@ def flash_attn_standin(monkeypatch):
     return standin
 
 
+TRITON_MODULES = ("rtpkv.kernels.triton_ops", "rtpkv.kernels.triton_attention")
+
+
+def _fresh_triton_modules(monkeypatch, interpret: bool):
+    """rtpkv's Triton kernel modules imported afresh with TRITON_INTERPRET set or not (Triton
+    reads it when a kernel is defined), dropped again after the test so that the next test
+    imports its own. Skips, with the reason, where triton does not import."""
+    import importlib
+    import sys
+
+    from rtpkv import kernels
+    from rtpkv.kernels import triton_support
+
+    why = triton_support.import_error()
+    if why:
+        pytest.skip(why)
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for name in TRITON_MODULES:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        monkeypatch.delattr(kernels, name.rsplit(".", 1)[1], raising=False)
+    yield tuple(importlib.import_module(name) for name in TRITON_MODULES)
+    for name in TRITON_MODULES:
+        sys.modules.pop(name, None)
+        kernels.__dict__.pop(name.rsplit(".", 1)[1], None)
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """rtpkv's Triton kernels run by Triton's interpreter on CPU tensors (TRITON_INTERPRET=1).
+    Yields (triton_ops, triton_attention)."""
+    yield from _fresh_triton_modules(monkeypatch, interpret=True)
+
+
+@pytest.fixture
+def triton_compiled(monkeypatch):
+    """rtpkv's Triton kernels as Triton compiles them for a GPU (no interpreter). Yields
+    (triton_ops, triton_attention)."""
+    yield from _fresh_triton_modules(monkeypatch, interpret=False)
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> Callable[[str], Path]:
     built: dict[str, Path] = {}
@@ -82,6 +125,22 @@ def checkpoints(tmp_path_factory) -> Callable[[str], Path]:
         return built[name]
 
     return get
+
+
+def c_kernels_missing() -> str | None:
+    """Why this host cannot run the project's C kernels (None where it can): the CPU flags it
+    lacks, or no working C compiler."""
+    from rtpkv.kernels import cpu_build, fp32_linear
+
+    if not cpu_build.available_isas():
+        return "this CPU lacks AVX2 or FMA, which the C kernels need"
+    if not fp32_linear.available():
+        return "the C kernels do not build here (no C compiler, or the build failed)"
+    return None
+
+
+needs_c_kernels = pytest.mark.skipif(c_kernels_missing() is not None,
+                                     reason=c_kernels_missing() or "")
 
 
 @pytest.fixture(scope="session")
@@ -149,12 +208,12 @@ def load(path: Path, **config: Any) -> Model:
 
 @pytest.fixture
 def make_pipeline(llama_path):
-    """make_pipeline(path=None, tasks=None, hash_fn=..., **options) -> a Pipeline that is
+    """make_pipeline(path=None, tasks=None, **options) -> a Pipeline that is
     integrity-checked and stopped after the test."""
     made: list[Pipeline] = []
 
     def make(path: Path | None = None, **options: Any) -> Pipeline:
-        extra = {k: options.pop(k) for k in ("tasks", "hash_fn") if k in options}
+        extra = {k: options.pop(k) for k in ("tasks",) if k in options}
         options.setdefault("kv_cache_max_tokens", 8192)
         model = load(path or llama_path, **options)
         pipe = Pipeline(model, model.tokenizer, **extra)

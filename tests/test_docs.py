@@ -24,7 +24,8 @@ def test_nothing_points_outside_the_repository():
 def test_design_and_benchmark_documents_are_linked_and_exist():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "(docs/DESIGN.md)" in readme and "(docs/BENCHMARKS.md)" in readme
-    for doc in (ROOT / "README.md", ROOT / "docs" / "DESIGN.md", ROOT / "docs" / "BENCHMARKS.md"):
+    assert "(docs/USAGE.md)" in readme
+    for doc in (ROOT / "README.md", *(ROOT / "docs").glob("*.md")):
         for target in re.findall(r"\]\(([^)#:]+)\)", doc.read_text(encoding="utf-8")):
             assert (doc.parent / target).exists(), f"{doc.name} links to missing {target}"
     benchmarks = "".join(p.read_text() for p in (ROOT / "benchmarks").glob("*.py"))
@@ -39,3 +40,8 @@ def test_readme_keeps_the_ci_lines_and_explains_torch_builds():
     section = readme.split("### Installing torch", 1)[1].split("\n## ", 1)[0]
     assert "**CPU only**" in section and "**CUDA**" in section
     assert "needs no particular build" in section
+
+
+def test_readme_is_short():
+    """The README says what rtpkv is and how to start; the manual lives in docs/USAGE.md."""
+    assert len((ROOT / "README.md").read_bytes()) < 12 * 1024

@@ -82,7 +82,7 @@ typedef struct {                   /* several decode steps of one row per sequen
 } decoder_burst;
 
 enum { SECONDS_LINEAR, SECONDS_ATTENTION, SECONDS_ELEMENTWISE };   /* benchmarks/decode_step.py */
-enum { LINEAR_FP32, LINEAR_INT8, LINEAR_W8A8 };                     /* kernels/fused_decoder.py */
+enum { LINEAR_FP32, LINEAR_INT8, LINEAR_W8A8, LINEAR_BF16 };                     /* kernels/fused_decoder.py */
 
 static inline double clock_now(void) {
     struct timespec t;
@@ -111,6 +111,9 @@ static void linear(const decoder_model *m, const linear_layer *l, const float *x
         break;
     case LINEAR_FP32:
         rtpkv_fp32_linear(x, T, K, (const float *)l->weight, N, l->bias, y);
+        break;
+    case LINEAR_BF16:
+        rtpkv_bf16w_linear(x, T, K, (const uint16_t *)l->weight, N, l->bias, y);
         break;
     default:
         abort();   /* kernels/fused_decoder.py sets one of LINEAR_* */

@@ -1,8 +1,9 @@
-/* y = x W^T + b in float32 (RTPKV_LINEAR=avx2): the project's own GEMM, for every row count.
+/* y = x W^T + b in float32 (RTPKV_LINEAR=avx2; WEIGHT_TYPE=BF16 below): the project's own GEMM,
+ * for every row count.
  *
  * Packing: output channels in panels of 16 (kernels/fp32_linear.py zero-pads the last one);
  * panel p holds w[p][k][c] = W[16p + c][k], K rows of 16 lanes, so a tile's weights for one k
- * are two aligned vector loads.
+ * are one or two vector loads.
  *
  * Arithmetic of one output (row m, channel n), whatever the number of rows, the tile or the
  * thread count: the inputs are taken in blocks of K_BLOCK in order; within a block
@@ -12,6 +13,16 @@
  * the same bits (batch invariance by construction, no padding, no probe). The blocks of 1024
  * are oneDNN's order for float32 on AVX2, so on such a CPU this path gives the bits the onednn
  * path gives (tests/kernels/test_fp32_linear.py checks it there).
+ *
+ * Vector width (RTPKV_ISA, kernels/cpu_build.py): built for AVX-512, a panel row is one 16-lane
+ * vector, else two 8-lane ones. Each lane is still one output's chain in the order above, so the
+ * two builds give the same bits; AVX-512 halves the instructions per FMA (Intel's two 512-bit FMA
+ * units double the throughput of a compute-bound tile; Zen 4 runs them as two 256-bit halves).
+ *
+ * bfloat16 weights (WEIGHT_TYPE=BF16, rtpkv_bf16w_linear): the same panels holding bf16 values,
+ * widened to float32 in registers (exact: the 16 bits shifted into the high half), then the same
+ * chains: the bits of this kernel over float32 weights equal to the bf16 ones, from half the
+ * bytes. A decode step is bound by the bytes of weights it reads.
  *
  * Why not oneDNN: each of its calls costs ~30 us of set-up on the benchmarks' EPYC, a third of
  * a one-row GEMV of a 512x512 layer; a decode step makes one call per linear layer. Tiles: a
@@ -29,81 +40,120 @@
 #error "the float32 linear kernel needs AVX2 and FMA"
 #endif
 
-typedef __m256 v8;
+#if defined(__AVX512F__)
+typedef __m512 vec;
+#define LANES 16
+#define vzero _mm512_setzero_ps
+#define vload _mm512_loadu_ps
+#define vloadu _mm512_loadu_ps
+#define vstoreu _mm512_storeu_ps
+#define vbroadcast(p) _mm512_set1_ps(*(p))
+#define vfma _mm512_fmadd_ps
+#define vadd _mm512_add_ps
+/* LANES bf16 values widened to float32 */
+static inline vec vload_bf16(const uint16_t *p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+#else
+typedef __m256 vec;
+#define LANES 8
+#define vzero _mm256_setzero_ps
+#define vload _mm256_loadu_ps
+#define vloadu _mm256_loadu_ps
+#define vstoreu _mm256_storeu_ps
+#define vbroadcast(p) _mm256_broadcast_ss(p)
+#define vfma _mm256_fmadd_ps
+#define vadd _mm256_add_ps
+static inline vec vload_bf16(const uint16_t *p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+#endif
 
-#define PANEL 16         /* output channels per packed panel: two vectors */
+#define PANEL 16         /* output channels per packed panel */
+#define VPP (PANEL / LANES)  /* vectors per panel row */
 #define K_BLOCK 1024     /* inputs per partial chain (see the header) */
 #define TILE_ROWS 6      /* rows per tile when sweeping a panel */
 #define FEW_ROWS 4       /* below this many rows, the streaming tiles */
 
+/* The weights of panel p, input k, vector j of a tile: float32 or bf16 (`bf16` is a constant in
+ * every inlined call, so each kernel is compiled with its own load). */
+static inline __attribute__((always_inline)) vec wload(const void *w, int bf16, int64_t off) {
+    return bf16 ? vload_bf16((const uint16_t *)w + off) : vload((const float *)w + off);
+}
+
 /* Rows [0, mr) x panels [0, np) of one tile: y rows at y + r * ldy, column offset c0 of the
  * first panel, `ncols` valid columns from there (the padded tail is not stored). */
 static inline __attribute__((always_inline)) void tile(
-        const int mr, const int np, const float *x, int64_t K, const float *w, float *y,
-        int64_t ldy, const float *bias, int64_t ncols) {
-    v8 sum[TILE_ROWS][8];
+        const int mr, const int np, const int bf16, const float *x, int64_t K, const void *w,
+        float *y, int64_t ldy, const float *bias, int64_t ncols) {
+    vec sum[TILE_ROWS][4 * VPP];
     for (int64_t k0 = 0; k0 < K; k0 += K_BLOCK) {
         const int64_t k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
-        v8 acc[TILE_ROWS][8];
+        vec acc[TILE_ROWS][4 * VPP];
         for (int r = 0; r < mr; r++)
-            for (int j = 0; j < 2 * np; j++) acc[r][j] = _mm256_setzero_ps();
+            for (int j = 0; j < VPP * np; j++) acc[r][j] = vzero();
         for (int64_t k = k0; k < k1; k++) {
-            v8 wk[8];
-            for (int p = 0; p < np; p++) {
-                wk[2 * p] = _mm256_load_ps(w + (p * K + k) * PANEL);
-                wk[2 * p + 1] = _mm256_load_ps(w + (p * K + k) * PANEL + 8);
-            }
+            vec wk[4 * VPP];
+            for (int p = 0; p < np; p++)
+                for (int v = 0; v < VPP; v++)
+                    wk[VPP * p + v] = wload(w, bf16, (p * K + k) * PANEL + v * LANES);
             for (int r = 0; r < mr; r++) {
-                const v8 xb = _mm256_broadcast_ss(x + r * K + k);
-                for (int j = 0; j < 2 * np; j++) acc[r][j] = _mm256_fmadd_ps(xb, wk[j], acc[r][j]);
+                const vec xb = vbroadcast(x + r * K + k);
+                for (int j = 0; j < VPP * np; j++) acc[r][j] = vfma(xb, wk[j], acc[r][j]);
             }
         }
         for (int r = 0; r < mr; r++)
-            for (int j = 0; j < 2 * np; j++)
-                sum[r][j] = k0 == 0 ? acc[r][j] : _mm256_add_ps(sum[r][j], acc[r][j]);
+            for (int j = 0; j < VPP * np; j++)
+                sum[r][j] = k0 == 0 ? acc[r][j] : vadd(sum[r][j], acc[r][j]);
     }
     for (int r = 0; r < mr; r++) {
-        float out[8 * 8];
-        for (int j = 0; j < 2 * np; j++) {
-            v8 s = sum[r][j];
-            if (bias) s = _mm256_add_ps(s, _mm256_loadu_ps(bias + 8 * j));
-            _mm256_storeu_ps(out + 8 * j, s);
+        float out[4 * PANEL];
+        for (int j = 0; j < VPP * np; j++) {
+            vec s = sum[r][j];
+            if (bias) s = vadd(s, vloadu(bias + LANES * j));
+            vstoreu(out + LANES * j, s);
         }
         memcpy(y + r * ldy, out, (size_t)ncols * sizeof(float));
     }
 }
 
 /* The streaming tiles: rows [0, mr < FEW_ROWS) x panels [p, p + np). */
-static void few_rows(int64_t mr, int64_t np, const float *x, int64_t K, const float *w,
-                     float *y, int64_t ldy, const float *bias, int64_t ncols) {
-    if (mr == 1 && np == 4) tile(1, 4, x, K, w, y, ldy, bias, ncols);
+static inline __attribute__((always_inline)) void few_rows(
+        int64_t mr, int64_t np, const int bf16, const float *x, int64_t K, const void *w,
+        float *y, int64_t ldy, const float *bias, int64_t ncols) {
+    const int64_t esize = bf16 ? 2 : 4;
+    if (mr == 1 && np == 4) tile(1, 4, bf16, x, K, w, y, ldy, bias, ncols);
     else if (mr == 1) for (int64_t p = 0; p < np; p++)
-        tile(1, 1, x, K, w + p * K * PANEL, y + p * PANEL, ldy, bias ? bias + p * PANEL : 0,
-             ncols - p * PANEL < PANEL ? ncols - p * PANEL : PANEL);
-    else if (np == 2 && mr == 2) tile(2, 2, x, K, w, y, ldy, bias, ncols);
-    else if (np == 2) tile(3, 2, x, K, w, y, ldy, bias, ncols);
-    else if (mr == 2) tile(2, 1, x, K, w, y, ldy, bias, ncols);
-    else tile(3, 1, x, K, w, y, ldy, bias, ncols);
+        tile(1, 1, bf16, x, K, (const char *)w + p * K * PANEL * esize, y + p * PANEL, ldy,
+             bias ? bias + p * PANEL : 0, ncols - p * PANEL < PANEL ? ncols - p * PANEL : PANEL);
+    else if (np == 2 && mr == 2) tile(2, 2, bf16, x, K, w, y, ldy, bias, ncols);
+    else if (np == 2) tile(3, 2, bf16, x, K, w, y, ldy, bias, ncols);
+    else if (mr == 2) tile(2, 1, bf16, x, K, w, y, ldy, bias, ncols);
+    else tile(3, 1, bf16, x, K, w, y, ldy, bias, ncols);
 }
 
 /* Rows [0, mr <= TILE_ROWS) of one panel. */
-static void panel_rows(int64_t mr, const float *x, int64_t K, const float *w, float *y,
-                       int64_t ldy, const float *bias, int64_t ncols) {
+static inline __attribute__((always_inline)) void panel_rows(
+        int64_t mr, const int bf16, const float *x, int64_t K, const void *w, float *y,
+        int64_t ldy, const float *bias, int64_t ncols) {
     switch (mr) {
-    case 6: tile(6, 1, x, K, w, y, ldy, bias, ncols); break;
-    case 5: tile(5, 1, x, K, w, y, ldy, bias, ncols); break;
-    case 4: tile(4, 1, x, K, w, y, ldy, bias, ncols); break;
-    case 3: tile(3, 1, x, K, w, y, ldy, bias, ncols); break;
-    case 2: tile(2, 1, x, K, w, y, ldy, bias, ncols); break;
-    default: tile(1, 1, x, K, w, y, ldy, bias, ncols); break;
+    case 6: tile(6, 1, bf16, x, K, w, y, ldy, bias, ncols); break;
+    case 5: tile(5, 1, bf16, x, K, w, y, ldy, bias, ncols); break;
+    case 4: tile(4, 1, bf16, x, K, w, y, ldy, bias, ncols); break;
+    case 3: tile(3, 1, bf16, x, K, w, y, ldy, bias, ncols); break;
+    case 2: tile(2, 1, bf16, x, K, w, y, ldy, bias, ncols); break;
+    default: tile(1, 1, bf16, x, K, w, y, ldy, bias, ncols); break;
     }
 }
 
-/* x: (M, K) row-major; w: packed (panels, K, PANEL), 32-byte aligned; bias: N values or NULL
- * (read up to the padded width: the caller pads it); y: (M, N) row-major. */
-void rtpkv_fp32_linear(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
-                       const float *bias, float *y) {
-    const int64_t panels = (N + PANEL - 1) / PANEL;
+/* x: (M, K) row-major; w: packed (panels, K, PANEL) of float32 or bf16 (`bf16`); bias: N values or NULL (read up to the padded width: the caller pads it); y: (M, N)
+ * row-major. */
+static inline __attribute__((always_inline)) void linear(
+        const int bf16, const float *x, int64_t M, int64_t K, const void *w, int64_t N,
+        const float *bias, float *y) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, esize = bf16 ? 2 : 4;
     if (M <= 0) return;
     if (M < FEW_ROWS) {
         const int64_t group = M == 1 ? 4 : 2;    /* panels per streaming tile */
@@ -113,7 +163,8 @@ void rtpkv_fp32_linear(const float *x, int64_t M, int64_t K, const float *w, int
             const int64_t p = g * group;
             const int64_t np = panels - p < group ? panels - p : group;
             const int64_t c0 = p * PANEL, ncols = N - c0 < np * PANEL ? N - c0 : np * PANEL;
-            few_rows(M, np, x, K, w + p * K * PANEL, y + c0, N, bias ? bias + c0 : 0, ncols);
+            few_rows(M, np, bf16, x, K, (const char *)w + p * K * PANEL * esize, y + c0, N,
+                     bias ? bias + c0 : 0, ncols);
         }
         return;
     }
@@ -122,8 +173,18 @@ void rtpkv_fp32_linear(const float *x, int64_t M, int64_t K, const float *w, int
         const int64_t c0 = p * PANEL, ncols = N - c0 < PANEL ? N - c0 : PANEL;
         for (int64_t m = 0; m < M; m += TILE_ROWS) {
             const int64_t mr = M - m < TILE_ROWS ? M - m : TILE_ROWS;
-            panel_rows(mr, x + m * K, K, w + p * K * PANEL, y + m * N + c0, N,
-                       bias ? bias + c0 : 0, ncols);
+            panel_rows(mr, bf16, x + m * K, K, (const char *)w + p * K * PANEL * esize,
+                       y + m * N + c0, N, bias ? bias + c0 : 0, ncols);
         }
     }
+}
+
+void rtpkv_fp32_linear(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
+                       const float *bias, float *y) {
+    linear(0, x, M, K, w, N, bias, y);
+}
+
+void rtpkv_bf16w_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
+                        const float *bias, float *y) {
+    linear(1, x, M, K, w, N, bias, y);
 }

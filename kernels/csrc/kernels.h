@@ -20,6 +20,8 @@ void rtpkv_write_kv_int8(const void *k, const void *v, int8_t *k_cache, int8_t *
 /* fp32_linear.c, int8_linear.c, w8a8_linear.c */
 void rtpkv_fp32_linear(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
                        const float *bias, float *y);
+void rtpkv_bf16w_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
+                        const float *bias, float *y);
 void rtpkv_int8_linear(const float *x, int64_t m, int64_t k, const int8_t *q, const float *s,
                        int64_t n, int64_t group, const float *bias, float *y, int64_t panel_rows);
 void rtpkv_w8a8_linear(const float *x, int64_t m, int64_t k, const int8_t *qw, const float *sw,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-DEFAULT_PRIORITY = 35
+from rtpkv.config import DEFAULT_PRIORITY
 
 
 @dataclass

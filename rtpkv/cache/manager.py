@@ -64,7 +64,7 @@ from rtpkv.cache.events import KVEventBuffer
 from rtpkv.cache.gpu_pool import gpu_pool_blocks
 from rtpkv.cache.groups import KVGroup, group_root, kv_groups, layer_slots, slots
 from rtpkv.cache.kv_memory import KVMemory
-from rtpkv.cache.prefix_index import HashFn, KeyChain, PrefixIndex, sha256
+from rtpkv.cache.prefix_index import KeyChain, PrefixIndex
 from rtpkv.cache.retention import KvCacheRetentionConfig
 from rtpkv.cache.tiers.base import BlockMeta
 from rtpkv.cache.tiers.ladder import TierHit, TierLadder, TierPlan
@@ -295,16 +295,15 @@ class KVCacheManager:
         self.reuse_stops: Counter[str] = Counter()
 
     @classmethod
-    def build(cls, model: "Model", config: "RuntimeConfig", window: Optional[int],
-              hash_fn: HashFn = sha256,
-              tiers: Optional[Sequence["KVTier"]] = None) -> "KVCacheManager":
+    def build(cls, model: "Model", config: "RuntimeConfig",
+              window: Optional[int]) -> "KVCacheManager":
         """The cache the configuration asks for: the pool sized by `pool_blocks`, the KV memory,
-        the event buffer and the tiers (`tiers` replaces the configured ones)."""
+        the event buffer and the tiers."""
         from rtpkv.cache.tiers.factory import build_tiers
         from rtpkv.torch_threads import serial_torch
 
         spec, B = model.spec, config.seq_size_per_block
-        tiers = build_tiers(config, model, B) if tiers is None else tiers
+        tiers = build_tiers(config, model, B)
         groups = kv_groups(spec.layer_windows, window,
                            split=not tiers and not config.enable_partial_reuse)
         if len(set(spec.layer_windows)) > 1 and len(groups) == 1:
@@ -314,7 +313,7 @@ class KVCacheManager:
         with serial_torch():
             memory = KVMemory(slots(groups), num_blocks, B, spec.num_kv_heads, spec.head_dim,
                               model.kv_dtype, model.device)
-        cache = cls(num_blocks, B, PrefixIndex(model.fingerprint, B, hash_fn), memory=memory,
+        cache = cls(num_blocks, B, PrefixIndex(model.fingerprint, B), memory=memory,
                     reuse_enabled=config.reuse_cache,
                     partial_reuse=config.enable_partial_reuse,
                     events=KVEventBuffer(config.kv_cache_event_buffer_max_size),

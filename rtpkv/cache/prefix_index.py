@@ -37,10 +37,10 @@ def sha256(data: bytes) -> bytes:
 
 
 class PrefixIndex:
-    def __init__(self, fingerprint: str, block_size: int, hash_fn: HashFn = sha256):
-        self.hash_fn = hash_fn
+    def __init__(self, fingerprint: str, block_size: int, hash_fn: Optional[HashFn] = None):
+        self.hash_fn = hash_fn or sha256   # looked up here: a test may make keys collide
         self.block_size = block_size
-        self.root = hash_fn(b"rtpkv-kv-v1" + fingerprint.encode() + struct.pack("<I", block_size))
+        self.root = self.hash_fn(b"rtpkv-kv-v1" + fingerprint.encode() + struct.pack("<I", block_size))
         self._blocks: dict[bytes, int] = {}
 
     def key(self, parent_key: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:

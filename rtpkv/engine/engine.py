@@ -24,26 +24,28 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 import torch
 
-from rtpkv.cache.manager import HashFn, KVCacheManager, PinnedPrefix, sha256
+from rtpkv.cache.manager import KVCacheManager, PinnedPrefix
 from rtpkv.config import RuntimeConfig
 from rtpkv.engine.heap_trim import HeapTrimmer, libc_malloc_trim
 from rtpkv.engine.model_runner import ModelRunner
 from rtpkv.engine.request import FinishReason, Request, StepOutput
 from rtpkv.engine.sampler import plain_greedy, sample_batch
 from rtpkv.engine.scheduler import ScheduledChunk, Scheduler
+from rtpkv.engine.stop import ending_token_ids
 from rtpkv.engine.window import attention_window
 from rtpkv.errors import EngineStoppedError, RequestTimeoutError
 from rtpkv.log_limit import RateLimitedLog
+from rtpkv.torch_threads import engine_threads
 from rtpkv.model_factory.factory import Model
 
-if TYPE_CHECKING:
-    from rtpkv.cache.manager import KVTier
-
 log = logging.getLogger("rtpkv")
+
+# one step of a model call: its chunks, the chunks that sampled, their tokens, their logits
+Step = tuple[list[ScheduledChunk], list[ScheduledChunk], list[int], Optional[torch.Tensor]]
 
 STEP_LOG_SIZE = 4096
 # A failing step is retried after a pause doubling from the first to the second figure, so
@@ -52,26 +54,28 @@ STEP_RETRY_S = (0.01, 1.0)
 
 
 class Engine:
-    def __init__(self, model: Model, config: RuntimeConfig, hash_fn: HashFn = sha256,
-                 tiers: Optional[Sequence["KVTier"]] = None):
+    def __init__(self, model: Model, config: RuntimeConfig):
         self.model = model
         self.config = config
         self.block_size = config.seq_size_per_block
         self.window = attention_window(config, model.spec)
-        self.cache = KVCacheManager.build(model, config, self.window.tokens, hash_fn, tiers)
+        self.cache = KVCacheManager.build(model, config, self.window.tokens)
         self.events = self.cache.events
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model.module, self.cache.memory, self.window.tokens,
+                                  config.concurrency_limit, config.enforce_eager,
                                   self.cache.groups, self.cache.layer_slots,
                                   self.cache.layer_groups)
         self.lock = threading.RLock()
         self.step_log: deque[list[tuple[int, int, str]]] = deque(maxlen=STEP_LOG_SIZE)
         self.steps = 0
-        self.calls = 0   # model calls: a burst runs several steps in one
         self._inbox: "queue.Queue[Optional[Request]]" = queue.Queue()
         self._stopped = threading.Event()
         self._submitting = threading.Lock()
-        self._threads = torch.get_num_threads()
+        self._threads = engine_threads()
+        if self._threads < torch.get_num_threads():
+            log.info("engine threads: %d of torch's %d (the CPUs this process may use: affinity "
+                     "and cgroup quota)", self._threads, torch.get_num_threads())
         self._step_failed = RateLimitedLog(log, logging.ERROR)
         self.heap = HeapTrimmer(config.rtpkv_malloc_trim_s, libc_malloc_trim())
         log.info("attention window: %s, attention backend: %s", self.window.describe(),
@@ -96,11 +100,11 @@ class Engine:
     def unpin(self, handle: PinnedPrefix) -> None:
         """Let a task prompt's blocks go: they become ordinary cached blocks."""
         with self.lock:
-            self.scheduler.unpin(handle)
+            self.cache.unpin(handle)
 
     def pin_shortfall(self, num_tokens: int) -> Optional[str]:
         with self.lock:
-            return self.scheduler.pin_shortfall(num_tokens)
+            return self.cache.pin_shortfall(num_tokens)
 
     def stop(self) -> None:
         """End the loop, fail what is in flight with EngineStoppedError, join the thread."""
@@ -123,7 +127,9 @@ class Engine:
 
     def cache_stats(self) -> dict[str, Any]:
         with self.lock:
-            stats = self.scheduler.cache_stats()
+            stats = self.cache.stats()
+            stats["requests_running"] = len(self.scheduler.running)
+            stats["requests_waiting"] = len(self.scheduler.waiting)
             stats["attention_window"] = self.window.tokens
             stats["attention_window_source"] = self.window.source
             return stats
@@ -131,16 +137,35 @@ class Engine:
     def cached_tokens(self, req: Request) -> int:
         """How many of `req`'s tokens the device pool holds now, as a prefix."""
         with self.lock:
-            return self.scheduler.cached_tokens(req)
+            return self.cache.cached_tokens(req)
 
     def check_integrity(self) -> None:
         with self.lock:
-            self.scheduler.check_integrity()
+            self.cache.check_integrity(self.scheduler.running)
 
     def announce_tiers(self) -> None:
         """Emit a stored event for each block the tiers held before events were listened to."""
         with self.lock:
-            self.scheduler.announce_tiers()
+            self.cache.announce_tiers()
+
+    def reuse_applies(self, req: Request) -> bool:
+        """Whether `req` looks up and registers cached blocks (REUSE_CACHE and its own
+        `reuse_cache`)."""
+        return self.cache.reuse_applies(req)
+
+    @property
+    def root_key(self) -> bytes:
+        """The key every chain of block keys starts from (the KV events' first parent)."""
+        return self.cache.index.root
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens the device pool holds when full."""
+        return self.cache.num_blocks * self.block_size
+
+    def tier_names(self) -> list[str]:
+        """The tiers below the device pool, nearest first."""
+        return [tier.name for tier in self.cache.ladder.tiers]
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
@@ -174,7 +199,8 @@ class Engine:
             self.scheduler.add(item)
 
     def step(self) -> bool:
-        """One engine step. Returns False when there was nothing to run."""
+        """One model call: a step, or a burst of decode steps, each postprocessed and emitted
+        by `_complete`. Returns False when there was nothing to run."""
         with self.lock:
             self._take_inbox()
             self._reap()
@@ -184,34 +210,60 @@ class Engine:
                 self._finish(req, FinishReason.ERROR, req.error)
             if not batch:
                 return bool(failed)
-            steps = self._burst_steps(batch)
-            if steps > 1:
-                self._burst(batch, steps)
-                return True
-            self.steps += 1
-            self.calls += 1
-            self.step_log.append([(c.request.request_id, c.num_tokens,
-                                   "decode" if c.is_decode else "prefill") for c in batch])
+            count = self._burst_steps(batch)
             try:
-                logits, sampled = self.runner.run(batch)
+                if count == 1:
+                    steps = self._sampled(batch, *self.runner.run(batch))
+                else:
+                    stops = [ending_token_ids(c.request) for c in batch]
+                    steps = self._burst(batch, self.runner.run_burst(batch, count, stops))
             except Exception as exc:
                 log.exception("forward failed")
                 for c in batch:
                     self._finish(c.request, FinishReason.ERROR, exc)
                 return True
-            tokens, failed = sample_batch(logits, [c.request for c in sampled]) if sampled \
-                else ([], {})
-            if failed:  # each fails alone; the others keep their tokens
-                for req, exc in failed.items():
-                    log.error("request %d failed in sampling: %r", req.request_id, exc)
-                    self._finish(req, FinishReason.ERROR, exc)
-                keep = [i for i, c in enumerate(sampled) if c.request not in failed]
-                batch = [c for c in batch if c.request not in failed]
-                sampled, tokens = [sampled[i] for i in keep], [tokens[i] for i in keep]
-                logits = logits[keep]
-            finished = self.scheduler.postprocess(batch, sampled, tokens)
-            self._emit(sampled, tokens, logits, finished)
+            for step in steps:
+                self._complete(*step)
             return True
+
+    def _complete(self, chunks: list[ScheduledChunk], sampled: list[ScheduledChunk],
+                  tokens: list[int], logits: Optional[torch.Tensor]) -> None:
+        """One step's end, whether its model call ran alone or in a burst: the scheduler's
+        bookkeeping (progress, stop checks, commits, pins, finishes), then each stream's token."""
+        self.steps += 1
+        self.step_log.append([(c.request.request_id, c.num_tokens,
+                               "decode" if c.is_decode else "prefill") for c in chunks])
+        finished = self.scheduler.postprocess(chunks, sampled, tokens)
+        self._emit(sampled, tokens, logits, finished)
+
+    def _sampled(self, batch: list[ScheduledChunk], logits: torch.Tensor,
+                 sampled: list[ScheduledChunk]) -> Iterator[Step]:
+        """The one step of a single call: its rows sampled, each request whose sampling fails
+        failed alone (the others keep their tokens)."""
+        tokens, failed = sample_batch(logits, [c.request for c in sampled]) if sampled \
+            else ([], {})
+        if failed:
+            for req, exc in failed.items():
+                log.error("request %d failed in sampling: %r", req.request_id, exc)
+                self._finish(req, FinishReason.ERROR, exc)
+            keep = [i for i, c in enumerate(sampled) if c.request not in failed]
+            batch = [c for c in batch if c.request not in failed]
+            sampled, tokens = [sampled[i] for i in keep], [tokens[i] for i in keep]
+            logits = logits[keep]
+        yield batch, sampled, tokens, logits
+
+    def _burst(self, batch: list[ScheduledChunk], tokens: list[list[int]]) -> Iterator[Step]:
+        """The steps of a burst, in order, each over the requests still running when it comes
+        (read lazily: the previous step's `_complete` may have finished some)."""
+        for step in tokens:
+            for c in batch:   # what a single step's _reap would have seen before this step
+                if c.request.cancelled:
+                    self._finish(c.request, FinishReason.CANCELLED)
+            rows = [r for r, c in enumerate(batch) if c.request.finish_reason is None]
+            if not rows:
+                return
+            running = [batch[r] for r in rows]
+            yield running, running, [step[r] for r in rows], None
 
     def _burst_steps(self, batch: list[ScheduledChunk]) -> int:
         """Decode steps the next call runs (see the module's docstring): up to
@@ -229,34 +281,6 @@ class Engine:
                 return 1
             steps = min(steps, req.max_new_tokens - req.num_output, B - c.start % B)
         return steps
-
-    def _burst(self, batch: list[ScheduledChunk], steps: int) -> None:
-        """Run `steps` decode steps of `batch` in one call, then postprocess and emit each."""
-        stops = [[] if c.request.config.ignore_eos else sorted(c.request.eos_token_ids)
-                 for c in batch]
-        for row, c in zip(stops, batch):
-            row.extend(s[0] for s in c.request.config.stop_words_list if len(s) == 1)
-        self.calls += 1
-        try:
-            tokens = self.runner.run_burst(batch, steps, stops)
-        except Exception as exc:
-            log.exception("forward failed")
-            for c in batch:
-                self._finish(c.request, FinishReason.ERROR, exc)
-            return
-        for step in tokens:
-            for c in batch:   # what a single step's _reap would have seen before this step
-                if c.request.cancelled:
-                    self._finish(c.request, FinishReason.CANCELLED)
-            rows = [r for r, c in enumerate(batch) if c.request.finish_reason is None]
-            if not rows:
-                return
-            running = [batch[r] for r in rows]
-            self.steps += 1
-            self.step_log.append([(c.request.request_id, 1, "decode") for c in running])
-            picked = [step[r] for r in rows]
-            finished = self.scheduler.postprocess(running, running, picked)
-            self._emit(running, picked, None, finished)
 
     def _emit(self, sampled: list[ScheduledChunk], tokens: list[int],
               logits: Optional[torch.Tensor], finished: list[Request]) -> None:

@@ -2,9 +2,10 @@
 
 Rows are laid out decode tokens first, then prefill chunks. The runner describes the batch once
 (`AttentionBatch`: positions, each sequence's rows, context length and block table) and the
-model's attention backend builds its own metadata from it, once per distinct layer window
-(`CausalLM.attention_metadata`). Logits are computed only for the
-last row of each chunk that reaches the end of its sequence.
+model's attention backend builds its own metadata from it, once per distinct layer window and
+KV cache group (`CausalLM.attention_metadata`). Logits are computed only for the last row of each
+chunk that reaches the end of its sequence. A step whose rows are all decode tokens replays a
+CUDA graph where the runner has them (cuda_graphs.DecodeGraphs).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from rtpkv.cache import KVMemory
 from rtpkv.cache.groups import KVGroup
+from rtpkv.engine.cuda_graphs import DecodeGraphs, decode_graphs
 from rtpkv.engine.scheduler import ScheduledChunk
 from rtpkv.kernels import AttentionBatch
 from rtpkv.model_factory.llama import CausalLM
@@ -23,10 +25,13 @@ from rtpkv.model_factory.llama import CausalLM
 
 class ModelRunner:
     def __init__(self, module: CausalLM, memory: KVMemory, window: Optional[int] = None,
+                 max_decode_rows: int = 1, enforce_eager: bool = True,
                  groups: Sequence[KVGroup] = (), layer_slots: Optional[Sequence[int]] = None,
                  layer_groups: Sequence[int] = ()):
-        """`groups`: the KV cache groups past group 0 have their own tables (groups.py);
-        `layer_slots` and `layer_groups`: each layer's pool slot and group."""
+        """`max_decode_rows` (CONCURRENCY_LIMIT): the largest decode batch a CUDA graph is
+        captured for; `enforce_eager` (ENFORCE_EAGER): no graphs. `groups`: the KV cache groups
+        past group 0 have their own tables (groups.py); `layer_slots` and `layer_groups`: each
+        layer's pool slot and group."""
         self.module = module
         self.window = window          # tokens each query attends to (AttentionBatch.window)
         self.groups = tuple(groups)
@@ -36,6 +41,9 @@ class ModelRunner:
         self.block_size = memory.block_size
         self.device = memory.kv.device
         self.kv_heads = memory.kv.shape[2]
+        self.graphs: Optional[DecodeGraphs] = decode_graphs(
+            module, self.kv_caches, max_decode_rows, self.block_size, memory.num_blocks,
+            self.kv_heads, window, enforce_eager)
 
     @property
     def runs_bursts(self) -> bool:
@@ -90,6 +98,14 @@ class ModelRunner:
         """Forward the batch. Returns logits (n, vocab) and the chunks they belong to."""
         ordered = ([c for c in chunks if c.num_tokens == 1]
                    + [c for c in chunks if c.num_tokens > 1])
+        if (self.graphs is not None and self.graphs.bucket(len(ordered)) is not None
+                and all(c.num_tokens == 1 and c.start + 1 == c.request.num_tokens
+                        and not c.request.prefill_only for c in ordered)):
+            B = self.block_size
+            tables = [c.request.block_table[: c.start // B + 1] for c in ordered]
+            logits = self.graphs.run([c.request.token_ids[c.start] for c in ordered],
+                                     [c.start for c in ordered], tables)
+            return logits, ordered
         ids, batch = self.batch(ordered)
         meta = self.module.attention_metadata(batch, self._layer_batches(ordered, batch))
         wanted, rows = [], []

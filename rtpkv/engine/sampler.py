@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from rtpkv.engine.request import Request
+from rtpkv.engine.stop import banned_before_min_tokens
 from rtpkv.kernels.fused_ops import argmax
 
 
@@ -24,17 +25,11 @@ def plain_greedy(req: Request) -> bool:
     return cfg.greedy and cfg.repetition_penalty == 1.0 and req.min_new_tokens_reached
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """logits: (n, vocab) float32, one row per request in `requests`."""
-    if all(plain_greedy(r) for r in requests):
-        return argmax(logits)
-    return [_sample_one(logits[i], req) for i, req in enumerate(requests)]
-
-
 def sample_batch(logits: torch.Tensor, requests: list[Request]
                  ) -> tuple[list[int], dict[Request, Exception]]:
-    """`sample`, with a failure confined to its request: the tokens (-1 where a request
-    failed) and each failed request's exception, so one bad request never fails the step."""
+    """The tokens sampled from logits (n, vocab) float32, one row per request in `requests`
+    (-1 where a request failed), and each failed request's exception: a failure stays confined
+    to its request, so one bad request never fails the step."""
     if all(plain_greedy(r) for r in requests):
         return argmax(logits), {}
     tokens, failed = [], {}
@@ -58,7 +53,7 @@ def process_logits(row: torch.Tensor, req: Request) -> torch.Tensor:
         row[seen] = torch.where(scores < 0, scores * cfg.repetition_penalty,
                                 scores / cfg.repetition_penalty)
     if not req.min_new_tokens_reached:
-        banned = list(req.eos_token_ids) + [s[0] for s in cfg.stop_words_list if len(s) == 1]
+        banned = banned_before_min_tokens(req)
         if banned:
             row[torch.tensor(banned, device=row.device)] = float("-inf")
     if cfg.greedy:

@@ -23,11 +23,12 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
-from rtpkv.cache.manager import KVCacheManager, PinnedPrefix
+from rtpkv.cache.manager import KVCacheManager
 from rtpkv.config import CapacitySchedulerPolicy, ContextChunkingPolicy, RuntimeConfig, SchedulePolicy
 from rtpkv.engine.request import FinishReason, Request
+from rtpkv.engine.stop import check_stop
 from rtpkv.errors import CapacityError
 
 log = logging.getLogger("rtpkv")
@@ -79,27 +80,6 @@ class Scheduler:
                 f"max_new_tokens {req.max_new_tokens}, {self.block_size} tokens per block"
                 f"{shown}) but the pool has {usable} usable blocks ({total} total, "
                 f"{total - usable} pinned)")
-
-    def unpin(self, handle: PinnedPrefix) -> None:
-        self.cache.unpin(handle)
-
-    def pin_shortfall(self, num_tokens: int) -> Optional[str]:
-        return self.cache.pin_shortfall(num_tokens)
-
-    def cache_stats(self) -> dict[str, Any]:
-        stats = self.cache.stats()
-        stats["requests_running"] = len(self.running)
-        stats["requests_waiting"] = len(self.waiting)
-        return stats
-
-    def check_integrity(self) -> None:
-        self.cache.check_integrity(self.running)
-
-    def announce_tiers(self) -> None:
-        self.cache.announce_tiers()
-
-    def cached_tokens(self, req: Request) -> int:
-        return self.cache.cached_tokens(req)
 
     def take_failed(self) -> list[Request]:
         """Requests that failed while being admitted (their `error` says why); each is out of
@@ -243,23 +223,7 @@ class Scheduler:
         req.token_ids.append(token)
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
-        cfg = req.config
-        reason = None
-        if req.min_new_tokens_reached:
-            if token in req.eos_token_ids and not cfg.ignore_eos:
-                reason = FinishReason.EOS
-            elif any(req.num_output >= len(s) and req.token_ids[-len(s):] == s
-                     for s in cfg.stop_words_list):  # a stop word lies in the output only
-                reason = FinishReason.STOP
-            elif req.stop_text is not None:
-                try:
-                    if req.stop_text(req.output_ids):
-                        reason = FinishReason.STOP
-                except Exception as exc:  # a bad stop-word check fails this request only
-                    req.error, reason = exc, FinishReason.ERROR
-        if reason is None and req.num_output >= req.max_new_tokens:
-            reason = FinishReason.LENGTH
-        req.finish_reason = reason
+        req.finish_reason = check_stop(req)
 
     # ------------------------------------------------------------------ admission
     def _reserved(self) -> int:

@@ -224,9 +224,9 @@ class Fleet:
 def main(args: argparse.Namespace) -> None:
     """`rtpkv fleet`: start the replicas and the router, print where they are, run until
     SIGINT/SIGTERM (or --duration seconds), then stop everything."""
-    from rtpkv.cli import _model_path
+    from rtpkv.model_factory.tiny import model_or_demo
 
-    fleet = Fleet(_model_path(args.model), args.replicas, host=args.host,
+    fleet = Fleet(model_or_demo(args.model), args.replicas, host=args.host,
                   replica_port=args.replica_port,
                   events_port=args.events_port, router_port=args.port,
                   block_size=args.block_size, threads_per_replica=args.threads_per_replica,

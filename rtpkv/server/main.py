@@ -102,7 +102,7 @@ def serve(model: Optional[str] = None, host: Optional[str] = None, port: Optiona
         sock.close()
         raise
     name = served_model_name or Path(str(path).rstrip("/")).name
-    tiers = [tier.name for tier in pipeline.engine.cache.ladder.tiers]
+    tiers = pipeline.engine.tier_names()
     log.info("model %r from %s: dtype %s, device %s, max_seq_len %d; tiers below the device "
              "pool: %s; CONCURRENCY_LIMIT %d", name, path, loaded.dtype, loaded.device,
              pipeline.config.max_seq_len, ", ".join(tiers) or "none",

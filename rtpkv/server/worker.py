@@ -20,7 +20,7 @@ from rtpkv.server import openai
 from rtpkv.server.errors import ApiError, ErrorCode, api_error
 
 if TYPE_CHECKING:
-    from rtpkv.server.app import ServerState
+    from rtpkv.server.state import ServerState
 
 
 def _generate_request(model: str, token_ids: list[int], max_tokens: Any) -> dict[str, Any]:
@@ -74,7 +74,7 @@ def add_worker_routes(app: FastAPI, state: "ServerState",
         config = pipeline.config
         block = config.seq_size_per_block
         return {**model_info(), "page_size": block,
-                "max_total_num_tokens": pipeline.engine.cache.num_blocks * block,
+                "max_total_num_tokens": pipeline.engine.pool_tokens,
                 "max_running_requests": config.concurrency_limit,
                 "context_length": config.max_seq_len, "dp_size": 1,
                 "kv_events_endpoint": config.kv_events_endpoint,

@@ -126,8 +126,11 @@ def test_outputs_equal_under_eviction_pressure(make_pipeline):
     assert stats["evictions"] > 64 and stats["hits"] > 0
 
 
-def test_collision_costs_a_miss_not_a_wrong_answer(make_pipeline):
-    colliding = make_pipeline(reuse_cache=True, seq_size_per_block=4, hash_fn=lambda data: b"same")
+def test_collision_costs_a_miss_not_a_wrong_answer(make_pipeline, monkeypatch):
+    from rtpkv.cache import prefix_index
+
+    monkeypatch.setattr(prefix_index, "sha256", lambda data: b"same")   # every key collides
+    colliding = make_pipeline(reuse_cache=True, seq_size_per_block=4)
     plain = make_pipeline(seq_size_per_block=4)
     g = torch.Generator().manual_seed(1)
     shared = torch.randint(3, 1000, (16,), generator=g).tolist()

@@ -54,6 +54,8 @@ NON_DEFAULT = {
     "remote_cache_timeout_ms": ("50", 50),
     "rtpkv_attention": ("torch", "torch"),
     "rtpkv_linear": ("native", "native"),
+    "rtpkv_isa": ("avx2", "avx2"),
+    "enforce_eager": ("1", True),
     "rtpkv_malloc_trim_s": ("2.5", 2.5),
     "weight_type": ("W8A8_INT8", "w8a8_int8"),
     "int8_mode": ("1", True),

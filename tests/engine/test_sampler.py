@@ -7,7 +7,7 @@ from transformers import (MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLo
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from rtpkv.engine.request import Request
-from rtpkv.engine.sampler import process_logits, sample
+from rtpkv.engine.sampler import process_logits, sample_batch
 from rtpkv.generate_config import GenerateConfig
 
 VOCAB = 64
@@ -67,14 +67,14 @@ def test_min_new_tokens_bans_eos_like_transformers():
     req = _request(min_new_tokens=5, top_k=1)
     hf = MinNewTokensLengthLogitsProcessor(len(PROMPT), 5, EOS)
     _same(process_logits(row, req), _hf([hf], req, row))
-    assert sample(row.unsqueeze(0), [req]) != [EOS]
+    assert sample_batch(row.unsqueeze(0), [req])[0] != [EOS]
     req.token_ids.extend([7, 8])  # five outputs: the ban is over
-    assert sample(row.unsqueeze(0), [req]) == [EOS]
+    assert sample_batch(row.unsqueeze(0), [req])[0] == [EOS]
 
 
 def test_seeded_draws_follow_the_processed_distribution():
     row = _logits()
     req = _request(top_k=3, random_seed=0)
     allowed = set(torch.topk(row, 3).indices.tolist())
-    draws = [sample(row.unsqueeze(0), [req])[0] for _ in range(200)]
+    draws = [sample_batch(row.unsqueeze(0), [req])[0][0] for _ in range(200)]
     assert set(draws) == allowed

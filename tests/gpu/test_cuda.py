@@ -1,6 +1,7 @@
 """The CUDA path on a real GPU: the model, KV pool, sampler and attention on the device, against
 transformers on the same GPU; reuse on/off; the host tier's pinned, side-stream copies, and the
-disk and Redis tiers with device blocks. Skipped, with the reason, where CUDA (or flash_attn) is absent.
+disk and Redis tiers with device blocks. Skipped, with the reason, where CUDA (or flash_attn, or
+triton) is absent. The Triton backend runs its decode steps from CUDA graphs (the default).
 
 Tolerances (logits are about 2-4 in magnitude on the tiny checkpoints): float16 within 1e-2,
 bfloat16 within 6e-2 (four bf16 rounding steps at that magnitude): flash-attn and transformers'
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from conftest import load, run
+from rtpkv.kernels import triton_support
 from rtpkv.kernels.flash_attention import load_flash_attn
 from rtpkv.pipeline import Pipeline
 
@@ -24,10 +26,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
 needs_flash = pytest.mark.skipif(
     not torch.cuda.is_available() or load_flash_attn() is None,
     reason=NO_GPU if not torch.cuda.is_available()
-    else "flash_attn is not installed (pip install -e '.[gpu]', see the README)")
+    else "flash_attn is not installed (pip install -e '.[gpu]', see docs/USAGE.md)")
+needs_triton = pytest.mark.skipif(
+    not torch.cuda.is_available() or triton_support.import_error() is not None,
+    reason=NO_GPU if not torch.cuda.is_available() else str(triton_support.import_error()))
 DTYPES = {"float16": (torch.float16, 1e-2), "bfloat16": (torch.bfloat16, 6e-2)}
-# Each attention backend that runs on CUDA: torch's reference always, flash-attn where it imports.
-ATTENTIONS = ["torch", pytest.param("flash-attn", marks=needs_flash)]
+# Each attention backend that runs on CUDA: torch's reference always, flash-attn and Triton
+# where they import.
+ATTENTIONS = ["torch", pytest.param("flash-attn", marks=needs_flash),
+              pytest.param("triton", marks=needs_triton)]
 
 
 def _ids(n: int, seed: int) -> list[int]:

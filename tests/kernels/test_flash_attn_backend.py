@@ -194,17 +194,27 @@ def test_missing_package_is_a_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match=r"the flash_attn package does not import.*"
                                            r"RTPKV_ATTENTION=auto or torch"):
         attention_backend(CPU, torch.bfloat16, 16, "flash-attn")
+    from rtpkv.kernels import triton_support
+
+    if triton_support.import_error() is None:   # then Triton's kernels serve CUDA
+        assert auto_attention(torch.device("cuda"), torch.bfloat16, 16) == (
+            "triton", "CUDA, bfloat16, the flash_attn package does not import")
+    monkeypatch.setattr(triton_support, "import_error", lambda: "no triton here")
     assert auto_attention(torch.device("cuda"), torch.bfloat16, 16) == (
-        "torch", "the flash_attn package does not import")
+        "torch", "the flash_attn package does not import; no triton here")
 
 
 def test_auto_picks_flash_attn_on_cuda_and_says_so(flash_attn_standin, caplog):
     """The choice itself (building it needs CUDA tensors): flash-attn for 16-bit models on CUDA
-    when the package imports, the torch reference for float32."""
+    when the package imports; for float32 the Triton kernels where triton imports, else the
+    torch reference."""
+    from rtpkv.kernels import triton_support
+
     assert auto_attention(torch.device("cuda"), torch.bfloat16, 64) == (
         "flash-attn", "CUDA, bfloat16, flash_attn 2.8.3")
     assert auto_attention(torch.device("cuda"), torch.float16, 64)[0] == "flash-attn"
-    assert auto_attention(torch.device("cuda"), torch.float32, 64)[0] == "torch"
+    float32 = "torch" if triton_support.import_error() else "triton"
+    assert auto_attention(torch.device("cuda"), torch.float32, 64)[0] == float32
     assert auto_attention(CPU, torch.float32, 64)[0] in ("cpu-paged", "torch")
     with caplog.at_level(logging.INFO, logger="rtpkv"):
         attention_backend(CPU, torch.float32, 64)

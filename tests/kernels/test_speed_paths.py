@@ -12,7 +12,6 @@ from conftest import run
 
 from rtpkv.kernels import AttentionBatch, TorchAttention, attention_backend, cpu_attention
 from rtpkv.kernels import cpu_build, fp32_linear
-from rtpkv.kernels.cpu_build import cpu_flags
 from rtpkv.kernels.linear import (PADDING_CANDIDATES, InferenceLinear, bf16_gemm_supported,
                                   invariant_min_rows, linear_path)
 
@@ -160,8 +159,9 @@ def test_the_measured_padding_is_kept_on_disk_and_read_back(monkeypatch, tmp_pat
 def test_bf16_defaults_to_a_fast_gemm_path():
     expected = "onednn" if bf16_gemm_supported() else "fp32-compute"
     assert linear_path(torch.bfloat16, CPU, "auto") == expected
-    avx2_only = "avx512f" not in cpu_flags().split() and fp32_linear.available()
-    assert linear_path(torch.float32, CPU, "auto") == ("avx2" if avx2_only else "onednn")
+    # float32 takes the project's kernel wherever it runs (AVX2 and FMA, AVX-512 CPUs included)
+    expected = "avx2" if fp32_linear.available() else "onednn"
+    assert linear_path(torch.float32, CPU, "auto") == expected
 
 
 def test_bad_kernel_choices_are_refused(monkeypatch):
@@ -183,7 +183,7 @@ def test_bad_kernel_choices_are_refused(monkeypatch):
 def test_without_a_compiler_attention_falls_back_to_torch(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("RTPKV_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    cpu_build.load_library.cache_clear()
+    cpu_build._load_library.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="rtpkv"):
             backend = attention_backend(CPU, torch.float32, D)
@@ -192,7 +192,7 @@ def test_without_a_compiler_attention_falls_back_to_torch(monkeypatch, tmp_path,
         with pytest.raises(RuntimeError, match="could not be built"):
             attention_backend(CPU, torch.float32, D, "cpu-paged")
     finally:
-        cpu_build.load_library.cache_clear()
+        cpu_build._load_library.cache_clear()
 
 
 def test_auto_dtype_on_cpu_is_the_fastest_exact_one(tmp_path, llama_path):

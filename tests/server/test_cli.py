@@ -14,7 +14,8 @@ from transformers import AutoTokenizer
 
 from conftest import run
 from rtpkv import __version__
-from rtpkv.cli import DEMO_CHECKPOINT, build_parser, generate_config_option, main
+from rtpkv.cli import build_parser, generate_config_option, main
+from rtpkv.model_factory.tiny import DEMO_CHECKPOINT
 
 PROMPT = "hello, what's your name"
 

@@ -263,15 +263,32 @@ def test_disconnect_mid_stream_cancels_and_frees_blocks(client, served):
     assert 3 <= generated < 900  # stopped early, not run to max_new_tokens
 
 
-def test_disconnect_while_waiting_for_a_non_streaming_answer(client):
-    body = {"prompt": "a long story about the river", "top_k": 1, "ignore_eos": True,
-            "max_new_tokens": 900}
-    with httpx.Client(base_url=client.base_url, timeout=httpx.Timeout(60, read=0.5)) as other:
-        with pytest.raises(httpx.ReadTimeout):
-            other.post("/", json=body)
+def test_disconnect_while_waiting_for_a_non_streaming_answer(client, served):
+    """The client of a non-streaming request goes away mid-generation: the request is cancelled
+    and its blocks freed. The engine is paused once the request runs, so how fast this host
+    decodes does not decide whether the disconnect lands mid-generation."""
+    _, pipe = served
+    cancelled = 'rtpkv_requests_total{outcome="cancelled",route="/"}'
+    before = metric(client, cancelled)
+    body = json.dumps({"prompt": "a long story about the river", "top_k": 1, "ignore_eos": True,
+                       "max_new_tokens": 1000}).encode()
+    host, port = client.base_url.host, client.base_url.port
+    conn = socket.create_connection((host, port))
+    conn.sendall(b"POST / HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
+    assert wait_until(lambda: len(pipe.engine.scheduler.running) == 1, timeout=30, interval=0.001)
+    pipe.engine.lock.acquire()   # pause the engine: the request is still generating
+    try:
+        (req,) = pipe.engine.scheduler.running
+        conn.close()
+        assert wait_until(lambda: req.cancelled, timeout=5)
+    finally:
+        pipe.engine.lock.release()
+    assert req.done.wait(5)
     assert wait_until(lambda: _running(client) == 0, timeout=5)
     stats = client.get("/cache_status").json()
     assert stats["blocks_in_use"] == stats["blocks_pinned"]
+    assert metric(client, cancelled) == before + 1
 
 
 # ---------------------------------------------------------------------- OpenAI
@@ -503,11 +520,14 @@ def _start_cli_server(path, *args: str) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-@pytest.mark.parametrize("deadline,max_new,finishes", [(30, 900, True), (0.5, 1000, False)])
+@pytest.mark.parametrize("deadline,max_new,finishes", [(240, 900, True), (0.5, 1000, False)])
 def test_sigterm_finishes_or_cancels_in_flight_and_exits_0(llama_path, deadline, max_new, finishes):
     """SIGTERM: no new connections; a request in flight is answered in full if it ends within
     --shutdown-timeout, else it ends with "engine stopped": 503 JSON when not streaming, an
-    error event then [done] on a stream, and no traceback in the log; the process exits 0."""
+    error event then [done] on a stream, and no traceback in the log; the process exits 0.
+    The finishing case's deadline is far above what two 900-token streams take on a busy host
+    (a load of 7 on 2 cores slowed them to 8 s each, where 30 s once failed): the server exits
+    as soon as they end, so a fast host does not wait for it."""
     proc, url = _start_cli_server(llama_path, "--shutdown-timeout", str(deadline))
     try:
         events: list[str] = []
@@ -518,8 +538,9 @@ def test_sigterm_finishes_or_cancels_in_flight_and_exits_0(llama_path, deadline,
             body = {"prompt": PROMPT, "top_k": 1, "ignore_eos": True, "max_new_tokens": max_new}
             try:
                 answer["res"] = httpx.post(url + "/v1/completions", json={
-                    "prompt": PROMPT, "max_tokens": max_new, "ignore_eos": True}, timeout=60) \
-                    if not finishes else httpx.post(url + "/", json=body, timeout=60)
+                    "prompt": PROMPT, "max_tokens": max_new, "ignore_eos": True},
+                    timeout=deadline + 60) \
+                    if not finishes else httpx.post(url + "/", json=body, timeout=deadline + 60)
             except httpx.HTTPError as exc:
                 answer["error"] = exc
 
@@ -527,7 +548,7 @@ def test_sigterm_finishes_or_cancels_in_flight_and_exits_0(llama_path, deadline,
             body = {"prompt": PROMPT, "yield_generator": True,
                     "generate_config": {"top_k": 1, "ignore_eos": True, "max_new_tokens": max_new}}
             try:
-                with httpx.stream("POST", url + "/", json=body, timeout=60) as res:
+                with httpx.stream("POST", url + "/", json=body, timeout=deadline + 60) as res:
                     for data in sse_data(res.iter_lines()):
                         events.append(data)
                         first.set()
@@ -544,10 +565,10 @@ def test_sigterm_finishes_or_cancels_in_flight_and_exits_0(llama_path, deadline,
             "requests_running"] == 2, timeout=30)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=deadline + 60) == 0
         elapsed = time.monotonic() - t0
-        reader.join(10)
-        waiter.join(10)
+        reader.join(30)
+        waiter.join(30)
         log = proc.stdout.read()
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health")

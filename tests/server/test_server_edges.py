@@ -18,7 +18,7 @@ from conftest import load
 from rtpkv.errors import PromptTooLongError
 from rtpkv.pipeline import Pipeline
 from rtpkv.server import create_app
-from rtpkv.server.app import ServerState
+from rtpkv.server.state import ServerState
 from server_helpers import ServerThread, wait_until
 
 LIMIT_BYTES = 64 * 1024
