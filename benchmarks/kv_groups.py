@@ -13,7 +13,7 @@ one prompt's worth of the budget at a time), and the most admitted at once (hold
 counted. The bound: a sliding group holds at most
 cdiv(W + budget - 1, B) + 1 blocks where a full one holds cdiv(context, B), so with five
 sliding layers to one full the ratio is at most 6 / (1 + 5 * (W + budget) / context): 3.69x at
-4,096 tokens and a 512-token window however small the budget.
+4,096 tokens and a 512-token window however small the budget (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
