@@ -13,7 +13,9 @@ A token's output is its experts' scaled outputs added one by one, in ascending e
 onto zeros (transformers' order too): the order depends on the token's own choice only, and
 every kernel on the way computes a row from that row alone (the linear layers are
 batch-invariant, kernels/linear.py; the shared expert's gate is `_sigmoid`), so a token's output does not depend on which other tokens
-share the forward (reuse on == off, alone == batched, bit for bit).
+share the forward (reuse on == off, alone == batched, bit for bit). Where every expert runs on
+the C linear kernels (avx2, int8, w8a8), the experts run in one C call
+(kernels/moe_experts.py) that gives the torch loop's bits.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rtpkv.errors import ConfigError
+from rtpkv.kernels.moe_experts import ExpertKernel
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 
@@ -103,6 +106,7 @@ class SparseMoe(nn.Module):
         self.experts = nn.ModuleList(make_mlp(moe.expert_intermediate_size)
                                      for _ in range(moe.num_experts))
         self.shared_expert: Optional[nn.Module] = None
+        self.kernel: Optional[ExpertKernel] = None   # the experts as one C call, where they can be
         if moe.shared_expert_intermediate_size:
             self.shared_expert = make_mlp(moe.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
@@ -112,9 +116,10 @@ class SparseMoe(nn.Module):
         """After loading: every expert's (and the shared expert's and its gate's) linear layers
         through `convert` (the model's GEMM path or int8 quantization), the router through
         `convert_router` (the float path: the choice of experts stays that of the float
-        weights)."""
+        weights); then the experts' C call where they all run on the C kernels."""
         for expert in self.experts:
             expert.convert(convert)
+        self.kernel = ExpertKernel.build(self.experts)
         if self.shared_expert is not None:
             self.shared_expert.convert(convert)
             self.shared_expert_gate = convert(self.shared_expert_gate)
@@ -130,13 +135,24 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        out = torch.zeros_like(x)
         flat = experts.flatten()
         # (token, choice) pairs sorted by expert, tokens ascending within an expert
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(flat, minlength=len(self.experts))
         pair_weights = weights.flatten()[order]
         tokens = order // self.top_k
+        if self.kernel is not None and x.dtype == torch.float32:
+            out = self.kernel(x, counts, tokens, pair_weights)
+        else:
+            out = self._experts(x, counts.tolist(), tokens, pair_weights)
+        if self.shared_expert is not None:
+            out = out + _sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def _experts(self, x: torch.Tensor, counts: list[int], tokens: torch.Tensor,
+                 pair_weights: torch.Tensor) -> torch.Tensor:
+        """The experts in torch: what the C call computes (kernels/moe_experts.py)."""
+        out = torch.zeros_like(x)
         start = 0
         for index, count in enumerate(counts):
             if not count:
@@ -145,8 +161,6 @@ class SparseMoe(nn.Module):
             scaled = self.experts[index](x[rows]) * pair_weights[start:start + count, None]
             out.index_add_(0, rows, scaled.to(x.dtype))
             start += count
-        if self.shared_expert is not None:
-            out = out + _sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
 

@@ -92,3 +92,30 @@ def test_a_tokens_output_does_not_depend_on_the_others(checkpoints, arch, option
     assert len(set(layer.route(x)[1].flatten().tolist())) == len(layer.experts)   # all used
     assert torch.equal(together, alone)
     assert torch.equal(together[order], shuffled)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("options", [{}, {"weight_type": "INT8"}, {"weight_type": "W8A8_INT8"}])
+def test_the_experts_c_call_gives_the_bits_of_the_torch_loop(checkpoints, monkeypatch, arch,
+                                                             options):
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
+    module = load(checkpoints(arch), **options).module
+    layers = [layer.mlp for layer in module.model.layers if isinstance(layer.mlp, SparseMoe)]
+    assert all(layer.kernel is not None for layer in layers)
+    x = torch.randn(45, module.spec.hidden_size, generator=torch.Generator().manual_seed(2))
+    for layer in layers:
+        with torch.inference_mode():
+            fused = layer(x)
+            kernel, layer.kernel = layer.kernel, None
+            loop = layer(x)
+            layer.kernel = kernel
+        assert torch.equal(fused, loop)
+
+
+@pytest.mark.parametrize("env,options", [({"RTPKV_LINEAR": "onednn"}, {}),
+                                         ({}, {"dtype": "bfloat16"})])
+def test_experts_off_the_c_kernels_run_in_torch(checkpoints, monkeypatch, env, options):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    module = load(checkpoints("mixtral"), **options).module
+    assert all(layer.mlp.kernel is None for layer in module.model.layers)
