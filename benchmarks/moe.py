@@ -10,7 +10,7 @@ which 8 run per token, vocabulary 151,936. Scaled: hidden 512, 8 layers, 8 query
 of 64, 128 experts of 192, top 8 (the same sparsity: 1/16 of the expert weights read per
 token), vocabulary 8,000; random weights, float32 safetensors (about 1.3 GB). The dense model
 has the same attention, embeddings and LM head and an MLP of 8 x 192 = 1,536: the same
-parameters per token but the router's (0.5%). `--tiny` runs both at a toy size to show the
+parameters per token but the router's (1.6%). `--tiny` runs both at a toy size to show the
 script works (its figures mean nothing).
 
 Workload: one 128-token prompt alone, 64 new tokens, greedy, EOS ignored; decode tok/s is the
