@@ -12,10 +12,10 @@ over all of its tokens, so its weights are read once per forward however many to
 A token's output is its experts' scaled outputs added one by one, in ascending expert order,
 onto zeros (transformers' order too): the order depends on the token's own choice only, and
 every kernel on the way computes a row from that row alone (the linear layers are
-batch-invariant, kernels/linear.py; the shared expert's gate is `_sigmoid`), so a token's output does not depend on which other tokens
-share the forward (reuse on == off, alone == batched, bit for bit). Where every expert runs on
-the C linear kernels (avx2, int8, w8a8), the experts run in one C call
-(kernels/moe_experts.py) that gives the torch loop's bits.
+batch-invariant, kernels/linear.py; the shared expert's gate is `_sigmoid`), so a token's
+output does not depend on which other tokens share the forward (reuse on == off, alone ==
+batched, bit for bit). Where every expert runs on the C linear kernels (avx2, int8, w8a8), the
+experts run in one C call (kernels/moe_experts.py) that gives the torch loop's bits.
 """
 
 from __future__ import annotations
