@@ -119,3 +119,36 @@ def test_experts_off_the_c_kernels_run_in_torch(checkpoints, monkeypatch, env, o
         monkeypatch.setenv(name, value)
     module = load(checkpoints("mixtral"), **options).module
     assert all(layer.mlp.kernel is None for layer in module.model.layers)
+
+
+def test_a_sharded_checkpoint_loads_as_the_whole_one(checkpoints, tmp_path):
+    """Mixtral's experts spread over many safetensors shards give the same logits."""
+    import shutil
+
+    path = checkpoints("mixtral")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf.save_pretrained(tmp_path, max_shard_size="200KB")
+    for name in path.iterdir():
+        if name.name.startswith("tokenizer"):
+            shutil.copy(name, tmp_path / name.name)
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 3
+    ids = [5, 9, 14, 3, 22, 8, 40]
+    logits = []
+    for directory in (path, tmp_path):
+        module = load(directory).module
+        with torch.inference_mode():
+            logits.append(module.logits(_prefill(module, ids)))
+    assert torch.equal(*logits)
+
+
+def _prefill(module, ids):
+    """The final hidden states of `ids` from an empty cache of one block."""
+    from rtpkv.kernels import AttentionBatch
+
+    n, spec = len(ids), module.spec
+    caches = [(torch.zeros(spec.num_kv_heads * n, spec.head_dim),
+               torch.zeros(spec.num_kv_heads * n, spec.head_dim)) for _ in range(spec.num_layers)]
+    batch = AttentionBatch(positions=list(range(n)), row_seq=[0] * n, block_tables=[[0]],
+                           query_start=[0], query_len=[n], context_len=[n], block_size=n,
+                           num_blocks=1, kv_heads=spec.num_kv_heads)
+    return module(torch.tensor(ids), torch.arange(n), caches, module.attention.build(batch))
