@@ -1,8 +1,9 @@
 """Bindings of csrc/moe_experts.c: a mixture-of-experts layer's experts in one C call, over the
 (token, weight) pairs its router chose, grouped by expert (model_factory/moe.py). It runs the
-kernels the per-layer torch path runs (the avx2, int8 or w8a8 linear layers, SiLU-and-mul), in
-the same order on the same rows, so the two give the same bits; a one-token decode step then
-makes one call for its experts where it made about six torch calls per expert."""
+kernels the per-layer torch path runs (the avx2, bf16-weight, int8 or w8a8 linear layers,
+SiLU-and-mul), in the same order on the same rows, so the two give the same bits; a one-token
+decode step then makes one call for its experts where it made about six torch calls per
+expert."""
 
 from __future__ import annotations
 

@@ -3,10 +3,11 @@
  * projection, each output row scaled by its routing weight and added onto that token's row of
  * `out` (zeros from the caller). A token's experts are thus added in ascending expert order,
  * onto zeros, each as one multiply then one add: what the per-layer path does in torch
- * (model_factory/moe.py), with the same kernels on the same rows (fused_ops.c, fp32_linear.c,
- * int8_linear.c, w8a8_linear.c, linked into this library), so the two give the same bits and a
- * token's output depends on its own row only. What it removes is the Python around each
- * expert's four kernels, which in a one-token decode step costs more than they do.
+ * (model_factory/moe.py), with the same kernels on the same rows (fused_ops.c, fp32_linear.c
+ * with its bf16-weight variant, int8_linear.c, w8a8_linear.c, linked into this library), so
+ * the two give the same bits and a token's output depends on its own row only. What it removes
+ * is the Python around each expert's four kernels, which in a one-token decode step costs more
+ * than they do.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,7 +33,7 @@ typedef struct {                   /* a layer's experts, fixed at load */
     const expert_layer *experts;   /* (num_experts,) */
 } moe_experts;
 
-enum { LINEAR_FP32, LINEAR_INT8, LINEAR_W8A8 };   /* kernels/moe_experts.py */
+enum { LINEAR_FP32, LINEAR_INT8, LINEAR_W8A8, LINEAR_BF16 };   /* as decoder.c's */
 
 static void linear(const moe_experts *m, const linear_layer *l, const float *x, int64_t T,
                    int64_t K, int64_t N, float *y) {
@@ -47,6 +48,9 @@ static void linear(const moe_experts *m, const linear_layer *l, const float *x, 
         break;
     case LINEAR_FP32:
         rtpkv_fp32_linear(x, T, K, (const float *)l->weight, N, l->bias, y);
+        break;
+    case LINEAR_BF16:
+        rtpkv_bf16w_linear(x, T, K, (const uint16_t *)l->weight, N, l->bias, y);
         break;
     default:
         abort();   /* kernels/moe_experts.py sets one of LINEAR_* */

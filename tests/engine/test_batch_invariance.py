@@ -4,15 +4,14 @@ give bit-identical greedy tokens and logits, in bfloat16 as in float32, with int
 (WEIGHT_TYPE=INT8 and W8A8_INT8) and with the int8 KV cache (KV_CACHE_DTYPE=int8) in both, for
 Llama, for Qwen3 (whose q/k norm runs on strided views of the fused qkv output) and for the
 mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral: tokens grouped by expert, each token's
-experts added in a fixed order; with RTPKV_LINEAR=avx2 and the int8 weights, in one C call per
-layer)."""
+experts added in a fixed order; where the experts run on the C linear kernels, in one C call
+per layer)."""
 
 import pytest
 import torch
 from conftest import run
 
 MODES = {"bfloat16": dict(dtype="bfloat16"), "float32": dict(dtype="float32"),
-         "float32-avx2": dict(dtype="float32", rtpkv_linear="avx2"),
          "int8": dict(weight_type="INT8"), "w8a8": dict(weight_type="W8A8_INT8"),
          "int8-kv": dict(dtype="float32", kv_cache_dtype="int8"),
          "bf16-int8-kv": dict(dtype="bfloat16", int8_kv_cache=True)}

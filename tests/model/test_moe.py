@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import load
+from conftest import load, needs_c_kernels
 from rtpkv.errors import ConfigError
 from rtpkv.model_factory.moe import MoeSpec, SparseMoe, checkpoint_name
 from rtpkv.model_factory.spec import ModelSpec
@@ -76,7 +76,7 @@ def test_routing_ties_are_broken_as_transformers_breaks_them():
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
 @pytest.mark.parametrize("options", [{}, {"weight_type": "INT8"}, {"weight_type": "W8A8_INT8"},
-                                     {"dtype": "bfloat16"}])
+                                     {"weight_type": "BF16"}, {"dtype": "bfloat16"}])
 def test_a_tokens_output_does_not_depend_on_the_others(checkpoints, arch, options):
     """Each token alone, and in a forward of 70 tokens in another order, gives the same bits."""
     module = load(checkpoints(arch), **options).module
@@ -94,8 +94,10 @@ def test_a_tokens_output_does_not_depend_on_the_others(checkpoints, arch, option
     assert torch.equal(together[order], shuffled)
 
 
+@needs_c_kernels
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
-@pytest.mark.parametrize("options", [{}, {"weight_type": "INT8"}, {"weight_type": "W8A8_INT8"}])
+@pytest.mark.parametrize("options", [{}, {"weight_type": "INT8"}, {"weight_type": "W8A8_INT8"},
+                                     {"weight_type": "BF16"}])
 def test_the_experts_c_call_gives_the_bits_of_the_torch_loop(checkpoints, monkeypatch, arch,
                                                              options):
     monkeypatch.setenv("RTPKV_LINEAR", "avx2")
