@@ -119,6 +119,8 @@ def main() -> None:
         model = ModelFactory.from_huggingface(path, ModelConfig(**options), show_progress=False)
         engines[name] = Pipeline(model, model.tokenizer)
         path_name = "fused decoder" if model.module.fused is not None else "layers one by one"
+        if any(getattr(layer.mlp, "kernel", None) for layer in model.module.model.layers):
+            path_name += ", experts in one C call"
         rows_info[name] = (*parameters(model.spec), path_name)
         print(f"{name} checkpoint: {path}")
     spec = engines["mixture Qwen3-MoE"].model.spec
