@@ -21,6 +21,7 @@ from rtpkv.kernels.linear import bf16_gemm_supported
 from rtpkv.locked_tokenizer import LockedTokenizer
 from rtpkv.model_factory.llama import CausalLM
 from rtpkv.model_factory.model_config import ModelConfig
+from rtpkv.model_factory.moe import checkpoint_name
 from rtpkv.model_factory.spec import ModelSpec
 from rtpkv.model_factory.weights import iter_tensors, weight_files, weights_digest
 from rtpkv.torch_threads import serial_torch
@@ -141,7 +142,7 @@ def _load_module(spec: ModelSpec, files: list[Path], device: torch.device, dtype
         module = CausalLM(spec)
     state = {}
     for name, tensor in iter_tensors(files, show_progress):
-        state[name] = tensor.to(device=device, dtype=dtype)
+        state[checkpoint_name(spec.architecture, name)] = tensor.to(device=device, dtype=dtype)
     if spec.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = set(module.state_dict()) - ({"lm_head.weight"} if spec.tie_word_embeddings else set())

@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache, and its mixtures
+of experts (Qwen2-MoE, Qwen3-MoE, Mixtral), whose sparse layers' MLP is model_factory/moe.py's.
 
 Parameter names follow the Hugging Face checkpoints so a state dict loads as is; `fuse()` then
 concatenates q/k/v and gate/up projections so each layer runs two fewer matmuls.
@@ -7,7 +8,8 @@ concatenates q/k/v and gate/up projections so each layer runs two fewer matmuls.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from functools import partial
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ from rtpkv.kernels import (AttentionBackend, apply_rope_, attention_backend, rms
 from rtpkv.kernels import weight_types
 from rtpkv.kernels.fused_decoder import FusedDecoder
 from rtpkv.kernels.linear import InferenceLinear, linear_path
+from rtpkv.model_factory.moe import SparseMoe
 from rtpkv.model_factory.spec import ModelSpec
 
 log = logging.getLogger("rtpkv")
@@ -80,11 +83,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, intermediate_size: Optional[int] = None):
+        """`intermediate_size`: an expert's (model_factory/moe.py); the dense MLP's by default."""
         super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        inter = intermediate_size or spec.intermediate_size
+        self.gate_proj = nn.Linear(spec.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, spec.hidden_size, bias=False)
         self.gate_up: Optional[nn.Linear] = None
 
     def fuse(self) -> None:
@@ -95,6 +100,12 @@ class MLP(nn.Module):
         self.gate_up = fused
         del self.gate_proj, self.up_proj
 
+    def convert(self, convert: Callable[[nn.Linear], nn.Module]) -> None:
+        """Fuse, then run both projections through `convert` (CausalLM.prepare's)."""
+        self.fuse()
+        self.gate_up = convert(self.gate_up)
+        self.down_proj = convert(self.down_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
             return self.down_proj(silu_and_mul(self.gate_up(x)))
@@ -102,10 +113,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, index: int):
         super().__init__()
         self.self_attn = Attention(spec)
-        self.mlp = MLP(spec)
+        self.mlp: nn.Module = (
+            SparseMoe(spec.hidden_size, spec.moe, partial(MLP, spec))
+            if spec.moe is not None and index in spec.moe.sparse_layers else MLP(spec))
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -114,7 +127,7 @@ class Backbone(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
@@ -156,14 +169,16 @@ class CausalLM(nn.Module):
                 freed += sum(p.numel() * p.element_size() for p in layer.parameters())
             return kind.convert(layer)
 
+        router_path = linear_path(weight.dtype, weight.device, linear)
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.fuse()
-            mlp.fuse()
             attn.qkv = convert(attn.qkv)
             attn.o_proj = convert(attn.o_proj)
-            mlp.gate_up = convert(mlp.gate_up)
-            mlp.down_proj = convert(mlp.down_proj)
+            if isinstance(mlp, SparseMoe):
+                mlp.convert(convert, lambda router: InferenceLinear(router, router_path))
+            else:
+                mlp.convert(convert)
         tied = self.spec.tie_word_embeddings
         self.lm_head = convert(self.lm_head, shared=tied)
         if kind:
@@ -171,7 +186,7 @@ class CausalLM(nn.Module):
             log.info("WEIGHT_TYPE=%s: %d linear layers (the LM head included) held as %s: "
                      "%.1f MiB of float32 weights freed, %.1f MiB held (%.1f MiB saved%s); "
                      "embeddings and norms stay float32", kind.name.upper(),
-                     4 * len(self.model.layers) + 1, kind.held_as,
+                     sum(isinstance(m, kind.layer) for m in self.modules()), kind.held_as,
                      freed / 2**20, held / 2**20, (freed - held) / 2**20,
                      "; the tied LM head is a copy of the float32 embedding" if tied else "")
         self.cos, self.sin = rope_table(self.spec.inv_freq(), max_positions, weight.dtype, weight.device)

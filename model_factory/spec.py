@@ -13,13 +13,20 @@ from typing import Any, Optional
 import torch
 
 from rtpkv.errors import ConfigError
+from rtpkv.model_factory.moe import MOE_ARCHITECTURES, MoeSpec
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *MOE_ARCHITECTURES,
 )
+
+# their sliding_window, when set, applies (to every layer) without use_sliding_window
+_ALWAYS_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM")
+# use_sliding_window puts the window on every layer, not on those of max_window_layers
+_EVERY_LAYER_WINDOWED = _ALWAYS_WINDOWED + ("Qwen3MoeForCausalLM",)
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: Optional[int] = None
     torch_dtype: Optional[str] = None
+    moe: Optional[MoeSpec] = None        # mixtures of experts (model_factory/moe.py)
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelSpec":
@@ -65,9 +73,9 @@ class ModelSpec:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         sliding, mixed = None, False
-        if arch == "MistralForCausalLM" or cfg.get("use_sliding_window"):
+        if arch in _ALWAYS_WINDOWED or cfg.get("use_sliding_window"):
             sliding = cfg.get("sliding_window")
-            if sliding and arch != "MistralForCausalLM":
+            if sliding and arch not in _EVERY_LAYER_WINDOWED:
                 layer_types = cfg.get("layer_types") or [
                     "sliding_attention" if i >= int(cfg.get("max_window_layers", 28))
                     else "full_attention" for i in range(int(cfg["num_hidden_layers"]))]
@@ -86,14 +94,16 @@ class ModelSpec:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qkv_bias=(arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+                      or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             rope=rope,
             sliding_window=int(sliding) if sliding else None,
             mixed_sliding_layers=mixed,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            moe=MoeSpec.from_config(arch, cfg, source),
         )
 
     def inv_freq(self) -> torch.Tensor:

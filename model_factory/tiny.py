@@ -33,10 +33,14 @@ ARCHITECTURE_CONFIGS = {
     "MistralForCausalLM": "MistralConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
+    "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
+    "Qwen2MoeForCausalLM": "Qwen2MoeConfig",
+    "MixtralForCausalLM": "MixtralConfig",
 }
 
 
-BYTE_LEVEL_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+BYTE_LEVEL_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
+                            "Qwen3MoeForCausalLM")
 
 
 def _corpus(path: Path, lines: int, seed: int) -> None:
@@ -92,10 +96,13 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
                           tie_word_embeddings: bool = False,
                           rope_scaling: Optional[dict[str, Any]] = None,
                           tokenizer_vocab_size: int = 600, seed: int = 0,
-                          dtype: str = "float32", sliding_window: Optional[int] = None) -> Path:
+                          dtype: str = "float32", sliding_window: Optional[int] = None,
+                          moe: Optional[dict[str, Any]] = None) -> Path:
     """Write a random-initialised checkpoint of `architecture` with its tokenizer to out_dir.
     `sliding_window`: Mistral's window (default: max_position_embeddings, i.e. none in effect);
-    for Qwen2 it turns use_sliding_window on in every layer."""
+    for Qwen2 it turns use_sliding_window on in every layer. `moe`: a mixture of experts' config
+    fields (num_experts, num_experts_per_tok, moe_intermediate_size, ...; Mixtral's experts
+    take `intermediate_size`), given to its config class as they are."""
     import torch
     import transformers
 
@@ -115,6 +122,7 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
     )
     if rope_scaling:
         kwargs["rope_scaling"] = rope_scaling
+    kwargs.update(moe or {})
     if architecture == "MistralForCausalLM":
         kwargs["sliding_window"] = sliding_window or max_position_embeddings
     elif sliding_window is not None:
@@ -130,7 +138,7 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
     # greedy text, which makes token-for-token comparisons meaningful.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() == 2:
+            if param.dim() >= 2:   # matrices, and the experts' stacked matrices
                 param.normal_(0.0, 0.08 if "embed" not in name else 1.0)
     model.save_pretrained(out, safe_serialization=True)
     train_tokenizer(out, min(tokenizer_vocab_size, vocab_size), seed,
