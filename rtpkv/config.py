@@ -134,6 +134,7 @@ def redact_url(url: str) -> str:
 _SECRET_VALUES: dict[str, Callable[[Any], Any]] = {
     "remote_cache_url": lambda v: redact_url(v) if isinstance(v, str) else v,
     "remote_cache_password": lambda v: "***",
+    "admin_api_key": lambda v: "***",
 }
 
 
@@ -328,10 +329,18 @@ class Settings(RuntimeConfig, BaseSettings):
     host: str = Field("127.0.0.1", min_length=1)
     max_request_body_mb: float = Field(16.0, gt=0)  # larger bodies: 413 before parsing
     warm_up: bool = True   # rtp-llm's switch: one short request at start, before "ready"
+    # how clients steer the cache (rtpkv.server.tenants): OpenAI's prompt_cache_key becomes the
+    # cache_salt (it is a routing hint, not an isolation boundary, unless the operator says so);
+    # the tenant header, when TENANT_HEADER_SALT is on, is every request's cache_salt; with an
+    # admin key, /cache/tenants answers only requests that carry it
+    prompt_cache_key_salt: bool = False
+    tenant_header: str = Field("x-tenant-id", pattern=r"^[A-Za-z0-9-]{1,64}$")
+    tenant_header_salt: bool = False
+    admin_api_key: Optional[str] = Field(None, min_length=8, repr=False)
 
-    @field_validator("warm_up", mode="before")
+    @field_validator("warm_up", "prompt_cache_key_salt", "tenant_header_salt", mode="before")
     @classmethod
-    def _warm_up_switch(cls, value: Any) -> Any:
+    def _server_switch(cls, value: Any) -> Any:
         return parse_switch(value)
 
     @classmethod

@@ -22,6 +22,7 @@ from rtpkv.server.body_limit import DEFAULT_MAX_BODY_MB, BodyLimit
 from rtpkv.server.errors import ApiError, ErrorCode, api_error
 from rtpkv.server.sse import ClientGone, EventStreamResponse, until_disconnect
 from rtpkv.server.state import ServerState
+from rtpkv.server.tenants import CacheSwitches
 from rtpkv.server.worker import add_worker_routes
 
 log = logging.getLogger("rtpkv")
@@ -84,9 +85,11 @@ def _submitting(fn: Callable[[], ResponseStream]) -> Callable[[], ResponseStream
 
 
 def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: bool = True,
-               max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)) -> FastAPI:
+               max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20),
+               switches: CacheSwitches = CacheSwitches()) -> FastAPI:
     """The app over `pipeline`; on shutdown it stops the pipeline unless told otherwise.
-    Request bodies over `max_body_bytes` are refused with 413 before they are parsed."""
+    Request bodies over `max_body_bytes` are refused with 413 before they are parsed;
+    `switches` say what clients' cache words may do (tenants, prompt_cache_key)."""
     state = ServerState(pipeline, model_name)
 
     @contextlib.asynccontextmanager
@@ -136,8 +139,9 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
     @app.post("/")
     async def generate(request: Request) -> Any:
         req = native.parse(await _json_body(request))
+        config = switches.salt(req.generate_config, request.headers)
         responses = await state.start("/", req.num_prompts, _submitting(
-            lambda: pipeline.pipeline_async(req.prompt, req.generate_config)))
+            lambda: pipeline.pipeline_async(req.prompt, config)))
         if req.stream:
             return EventStreamResponse(native.events(responses))
         return await _respond(request, responses, native.body)
@@ -150,10 +154,10 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
         if req.batch:
             raise ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
                            "prewarm takes one 'prompt', not 'prompt_batch'", "prompt_batch")
+        config = switches.salt(req.generate_config, request.headers)
         state.reserve(1)
         try:
-            cached = await asyncio.to_thread(
-                lambda: pipeline.prewarm(req.prompt, req.generate_config))
+            cached = await asyncio.to_thread(lambda: pipeline.prewarm(req.prompt, config))
         except Exception as exc:
             raise api_error(exc) from exc
         finally:
@@ -181,7 +185,8 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         req = openai.parse(openai.ChatCompletionRequest, await _json_body(request))
-        config = req.generate_config()
+        config = switches.salt(req.generate_config(switches.prompt_cache_key_salt),
+                               request.headers)
         return await _openai(request, "/v1/chat/completions", req, 1,
                              lambda: pipeline.pipeline_async(messages=req.messages,
                                                              generate_config=config))
@@ -189,7 +194,8 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         req = openai.parse(openai.CompletionRequest, await _json_body(request))
-        config = req.generate_config()
+        config = switches.salt(req.generate_config(switches.prompt_cache_key_salt),
+                               request.headers)
         return await _openai(request, "/v1/completions", req, req.num_prompts,
                              lambda: pipeline.pipeline_async(req.prompt, config))
 
