@@ -131,7 +131,10 @@ class BlockPool:
         if block.full and not block.indexed and self.index.get(block.key) is None:
             self._index(block)
         if block.indexed or block.tail:
-            self.policy.add(block, self.clock())
+            now = self.clock()
+            held = block.duration_s is not None and block.priority != DEFAULT_PRIORITY
+            block.held_until = now + block.duration_s if held else None
+            self.policy.add(block, now)
         else:
             self._put_free(block)
 
@@ -179,9 +182,17 @@ class BlockPool:
         return True
 
     def stamp(self, block_id: int, priority: int, duration_s: Optional[float],
-              tiers: frozenset[str]) -> None:
-        """The retention a releasing request gives a full block (the last release decides)."""
+              tiers: frozenset[str], keep_hold: bool = False) -> None:
+        """The retention a releasing request gives a full block (the last release decides).
+        `keep_hold`: the request gave no retention config, so a priority the block holds and
+        whose duration has not run out stays, for what is left of it (a prefix held for an hour
+        is not dropped, nor held longer, by requests that only read it)."""
         block = self.blocks[block_id]
+        if keep_hold and block.priority != DEFAULT_PRIORITY:
+            if block.held_until is None:   # held without end, or not yet released: as it is
+                priority, duration_s = block.priority, block.duration_s
+            elif block.held_until > (now := self.clock()):
+                priority, duration_s = block.priority, block.held_until - now
         if block.indexed and priority != block.priority:
             self.events.updated(block.key, block.priority, priority)
         block.priority, block.duration_s, block.tiers = priority, duration_s, tiers
@@ -193,7 +204,7 @@ class BlockPool:
         for block in self.policy.lapse(self.clock()):
             if block.indexed:
                 self.events.updated(block.key, block.priority, DEFAULT_PRIORITY)
-            block.priority, block.duration_s = DEFAULT_PRIORITY, None
+            block.priority, block.duration_s, block.held_until = DEFAULT_PRIORITY, None, None
 
     # ------------------------------------------------------------------ pins
     def pin(self, block_id: int) -> None:

@@ -614,7 +614,8 @@ class KVCacheManager:
 
     def free(self, seq: CacheSequence) -> None:
         """Drop `seq`'s references, tail first, stamping each block with `seq`'s retention
-        priority (the last request to release a block decides it). Unreferenced full blocks
+        priority (the last request with a retention config to release a block decides it; one
+        without leaves a hold that has not run out as it is). Unreferenced full blocks
         stay cached (evictable); the rest go back to the free list."""
         retention = seq.retention or _DEFAULT_RETENTION
         tiers = self.ladder.allowed(seq.allows_tier)
@@ -649,7 +650,7 @@ class KVCacheManager:
         block_id = seq.block_table[i]
         if self.pool.blocks[block_id].full or self.pool.blocks[block_id].tail:
             priority, duration = retention.block_retention(i * self.block_size, seq.num_prompt)
-            self.pool.stamp(block_id, priority, duration, tiers)
+            self.pool.stamp(block_id, priority, duration, tiers, keep_hold=seq.retention is None)
         self.pool.release(block_id)
 
     # ------------------------------------------------------------------ pins

@@ -17,9 +17,9 @@ from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from rtpkv.pipeline import Pipeline, ResponseStream
-from rtpkv.server import native, openai
+from rtpkv.server import anthropic, native, openai
 from rtpkv.server.body_limit import DEFAULT_MAX_BODY_MB, BodyLimit
-from rtpkv.server.errors import ApiError, ErrorCode, api_error
+from rtpkv.server.errors import ApiError, ErrorCode, anthropic_body, api_error
 from rtpkv.server.sse import ClientGone, EventStreamResponse, until_disconnect
 from rtpkv.server.state import ServerState
 from rtpkv.server.tenants import CacheSwitches
@@ -27,7 +27,7 @@ from rtpkv.server.worker import add_worker_routes
 
 log = logging.getLogger("rtpkv")
 
-GENERATION_ROUTES = ("/", "/v1/chat/completions", "/v1/completions")
+GENERATION_ROUTES = ("/", "/v1/chat/completions", "/v1/completions", "/v1/messages")
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"
 MAX_JSON_DEPTH = 64  # far above any real request (chat content parts nest 5 deep)
 
@@ -84,6 +84,13 @@ def _submitting(fn: Callable[[], ResponseStream]) -> Callable[[], ResponseStream
     return call
 
 
+def _error_body(path: str, err: ApiError) -> dict[str, Any]:
+    """The error in its route family's shape: Anthropic's, OpenAI's under /v1, rtp-llm's."""
+    if path.startswith("/v1/messages"):
+        return anthropic_body(err)
+    return err.openai_body() if path.startswith("/v1") else err.native_body()
+
+
 def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: bool = True,
                max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20),
                switches: CacheSwitches = CacheSwitches()) -> FastAPI:
@@ -111,16 +118,15 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
         path = request.url.path
         if path in GENERATION_ROUTES and not exc.counted:
             state.metrics.requests.labels(path, exc.outcome).inc()
-        body = exc.openai_body() if path.startswith("/v1") else exc.native_body()
-        return JSONResponse(body, status_code=exc.status)
+        return JSONResponse(_error_body(path, exc), status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         """404, 405, ... in the route family's error shape, not FastAPI's {"detail"}."""
         err = ApiError(exc.status_code, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
                        f"{request.method} {request.url.path}: {exc.detail}")
-        body = err.openai_body() if request.url.path.startswith("/v1") else err.native_body()
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse(_error_body(request.url.path, err), status_code=exc.status_code,
+                            headers=exc.headers)
 
     async def _respond(request: Request, responses: Any, render: Callable[[Any], Any]) -> Any:
         """A non-streaming answer: the last update rendered as JSON; a client that went away
@@ -198,6 +204,40 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
                                request.headers)
         return await _openai(request, "/v1/completions", req, req.num_prompts,
                              lambda: pipeline.pipeline_async(req.prompt, config))
+
+    # ------------------------------------------------------------------ Anthropic
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Any:
+        body = await _json_body(request)
+        anthropic.check_tools_supported(pipeline.tokenizer, body)
+        req = anthropic.parse(anthropic.MessagesRequest, body)
+        _check_model(req.model)
+        chat = anthropic.to_chat(req.system, req.messages, req.cache_control)
+        config = switches.salt(req.generate_config(), request.headers)
+        shaper = anthropic.Shaper(model_name, pipeline.tokenizer, req.stop_sequences or [], 0)
+
+        def submit() -> ResponseStream:
+            ids, cfg, shaper.cached_upto = anthropic.prepare(
+                pipeline.tokenizer, chat, config, pipeline.config.seq_size_per_block,
+                pipeline.config.reuse_cache)
+            return pipeline.pipeline_async(ids, cfg)
+
+        responses = await state.start("/v1/messages", 1, _submitting(submit))
+        if req.stream:
+            return EventStreamResponse(shaper.events(responses))
+        return await _respond(request, responses, shaper.response)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict[str, Any]:
+        req = anthropic.parse(anthropic.CountTokensRequest, await _json_body(request))
+        _check_model(req.model)
+        chat = anthropic.to_chat(req.system, req.messages)
+        try:
+            ids = await asyncio.to_thread(
+                lambda: anthropic.render(pipeline.tokenizer, chat).token_ids)
+        except Exception as exc:
+            raise api_error(exc) from exc
+        return {"input_tokens": len(ids)}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 
+import anthropic
 import httpx
 import openai
 import pytest
 
 from conftest import load
+from rtpkv.cache.manager import common_prefix
 from rtpkv.pipeline import Pipeline
 from rtpkv.server import create_app
 from rtpkv.server.tenants import CacheSwitches
@@ -108,3 +110,191 @@ def test_prompt_cache_key_is_a_hint_unless_the_operator_makes_it_a_salt(plain, k
                                          extra_body={"prompt_cache_key": "alice",
                                                      "cache_salt": "carol"})
     assert "prompt_cache_key" in str(err.value) and "PROMPT_CACHE_KEY_SALT" in str(err.value)
+
+
+# ---------------------------------------------------------------------- Anthropic
+SYSTEM = ("you are a careful assistant. answer every question about the river, the city, the old "
+          "house and the big tree, slowly and in order.")
+
+
+def claude(url: str, **headers: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0,
+                               default_headers=headers or None)
+
+
+def marked(ttl: str = "5m", text: str = SYSTEM) -> list[dict]:
+    return [{"type": "text", "text": text, "cache_control": {"type": "ephemeral", "ttl": ttl}}]
+
+
+GREEDY_EXTRA = {"ignore_eos": True, "temperature": 0}   # the client sends no sampling
+
+
+def test_messages_match_the_python_chat_streamed_or_not(plain):
+    url, pipe = plain
+    question = [{"role": "user", "content": "what's your name?"}]
+    expected = None
+    for expected in pipe(messages=[{"role": "system", "content": "be brief"}] + question,
+                         top_k=1, ignore_eos=True, max_new_tokens=12):
+        pass
+    client = claude(url)
+    msg = client.messages.create(model=MODEL, max_tokens=12, system="be brief", messages=question,
+                                 extra_body=GREEDY_EXTRA)
+    assert msg.content[0].text == expected.generate_texts[0]
+    assert msg.stop_reason == "max_tokens" and msg.role == "assistant" and msg.type == "message"
+    assert msg.usage.output_tokens == 12
+    assert (msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+            + msg.usage.cache_creation_input_tokens) == expected.aux_info["input_len"]
+    with client.messages.stream(model=MODEL, max_tokens=12, system="be brief",
+                                messages=question, extra_body=GREEDY_EXTRA) as stream:
+        pieces = list(stream.text_stream)
+        final = stream.get_final_message()
+    deltas = [r.generate_texts[0] for r in pipe(
+        messages=[{"role": "system", "content": "be brief"}] + question, top_k=1,
+        ignore_eos=True, max_new_tokens=12, return_incremental=True)]
+    assert pieces == [d for d in deltas if d] and len(pieces) > 1   # the pipeline's deltas
+    assert final.content[0].text == "".join(pieces)
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 12
+    count = client.messages.count_tokens(model=MODEL, system="be brief", messages=question)
+    assert count.input_tokens == expected.aux_info["input_len"]
+
+
+def test_messages_stop_sequence_and_end_turn(plain):
+    url, pipe = plain
+    client = claude(url)
+    free = client.messages.create(model=MODEL, max_tokens=12,
+                                  messages=[{"role": "user", "content": "tell me about the cat"}],
+                                  extra_body=GREEDY_EXTRA)
+    word = free.content[0].text.split()[1]
+    msg = client.messages.create(model=MODEL, max_tokens=12, stop_sequences=[word],
+                                 messages=[{"role": "user", "content": "tell me about the cat"}],
+                                 extra_body=GREEDY_EXTRA)
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == word
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_breakpoint_is_cached_then_read_in_usage(llama_path, stream):
+    with serving(llama_path) as (url, pipe):
+        client = claude(url)
+
+        def ask(question: str):
+            kwargs = dict(model=MODEL, max_tokens=2, system=marked("5m"),
+                          messages=[{"role": "user", "content": question}])
+            if not stream:
+                return client.messages.create(**kwargs).usage
+            with client.messages.stream(**kwargs) as s:
+                return s.get_final_message().usage
+
+        first = ask("what is the river called?")
+        assert first.cache_read_input_tokens == 0
+        assert first.cache_creation_input_tokens >= 20 and first.cache_creation_input_tokens % B == 0
+        second = ask("and the city?")   # same system prompt, another question
+        assert second.cache_read_input_tokens >= first.cache_creation_input_tokens
+        assert second.cache_creation_input_tokens == 0
+        # the breakpoint's blocks are held at the 5m priority
+        assert by_priority(url)["60"] >= first.cache_creation_input_tokens // B
+        # the same prefix through the openai client reports the reuse in its own field
+        rendered = pipe.chat_prompt([{"role": "system", "content": SYSTEM},
+                                     {"role": "user", "content": "and the city?"}])
+        res = oai(url).completions.create(model=MODEL, prompt=rendered, max_tokens=2)
+        assert res.usage.prompt_tokens_details.cached_tokens >= first.cache_creation_input_tokens
+
+
+def flood(url: str, start: int, requests: int = 12) -> None:
+    """Distinct unmarked prompts enough to turn the whole 64-block pool over."""
+    for k in range(requests):
+        prompt = [(start + 41 * k + 7 * i) % 1000 + 10 for i in range(40)]
+        r = httpx.post(url + "/", json={"prompt": prompt,
+                                        "generate_config": {"max_new_tokens": 2}}, timeout=60)
+        assert r.status_code == 200, r.text
+
+
+def test_a_1h_breakpoint_survives_a_flood_that_evicts_an_unmarked_prefix(llama_path):
+    with serving(llama_path, kv_cache_max_tokens=256) as (url, pipe):   # 64 blocks
+        client = claude(url)
+        other = "an unmarked system prompt about the mountain, the lake and the road north."
+
+        def ask(system):
+            return client.messages.create(
+                model=MODEL, max_tokens=2, system=system,
+                messages=[{"role": "user", "content": "go on"}]).usage
+
+        # the two prompts share the chat template's opening, which the held prefix keeps
+        shared = common_prefix(*(pipe.chat_prompt([{"role": "system", "content": text},
+                                                   {"role": "user", "content": "go on"}])
+                                 for text in (SYSTEM, other))) // B * B
+        held = ask(marked("1h"))
+        unmarked = ask(other)
+        assert ask(other).cache_read_input_tokens > shared   # cached before the flood
+        flood(url, 1)
+        assert pipe.cache_stats()["evictions"] > 0
+        assert ask(other).cache_read_input_tokens == shared
+        assert ask(marked("1h")).cache_read_input_tokens >= held.cache_creation_input_tokens > 0
+        assert unmarked.cache_creation_input_tokens == 0   # no breakpoint: nothing created
+
+
+def test_a_5m_breakpoint_lapses_after_its_ttl(llama_path):
+    with serving(llama_path, kv_cache_max_tokens=256) as (url, pipe):
+        now = [1000.0]
+        pipe.engine.cache.pool.clock = lambda: now[0]   # the test's clock
+        client = claude(url)
+
+        def ask():
+            return client.messages.create(
+                model=MODEL, max_tokens=2, system=marked("5m"),
+                messages=[{"role": "user", "content": "go on"}]).usage
+
+        created = ask().cache_creation_input_tokens
+        flood(url, 1)
+        assert ask().cache_read_input_tokens >= created > 0   # within its 5 minutes
+        now[0] += 299
+        flood(url, 2)
+        assert ask().cache_read_input_tokens >= created        # still within them
+        now[0] += 301
+        flood(url, 3)
+        assert ask().cache_read_input_tokens == 0              # lapsed to 35, then evicted
+
+
+@pytest.mark.parametrize("body,where,words", [
+    ({"messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}]}]},
+     "messages[0].content[0].type", ["images"]),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
+     "tools", ["tools", "no tool support"]),
+    ({"messages": [{"role": "user", "content": marked() * 5}]}, "cache_control", ["at most 4"]),
+    ({"messages": [{"role": "user", "content": marked("5m") + marked("1h")}]},
+     "messages[0].content[1].cache_control", ["'1h'", "'5m'"]),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]}]},
+     "messages[0].content[0].cache_control", ["ttl", "2h"]),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "I"}]},
+     "messages[1]", ["prefill"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "enabled",
+                                                                    "budget_tokens": 1024}},
+     "thinking", ["thinking"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "no_such_option": 1}, None,
+     ["no_such_option"]),
+])
+def test_messages_errors_in_anthropics_shape_name_the_field(plain, body, where, words):
+    url, _ = plain
+    client = claude(url)
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model=MODEL, max_tokens=4, **{k: v for k, v in body.items()
+                                                            if k in ("messages", "tools",
+                                                                     "thinking")},
+                               extra_body={k: v for k, v in body.items()
+                                           if k not in ("messages", "tools", "thinking")})
+    raw = err.value.body
+    assert raw["type"] == "error" and raw["error"]["type"] == "invalid_request_error"
+    for word in words + ([where] if where else []):
+        assert word in raw["error"]["message"], raw
+
+
+def test_messages_unknown_model_and_route_errors(plain):
+    url, _ = plain
+    with pytest.raises(anthropic.NotFoundError) as err:
+        claude(url).messages.create(model="claude-opus", max_tokens=4,
+                                    messages=[{"role": "user", "content": "hi"}])
+    assert err.value.body["error"]["type"] == "not_found_error"
+    res = httpx.post(url + "/v1/messages", json={"model": MODEL, "messages": []})
+    assert res.status_code == 400 and res.json()["type"] == "error"
