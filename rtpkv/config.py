@@ -201,7 +201,7 @@ class RuntimeConfig(BaseModel):
     weight_type: str = "auto"
     int8_mode: bool = False
     # the KV cache's storage (rtpkv.kernels.kv_quant): KV_CACHE_DTYPE=int8, or rtp-llm's
-    # INT8_KV_CACHE=1; "auto" stores K/V in the model's dtype (FP8_KV_CACHE: rtpkv.env_check)
+    # INT8_KV_CACHE=1; "auto" stores K/V in the model's dtype (FP8_KV_CACHE: rtpkv.rtp_llm_compat)
     kv_cache_dtype: str = "auto"
     int8_kv_cache: bool = False
     # tiers below the device pool (rtpkv.cache.tiers.factory)
@@ -348,10 +348,11 @@ class Settings(RuntimeConfig, BaseSettings):
         """Read and validate the environment; a bad value raises ConfigError naming it, and a
         variable that looks meant for rtpkv but has no effect is warned about (env_check)."""
         from rtpkv.env_check import check_environment
+        from rtpkv.rtp_llm_compat import env_options
 
         check_environment(name.upper() for name in cls.model_fields)
         try:
-            return cls()
+            return cls(**env_options(os.environ))   # rtp-llm's names for rtpkv's options
         except ValidationError as exc:
             raise ConfigError(describe_validation_error(exc, str.upper, _env_value)) from None
 
