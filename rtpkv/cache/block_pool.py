@@ -206,6 +206,12 @@ class BlockPool:
                 self.events.updated(block.key, block.priority, DEFAULT_PRIORITY)
             block.priority, block.duration_s, block.held_until = DEFAULT_PRIORITY, None, None
 
+    def set_quota(self, tenant: bytes, blocks: Optional[int]) -> None:
+        """Change one tenant's bound (the pool's `quota` must be a TenantQuotas): whether it
+        is past it is decided now, so it gives way from the next eviction on."""
+        self.quota.set(tenant, blocks)   # type: ignore[union-attr]
+        self._count(tenant, 0)
+
     # ------------------------------------------------------------------ pins
     def pin(self, block_id: int) -> None:
         self.acquire(block_id)
@@ -270,7 +276,7 @@ class BlockPool:
         if count:
             self.tenant_blocks[tenant] = count
         else:
-            del self.tenant_blocks[tenant]
+            self.tenant_blocks.pop(tenant, None)
         if self.quota is None:
             return
         bound = self.quota(tenant)

@@ -22,7 +22,7 @@ from rtpkv.server.body_limit import DEFAULT_MAX_BODY_MB, BodyLimit
 from rtpkv.server.errors import ApiError, ErrorCode, anthropic_body, api_error
 from rtpkv.server.sse import ClientGone, EventStreamResponse, until_disconnect
 from rtpkv.server.state import ServerState
-from rtpkv.server.tenants import CacheSwitches
+from rtpkv.server.tenants import CacheSwitches, add_tenant_routes
 from rtpkv.server.worker import add_worker_routes
 
 log = logging.getLogger("rtpkv")
@@ -263,5 +263,6 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
         body = await asyncio.to_thread(state.metrics.render)  # reads cache_stats under its lock
         return HttpResponse(body, media_type=CONTENT_TYPE_LATEST)
 
+    add_tenant_routes(app, pipeline, switches, _json_body)
     add_worker_routes(app, state, _json_body)  # render, model and server info (routers probe)
     return app

@@ -5,15 +5,27 @@ TENANT_HEADER_SALT=1 the header's value is the request's `cache_salt`, so two te
 each other's blocks; a salt the client gives itself (`cache_salt`, or `prompt_cache_key` under
 PROMPT_CACHE_KEY_SALT=1) only narrows it within the tenant ("acme/<salt>"), and a request
 without the header gets "/<salt>": no client can name its way into a tenant's blocks.
+
+`GET /cache/tenants/{salt}` reads a tenant's cached blocks, quota and quota evictions;
+`PUT /cache/tenants/{salt}` with `{"quota_blocks": N}` (null: back to CACHE_SALT_QUOTA_BLOCKS)
+changes its quota while the server runs. With ADMIN_API_KEY set, both answer only requests
+carrying `Authorization: Bearer <key>` (401 otherwise).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Optional
 
-from rtpkv.server.errors import ApiError, ErrorCode
+from fastapi import FastAPI, Request
+
+from rtpkv.server.errors import ApiError, ErrorCode, api_error
+
+if TYPE_CHECKING:
+    from rtpkv.pipeline import Pipeline
 
 TENANT_VALUE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -57,3 +69,40 @@ class CacheSwitches:
         if own is not None and not isinstance(own, str):
             return config   # GenerateConfig refuses it, naming cache_salt
         return {**config, "cache_salt": "/".join(p for p in (tenant or "", own) if p is not None)}
+
+
+def add_tenant_routes(app: FastAPI, pipeline: "Pipeline", switches: CacheSwitches,
+                      json_body: Callable[[Request], Awaitable[dict[str, Any]]]) -> None:
+    def check_admin(request: Request) -> None:
+        if switches.admin_api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {switches.admin_api_key}".encode()):
+            raise ApiError(401, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                           "this route needs the admin key: Authorization: Bearer <ADMIN_API_KEY>",
+                           "authorization")
+
+    async def call(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        try:
+            return await asyncio.to_thread(fn)   # waits for the engine's step lock
+        except Exception as exc:
+            raise api_error(exc) from exc
+
+    @app.get("/cache/tenants/{salt:path}")
+    async def tenant(salt: str, request: Request) -> dict[str, Any]:
+        check_admin(request)
+        return {"salt": salt, **await call(lambda: pipeline.tenant_quota(salt))}
+
+    @app.put("/cache/tenants/{salt:path}")
+    async def set_quota(salt: str, request: Request) -> dict[str, Any]:
+        check_admin(request)
+        body = await json_body(request)
+        blocks = body.get("quota_blocks", ...)
+        if set(body) != {"quota_blocks"} or not (
+                blocks is None or (isinstance(blocks, int) and not isinstance(blocks, bool)
+                                   and blocks >= 0)):
+            raise ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                           f"body must be {{\"quota_blocks\": N}} with N a number of KV blocks "
+                           f"from 0, or null (back to CACHE_SALT_QUOTA_BLOCKS); got {body!r:.200}",
+                           "quota_blocks")
+        return {"salt": salt, **await call(lambda: pipeline.set_tenant_quota(salt, blocks))}

@@ -298,3 +298,99 @@ def test_messages_unknown_model_and_route_errors(plain):
     assert err.value.body["error"]["type"] == "not_found_error"
     res = httpx.post(url + "/v1/messages", json={"model": MODEL, "messages": []})
     assert res.status_code == 400 and res.json()["type"] == "error"
+
+
+# ---------------------------------------------------------------------- tenants
+def test_two_tenants_by_header_share_nothing(keyed):
+    url, _ = keyed
+    prompt = ids(500, 32) + [3]
+    acme, beta = oai(url, **{"x-tenant-id": "acme"}), oai(url, **{"x-tenant-id": "beta"})
+    acme.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    again = acme.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+    other = beta.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    # a client that names the tenant as its own salt, without the header, is not the tenant
+    posing = oai(url).completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                         extra_body={"cache_salt": "acme"})
+    assert posing.usage.prompt_tokens_details.cached_tokens == 0
+    # the same through the anthropic client: a breakpoint one tenant cached is not the other's
+    ask = dict(model=MODEL, max_tokens=2, system=marked("1h"),
+               messages=[{"role": "user", "content": "go on"}])
+    first = claude(url, **{"x-tenant-id": "acme"}).messages.create(**ask).usage
+    assert claude(url, **{"x-tenant-id": "acme"}).messages.create(**ask).usage \
+        .cache_read_input_tokens >= first.cache_creation_input_tokens > 0
+    assert claude(url, **{"x-tenant-id": "beta"}).messages.create(**ask).usage \
+        .cache_read_input_tokens == 0
+    res = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                     headers={"x-tenant-id": "acme corp"})
+    assert res.status_code == 400 and "x-tenant-id" in res.json()["error"]["message"]
+
+
+ADMIN = "admin-key-for-tests"
+
+
+def test_a_quota_changed_at_run_time_takes_effect_on_the_next_eviction(llama_path):
+    switches = CacheSwitches(tenant_header="x-tenant-id", admin_api_key=ADMIN)
+    with serving(llama_path, switches, kv_cache_max_tokens=256,   # 64 blocks
+                 cache_salt_quota_blocks=1000) as (url, pipe):
+        admin = {"authorization": f"Bearer {ADMIN}"}
+
+        def send(tenant: str, start: int, n: int) -> int:
+            res = httpx.post(url + "/", headers={"x-tenant-id": tenant}, json={
+                "prompt": [(start + 7 * i) % 1000 + 10 for i in range(n)],
+                "generate_config": {"max_new_tokens": 1}}, timeout=60)
+            assert res.status_code == 200, res.text
+            return res.json()["aux_info"]["reuse_len"]
+
+        def tenant(name: str) -> dict:
+            res = httpx.get(url + f"/cache/tenants/{name}", headers=admin)
+            assert res.status_code == 200, res.text
+            return res.json()
+
+        send("beta", 1, 32)          # 8 blocks, the oldest: plain LRU would evict them first
+        send("acme", 2, 80)          # 20 blocks
+        before = tenant("beta")["cached_blocks"]
+        assert tenant("acme")["cached_blocks"] >= 20 and tenant("acme")["quota_blocks"] == 1000
+        assert httpx.get(url + "/cache/tenants/acme").status_code == 401
+        changed = httpx.put(url + "/cache/tenants/acme", json={"quota_blocks": 2}, headers=admin)
+        assert changed.status_code == 200, changed.text
+        now = changed.json()
+        assert now["quota_blocks"] == 2 and now["over_quota"] and now["quota_evictions"] == 0
+        k = 3
+        while pipe.cache_stats()["evictions"] == 0:    # the next evictions
+            send("gamma", k, 40)
+            k += 1
+        after = tenant("acme")
+        assert after["quota_evictions"] > 0 and after["cached_blocks"] < now["cached_blocks"]
+        assert tenant("beta")["cached_blocks"] == before       # the LRU victim was spared
+        assert send("beta", 1, 32) == 28                         # and still serves its prefix
+        back = httpx.put(url + "/cache/tenants/acme", json={"quota_blocks": None}, headers=admin)
+        assert back.json()["quota_blocks"] == 1000
+        for bad in ({"quota_blocks": -1}, {"quota_blocks": "2"}, {"quota": 2}):
+            res = httpx.put(url + "/cache/tenants/acme", json=bad, headers=admin)
+            assert res.status_code == 400 and "quota_blocks" in res.json()["message"]
+
+
+def test_quotas_off_at_start_cannot_be_changed(plain):
+    url, _ = plain
+    res = httpx.put(url + "/cache/tenants/acme", json={"quota_blocks": 2})
+    assert res.status_code == 400 and "CACHE_SALT_QUOTA_BLOCKS" in res.json()["message"]
+    assert httpx.get(url + "/cache/tenants/acme").json()["quota_blocks"] is None
+
+
+def test_tenant_metrics_have_a_bounded_label_set(keyed, monkeypatch):
+    from rtpkv.server import metrics
+
+    url, _ = keyed
+    monkeypatch.setattr(metrics, "MAX_TENANT_LABELS", 2)
+    for k, name in enumerate(("t1", "t2", "t3", "t4")):
+        httpx.post(url + "/", headers={"x-tenant-id": name},
+                   json={"prompt": ids(600 + 40 * k, 40 * (k + 1)),
+                         "generate_config": {"max_new_tokens": 1}}, timeout=60)
+    text = httpx.get(url + "/metrics").text
+    labels = [line.split('"')[1] for line in text.splitlines()
+              if line.startswith("rtpkv_cache_tenant_blocks{")]
+    assert len(labels) == 3 and labels[-1] == "other" and "t4" not in text
+    from rtpkv.cache.manager import tenant_label
+    assert tenant_label(b"t4") in labels   # the tenant holding the most blocks, by its digest
