@@ -33,6 +33,7 @@ from rtpkv.cache.events import KVEventBuffer
 from rtpkv.cache.ghost_list import GhostList
 from rtpkv.cache.partial_index import PartialIndex
 from rtpkv.cache.prefix_index import PrefixIndex
+from rtpkv.cache.residency import ResidencyHistograms
 
 
 class BlockPool:
@@ -63,6 +64,7 @@ class BlockPool:
         self.num_pinned = 0               # blocks with pin_count > 0
         self.evictions = 0
         self.evictions_by_priority: Counter[int] = Counter()
+        self.residency = ResidencyHistograms()   # of indexed blocks, on the device
 
     # ------------------------------------------------------------------ reading
     @property
@@ -105,6 +107,7 @@ class BlockPool:
             self.evictions += 1
             self.evictions_by_priority[block.priority] += 1
             if block.indexed:
+                self.residency.evicted(self.clock(), block.stored_at, block.released_at)
                 self.ghosts.add(block.key)
                 if self.on_evict is not None:
                     self.on_evict(block)
@@ -119,6 +122,8 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             self.policy.remove(block)
+            if block.indexed:
+                self.residency.observe("reuse_gap", self.clock() - block.released_at)
         block.ref_count += 1
 
     def release(self, block_id: int) -> None:
@@ -134,6 +139,7 @@ class BlockPool:
             now = self.clock()
             held = block.duration_s is not None and block.priority != DEFAULT_PRIORITY
             block.held_until = now + block.duration_s if held else None
+            block.released_at = now
             self.policy.add(block, now)
         else:
             self._put_free(block)
@@ -246,6 +252,7 @@ class BlockPool:
                 self.policy.remove(held)
                 self._put_free(held)
         self.index.insert(block.key, block.block_id)
+        block.stored_at = block.released_at = self.clock()
         self.ghosts.discard(block.key)
         self.children.add(block.parent_key, block.extra, block.block_id)
         self._count(block.tenant, 1)

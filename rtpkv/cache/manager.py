@@ -688,6 +688,7 @@ class KVCacheManager:
         }
         stats.update(self._tenant_stats())
         stats.update(self.ladder.stats())
+        stats["residency"] = {"device": pool.residency.stats(), **self.ladder.residency()}
         return stats
 
     def tenant(self, salt: str) -> dict[str, object]:

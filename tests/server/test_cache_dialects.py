@@ -199,6 +199,22 @@ def test_a_breakpoint_is_cached_then_read_in_usage(llama_path, stream):
         assert res.usage.prompt_tokens_details.cached_tokens >= first.cache_creation_input_tokens
 
 
+def test_reading_a_breakpoint_changes_no_token(plain, make_pipeline):
+    url, _ = plain
+    alone = make_pipeline(seq_size_per_block=B)   # reuse off
+    question = [{"role": "user", "content": "and what about the bridge?"}]
+    expected = None
+    for expected in alone(messages=[{"role": "system", "content": SYSTEM}] + question,
+                          top_k=1, ignore_eos=True, max_new_tokens=8):
+        pass
+    client = claude(url)
+    for _ in range(2):
+        msg = client.messages.create(model=MODEL, max_tokens=8, system=marked("1h"),
+                                     messages=question, extra_body=GREEDY_EXTRA)
+        assert msg.content[0].text == expected.generate_texts[0]
+    assert msg.usage.cache_read_input_tokens > 0
+
+
 def flood(url: str, start: int, requests: int = 12) -> None:
     """Distinct unmarked prompts enough to turn the whole 64-block pool over."""
     for k in range(requests):
