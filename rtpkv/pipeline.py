@@ -516,16 +516,13 @@ class Pipeline:
 
     def tenant_quota(self, salt: str) -> dict[str, Any]:
         """One tenant's (cache_salt's) cached blocks, quota and quota evictions."""
-        with self.engine.lock:
-            return self.engine.cache.tenant(salt)
+        return self.engine.tenant_quota(salt)
 
     def set_tenant_quota(self, salt: str, blocks: Optional[int]) -> dict[str, Any]:
         """Change one tenant's bound on cached blocks while the engine runs (None: back to
         CACHE_SALT_QUOTA_BLOCKS); past it, the tenant's blocks go first from the next eviction.
         Needs quotas configured at start (CACHE_SALT_QUOTA_BLOCKS or CACHE_SALT_QUOTAS)."""
-        with self.engine.lock:
-            self.engine.cache.set_tenant_quota(salt, blocks)
-            return self.engine.cache.tenant(salt)
+        return self.engine.set_tenant_quota(salt, blocks)
 
     def kv_cache_events(self, timeout: Optional[float] = None) -> list[dict[str, Any]]:
         """Drain the KV cache events (`stored`, `removed`, `updated`) buffered since the last
