@@ -267,9 +267,9 @@ def _stop_sequence(res: Response, tokenizer: Any, stops: list[str]) -> Optional[
 class Shaper:
     """Builds one request's Anthropic objects: the message, or its SSE events."""
 
-    def __init__(self, model: str, tokenizer: Any, stops: list[str], cached_upto: int):
+    def __init__(self, model: str, tokenizer: Any, stops: list[str]):
         self.model, self.tokenizer, self.stops = model, tokenizer, stops
-        self.cached_upto = cached_upto   # whole-block tokens up to the last breakpoint
+        self.cached_upto = 0   # whole-block tokens up to the last breakpoint (`prepare`)
         self.id = "msg_" + uuid.uuid4().hex
 
     def usage(self, aux: dict[str, Any]) -> dict[str, int]:

@@ -214,7 +214,7 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
         _check_model(req.model)
         chat = anthropic.to_chat(req.system, req.messages, req.cache_control)
         config = switches.salt(req.generate_config(), request.headers)
-        shaper = anthropic.Shaper(model_name, pipeline.tokenizer, req.stop_sequences or [], 0)
+        shaper = anthropic.Shaper(model_name, pipeline.tokenizer, req.stop_sequences or [])
 
         def submit() -> ResponseStream:
             ids, cfg, shaper.cached_upto = anthropic.prepare(
@@ -229,7 +229,9 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
-        req = anthropic.parse(anthropic.CountTokensRequest, await _json_body(request))
+        body = await _json_body(request)
+        anthropic.check_tools_supported(pipeline.tokenizer, body)
+        req = anthropic.parse(anthropic.CountTokensRequest, body)
         _check_model(req.model)
         chat = anthropic.to_chat(req.system, req.messages)
         try:
