@@ -410,3 +410,25 @@ def test_tenant_metrics_have_a_bounded_label_set(keyed, monkeypatch):
     assert len(labels) == 3 and labels[-1] == "other" and "t4" not in text
     from rtpkv.cache.manager import tenant_label
     assert tenant_label(b"t4") in labels   # the tenant holding the most blocks, by its digest
+
+
+def test_the_switches_come_from_the_environment(monkeypatch):
+    from rtpkv.config import Settings
+    from rtpkv.errors import ConfigError
+
+    assert CacheSwitches.from_settings(Settings.from_env()) == CacheSwitches()
+    monkeypatch.setenv("PROMPT_CACHE_KEY_SALT", "1")
+    monkeypatch.setenv("TENANT_HEADER", "x-org")
+    monkeypatch.setenv("ADMIN_API_KEY", "s3cret-admin")
+    off = CacheSwitches.from_settings(Settings.from_env())
+    assert off == CacheSwitches(True, None, "s3cret-admin")   # the header needs its switch
+    monkeypatch.setenv("TENANT_HEADER_SALT", "on")
+    assert CacheSwitches.from_settings(Settings.from_env()).tenant_header == "x-org"
+    monkeypatch.setenv("TENANT_HEADER", "x org")
+    with pytest.raises(ConfigError, match="TENANT_HEADER='x org' is invalid"):
+        Settings.from_env()
+    monkeypatch.setenv("TENANT_HEADER", "x-org")
+    monkeypatch.setenv("ADMIN_API_KEY", "short")
+    with pytest.raises(ConfigError, match=r"ADMIN_API_KEY='\*\*\*' is invalid") as err:
+        Settings.from_env()
+    assert "short" not in str(err.value)
