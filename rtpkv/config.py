@@ -19,7 +19,9 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
                       field_validator)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rtpkv.env_check import check_environment
 from rtpkv.errors import ConfigError
+from rtpkv.rtp_llm_compat import env_options
 from rtpkv.switches import parse_switch
 from rtpkv.kernels.names import ATTENTION_BACKENDS, ISA_LEVELS, LINEAR_PATHS, WEIGHT_TYPES
 
@@ -347,9 +349,6 @@ class Settings(RuntimeConfig, BaseSettings):
     def from_env(cls) -> "Settings":
         """Read and validate the environment; a bad value raises ConfigError naming it, and a
         variable that looks meant for rtpkv but has no effect is warned about (env_check)."""
-        from rtpkv.env_check import check_environment
-        from rtpkv.rtp_llm_compat import env_options
-
         check_environment(name.upper() for name in cls.model_fields)
         try:
             return cls(**env_options(os.environ))   # rtp-llm's names for rtpkv's options
