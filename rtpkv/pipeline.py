@@ -514,6 +514,16 @@ class Pipeline:
     def cache_stats(self) -> dict[str, Any]:
         return self.engine.cache_stats()
 
+    def tenant_quota(self, salt: str) -> dict[str, Any]:
+        """One tenant's (cache_salt's) cached blocks, quota and quota evictions."""
+        return self.engine.tenant_quota(salt)
+
+    def set_tenant_quota(self, salt: str, blocks: Optional[int]) -> dict[str, Any]:
+        """Change one tenant's bound on cached blocks while the engine runs (None: back to
+        CACHE_SALT_QUOTA_BLOCKS); past it, the tenant's blocks go first from the next eviction.
+        Needs quotas configured at start (CACHE_SALT_QUOTA_BLOCKS or CACHE_SALT_QUOTAS)."""
+        return self.engine.set_tenant_quota(salt, blocks)
+
     def kv_cache_events(self, timeout: Optional[float] = None) -> list[dict[str, Any]]:
         """Drain the KV cache events (`stored`, `removed`, `updated`) buffered since the last
         call, oldest first; with a timeout, wait up to that many seconds for the first one.

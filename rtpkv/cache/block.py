@@ -30,6 +30,9 @@ class Block:
     extra: bytes = b""              # extra key material (cache salt on a first block)
     priority: int = DEFAULT_PRIORITY
     duration_s: Optional[float] = None    # priority lapses this long after the last release
+    held_until: Optional[float] = None    # when that is (the pool's clock), once released
+    stored_at: float = 0.0          # when it was indexed, and last released (residency)
+    released_at: float = 0.0
     tiers: frozenset[str] = field(default_factory=frozenset)  # tiers it may be offloaded to
     tail: bool = False              # a kept, partly filled last block (partial-reuse source)
     tenant: Optional[bytes] = None  # the cache_salt it was computed under (b"": none; None:

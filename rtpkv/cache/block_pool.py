@@ -33,6 +33,7 @@ from rtpkv.cache.events import KVEventBuffer
 from rtpkv.cache.ghost_list import GhostList
 from rtpkv.cache.partial_index import PartialIndex
 from rtpkv.cache.prefix_index import PrefixIndex
+from rtpkv.cache.residency import ResidencyHistograms
 
 
 class BlockPool:
@@ -63,6 +64,7 @@ class BlockPool:
         self.num_pinned = 0               # blocks with pin_count > 0
         self.evictions = 0
         self.evictions_by_priority: Counter[int] = Counter()
+        self.residency = ResidencyHistograms()   # of indexed blocks, on the device
 
     # ------------------------------------------------------------------ reading
     @property
@@ -105,6 +107,7 @@ class BlockPool:
             self.evictions += 1
             self.evictions_by_priority[block.priority] += 1
             if block.indexed:
+                self.residency.evicted(self.clock(), block.stored_at, block.released_at)
                 self.ghosts.add(block.key)
                 if self.on_evict is not None:
                     self.on_evict(block)
@@ -119,6 +122,8 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             self.policy.remove(block)
+            if block.indexed:
+                self.residency.observe("reuse_gap", self.clock() - block.released_at)
         block.ref_count += 1
 
     def release(self, block_id: int) -> None:
@@ -131,7 +136,11 @@ class BlockPool:
         if block.full and not block.indexed and self.index.get(block.key) is None:
             self._index(block)
         if block.indexed or block.tail:
-            self.policy.add(block, self.clock())
+            now = self.clock()
+            held = block.duration_s is not None and block.priority != DEFAULT_PRIORITY
+            block.held_until = now + block.duration_s if held else None
+            block.released_at = now
+            self.policy.add(block, now)
         else:
             self._put_free(block)
 
@@ -179,9 +188,17 @@ class BlockPool:
         return True
 
     def stamp(self, block_id: int, priority: int, duration_s: Optional[float],
-              tiers: frozenset[str]) -> None:
-        """The retention a releasing request gives a full block (the last release decides)."""
+              tiers: frozenset[str], keep_hold: bool = False) -> None:
+        """The retention a releasing request gives a full block (the last release decides).
+        `keep_hold`: the request gave no retention config, so a priority the block holds and
+        whose duration has not run out stays, for what is left of it (a prefix held for an hour
+        is not dropped, nor held longer, by requests that only read it)."""
         block = self.blocks[block_id]
+        if keep_hold and block.priority != DEFAULT_PRIORITY:
+            if block.held_until is None:   # held without end, or not yet released: as it is
+                priority, duration_s = block.priority, block.duration_s
+            elif block.held_until > (now := self.clock()):
+                priority, duration_s = block.priority, block.held_until - now
         if block.indexed and priority != block.priority:
             self.events.updated(block.key, block.priority, priority)
         block.priority, block.duration_s, block.tiers = priority, duration_s, tiers
@@ -193,7 +210,13 @@ class BlockPool:
         for block in self.policy.lapse(self.clock()):
             if block.indexed:
                 self.events.updated(block.key, block.priority, DEFAULT_PRIORITY)
-            block.priority, block.duration_s = DEFAULT_PRIORITY, None
+            block.priority, block.duration_s, block.held_until = DEFAULT_PRIORITY, None, None
+
+    def set_quota(self, tenant: bytes, blocks: Optional[int]) -> None:
+        """Change one tenant's bound (the pool's `quota` must be a TenantQuotas): whether it
+        is past it is decided now, so it gives way from the next eviction on."""
+        self.quota.set(tenant, blocks)   # type: ignore[union-attr]
+        self._count(tenant, 0)
 
     # ------------------------------------------------------------------ pins
     def pin(self, block_id: int) -> None:
@@ -229,6 +252,7 @@ class BlockPool:
                 self.policy.remove(held)
                 self._put_free(held)
         self.index.insert(block.key, block.block_id)
+        block.stored_at = block.released_at = self.clock()
         self.ghosts.discard(block.key)
         self.children.add(block.parent_key, block.extra, block.block_id)
         self._count(block.tenant, 1)
@@ -259,7 +283,7 @@ class BlockPool:
         if count:
             self.tenant_blocks[tenant] = count
         else:
-            del self.tenant_blocks[tenant]
+            self.tenant_blocks.pop(tenant, None)
         if self.quota is None:
             return
         bound = self.quota(tenant)

@@ -56,8 +56,10 @@ from rtpkv.cache.gpu_pool import gpu_pool_blocks
 from rtpkv.cache.kv_memory import KVMemory
 from rtpkv.cache.prefix_index import KeyChain, PrefixIndex
 from rtpkv.cache.retention import KvCacheRetentionConfig
+from rtpkv.cache.tenant_quotas import TenantQuotas
 from rtpkv.cache.tiers.base import BlockMeta
 from rtpkv.cache.tiers.ladder import TierHit, TierLadder, TierPlan
+from rtpkv.errors import ConfigError
 
 if TYPE_CHECKING:
     from rtpkv.cache.tiers.base import KVTier
@@ -153,17 +155,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def salt_quota(config: "RuntimeConfig") -> Optional[Callable[[bytes], Optional[int]]]:
-    """Each tenant's bound on cached blocks: its `cache_salt_quotas` entry, else
-    `cache_salt_quota_blocks` for a salted tenant (requests without a salt are bounded only by
-    an entry for ""). None when no quota is configured."""
-    overrides = {salt.encode(): n for salt, n in (config.cache_salt_quotas or {}).items()}
-    default = config.cache_salt_quota_blocks
-    if default is None and not overrides:
-        return None
-    return lambda salt: overrides.get(salt, default if salt else None)
-
-
 def tenant_label(salt: bytes) -> str:
     """How stats name a tenant: a digest of its salt, never the salt (a tenant's secret)."""
     return hashlib.sha256(salt).hexdigest()[:12] if salt else "(no salt)"
@@ -250,7 +241,7 @@ class KVCacheManager:
                     events=KVEventBuffer(config.kv_cache_event_buffer_max_size),
                     tiers=build_tiers(config, model, B),
                     offload_min_priority=config.secondary_offload_min_priority, window=window,
-                    ghosts=config.kv_cache_ghost_blocks, quota=salt_quota(config))
+                    ghosts=config.kv_cache_ghost_blocks, quota=TenantQuotas.from_config(config))
         log.info("reuse_cache: %s, partial reuse: %s", config.reuse_cache,
                  config.enable_partial_reuse)
         log.info("KV pool: %d blocks of %d tokens (%.1f MiB%s)", num_blocks, B,
@@ -614,7 +605,8 @@ class KVCacheManager:
 
     def free(self, seq: CacheSequence) -> None:
         """Drop `seq`'s references, tail first, stamping each block with `seq`'s retention
-        priority (the last request to release a block decides it). Unreferenced full blocks
+        priority (the last request with a retention config to release a block decides it; one
+        without leaves a hold that has not run out as it is). Unreferenced full blocks
         stay cached (evictable); the rest go back to the free list."""
         retention = seq.retention or _DEFAULT_RETENTION
         tiers = self.ladder.allowed(seq.allows_tier)
@@ -649,7 +641,7 @@ class KVCacheManager:
         block_id = seq.block_table[i]
         if self.pool.blocks[block_id].full or self.pool.blocks[block_id].tail:
             priority, duration = retention.block_retention(i * self.block_size, seq.num_prompt)
-            self.pool.stamp(block_id, priority, duration, tiers)
+            self.pool.stamp(block_id, priority, duration, tiers, keep_hold=seq.retention is None)
         self.pool.release(block_id)
 
     # ------------------------------------------------------------------ pins
@@ -696,7 +688,25 @@ class KVCacheManager:
         }
         stats.update(self._tenant_stats())
         stats.update(self.ladder.stats())
+        stats["residency"] = {"device": pool.residency.stats(), **self.ladder.residency()}
         return stats
+
+    def tenant(self, salt: str) -> dict[str, object]:
+        """One tenant's cached blocks, quota and quota evictions (the operator names it by its
+        salt; stats name it by `tenant_label`)."""
+        pool, key = self.pool, salt.encode()
+        quota = pool.quota(key) if pool.quota is not None else None
+        return {"tenant": tenant_label(key), "cached_blocks": pool.tenant_blocks[key],
+                "quota_blocks": quota, "quota_evictions": pool.quota_evictions[key],
+                "over_quota": quota is not None and pool.tenant_blocks[key] > quota}
+
+    def set_tenant_quota(self, salt: str, blocks: Optional[int]) -> None:
+        """Change one tenant's quota now (None: back to CACHE_SALT_QUOTA_BLOCKS); a tenant past
+        its new bound gives way at the next eviction."""
+        if not isinstance(self.pool.quota, TenantQuotas):
+            raise ConfigError("per-tenant quotas are off: start with CACHE_SALT_QUOTA_BLOCKS or "
+                              "CACHE_SALT_QUOTAS to change them at run time")
+        self.pool.set_quota(salt.encode(), blocks)
 
     def _tenant_stats(self) -> dict[str, object]:
         """Per-tenant counts (cached blocks, quota, quota evictions), each tenant named by a

@@ -146,6 +146,17 @@ class Engine:
         with self.lock:
             self.cache.announce_tiers()
 
+    def tenant_quota(self, salt: str) -> dict[str, Any]:
+        """One tenant's cached blocks, quota and quota evictions (KVCacheManager.tenant)."""
+        with self.lock:
+            return self.cache.tenant(salt)
+
+    def set_tenant_quota(self, salt: str, blocks: Optional[int]) -> dict[str, Any]:
+        """Change one tenant's quota between steps; returns its counts after the change."""
+        with self.lock:
+            self.cache.set_tenant_quota(salt, blocks)
+            return self.cache.tenant(salt)
+
     def reuse_applies(self, req: Request) -> bool:
         """Whether `req` looks up and registers cached blocks (REUSE_CACHE and its own
         `reuse_cache`)."""

@@ -12,6 +12,10 @@ from their pip packages. What each policy needs from the replicas:
   and hashes them by block with SHA-256, as it hashes the `token_ids` of each BlockStored
   event: no hash seed to share.
 - cache_aware (both routers) and round_robin: only the worker URLs.
+- session keys: vllm-router's consistent_hash routes by a key from the request's headers
+  (X-Session-ID, X-User-ID, X-Tenant-ID, ...) or body (`session_params.session_id`, `user`);
+  sglang-router's manual policy by its `x-smg-routing-key` header. Neither reads OpenAI's
+  `prompt_cache_key`: a client sends its key in one of those too (docs/USAGE.md).
 
 `stop()` ends the router, then the replicas (SIGTERM: in-flight requests finish; SIGKILL after
 the grace period); every process also carries a hard time limit when one is given.
@@ -32,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-ROUTERS = {"vllm": ("round_robin", "cache_aware", "kv_aware"),
-           "sglang": ("round_robin", "cache_aware")}
+ROUTERS = {"vllm": ("round_robin", "cache_aware", "kv_aware", "consistent_hash"),
+           "sglang": ("round_robin", "cache_aware", "manual")}
 
 
 @dataclass
@@ -257,8 +261,9 @@ def add_parser(sub: "argparse._SubParsersAction", parents: list) -> None:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--router", choices=sorted(ROUTERS), default="vllm")
     p.add_argument("--policy", default="kv_aware",
-                   help="vllm: round_robin, cache_aware, kv_aware; "
-                        "sglang: round_robin, cache_aware")
+                   help="vllm: round_robin, cache_aware, kv_aware, consistent_hash; "
+                        "sglang: round_robin, cache_aware, manual (the last of each: by a "
+                        "session key the client sends)")
     p.add_argument("--router-args", default="",
                    help="more options for the router, passed as they are (one string), e.g. "
                         "'--kv-aware-session-affinity-ttl-secs 600'")

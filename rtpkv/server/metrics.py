@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+MAX_TENANT_LABELS = 20   # tenants labelled by name (digest) on /metrics; the rest are "other"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0)
 
@@ -56,12 +57,55 @@ class _CacheCollector(Collector):
         yield GaugeMetricFamily("rtpkv_cache_tenants_over_quota",
                                 "tenants (cache_salt) holding more cached blocks than their quota",
                                 value=stats["tenants_over_quota"])
+        yield from _tenant_metrics(stats["tenants"])
+        yield from _residency_metrics(stats["residency"])
         yield GaugeMetricFamily("rtpkv_requests_running", "requests in the running batch",
                                 value=stats["requests_running"])
         yield GaugeMetricFamily("rtpkv_requests_waiting", "requests waiting for admission",
                                 value=stats["requests_waiting"])
         yield GaugeMetricFamily("rtpkv_requests_in_flight", "engine requests the server holds",
                                 value=self._in_flight())
+
+
+RESIDENCY_HELP = {
+    "lifetime": "seconds from a block's store to its eviction, per tier",
+    "idle_before_eviction": "seconds a block sat unused before its eviction, per tier",
+    "reuse_gap": "seconds between a block's release (or last use) and its next hit, per tier",
+}
+
+
+def _residency_metrics(residency: dict[str, dict[str, Any]]) -> Iterator[Any]:
+    """rtpkv_kv_block_<kind>_seconds{tier}: cache_stats()["residency"] as histograms."""
+    for kind, doc in RESIDENCY_HELP.items():
+        family = HistogramMetricFamily(f"rtpkv_kv_block_{kind}_seconds", doc, labels=["tier"])
+        for tier, kinds in residency.items():
+            entry, total, buckets = kinds[kind], 0, []
+            for le, count in zip(entry["le_s"] + [float("inf")], entry["counts"]):
+                total += count
+                buckets.append(("+Inf" if le == float("inf") else repr(le), total))
+            family.add_metric([tier], buckets, sum_value=entry["sum_s"])
+        yield family
+
+
+def _tenant_metrics(tenants: dict[str, dict[str, Any]]) -> Iterator[Any]:
+    """Cached blocks and quota per tenant (labelled by the digest of its salt): the
+    MAX_TENANT_LABELS tenants holding the most blocks by name, the rest summed as "other", so
+    the label set stays bounded however many salts clients send."""
+    ranked = sorted(tenants.items(), key=lambda item: (-item[1]["blocks"], item[0]))
+    shown, rest = ranked[:MAX_TENANT_LABELS], ranked[MAX_TENANT_LABELS:]
+    blocks = GaugeMetricFamily("rtpkv_cache_tenant_blocks",
+                               "cached blocks per tenant (cache_salt, as a digest)",
+                               labels=["tenant"])
+    quota = GaugeMetricFamily("rtpkv_cache_tenant_quota_blocks", "each tenant's quota",
+                              labels=["tenant"])
+    for label, entry in shown:
+        blocks.add_metric([label], entry["blocks"])
+        if entry["quota"] is not None:
+            quota.add_metric([label], entry["quota"])
+    if rest:
+        blocks.add_metric(["other"], sum(entry["blocks"] for _, entry in rest))
+    yield blocks
+    yield quota
 
 
 class ServerMetrics:

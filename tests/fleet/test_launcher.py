@@ -50,6 +50,15 @@ def test_router_args_are_appended_unchanged(tmp_path):
         assert argv[-2:] == extra, (router, policy, argv)
 
 
+@pytest.mark.parametrize("router, policy", [("vllm", "consistent_hash"), ("sglang", "manual")])
+def test_session_keyed_policies_need_only_the_worker_urls(tmp_path, router, policy):
+    argv = fleet_with_two(tmp_path).router_command(router, policy)
+    assert ("--policy", policy) in list(zip(argv, argv[1:]))
+    assert "--kv-event-source" not in argv
+    assert argv[argv.index("--worker-urls") + 1:][:2] == ["http://127.0.0.1:9000",
+                                                          "http://127.0.0.1:9001"]
+
+
 @pytest.mark.parametrize("router, policy", [("sglang", "kv_aware"), ("nginx", "round_robin")])
 def test_an_unknown_router_or_policy_names_the_accepted_ones(tmp_path, router, policy):
     with pytest.raises(ValueError, match="accepted: vllm: round_robin, cache_aware, kv_aware"):

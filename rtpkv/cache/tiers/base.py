@@ -127,6 +127,11 @@ class KVTier(ABC):
     def drop(self, key: bytes) -> None:
         """Forget the block stored under `key` (nothing happens when there is none)."""
 
+    def residency_stats(self) -> Optional[dict[str, Any]]:
+        """The tier's residency histograms (rtpkv.cache.residency), or None where it cannot see
+        its evictions (a remote store that expires keys itself)."""
+        return None
+
     @abstractmethod
     def stats(self) -> dict[str, Any]:
         """Counters, each name prefixed with the tier's name (``memory_blocks_used``, ...)."""

@@ -198,6 +198,10 @@ class DiskTier(KVTier):
         self._forget(key)
         self._path(key).unlink(missing_ok=True)
 
+    def residency_stats(self) -> Optional[dict[str, Any]]:
+        with self._lock:
+            return self._order.residency.stats()
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             c = self.counters
@@ -447,6 +451,7 @@ class DiskTier(KVTier):
             self._order.remove(keep)
         while self._bytes > self.capacity_bytes and len(self._order):
             key = self._order.victim()
+            self._order.evicted(key)
             self._bytes -= self._sizes.pop(key)
             self._order.remove(key)
             self.counters["evictions"] += 1

@@ -116,6 +116,10 @@ class HostTier(KVTier):
             if key in self._slots:
                 self._remove(key)
 
+    def residency_stats(self) -> Optional[dict[str, Any]]:
+        with self._lock:
+            return self._order.residency.stats()
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             c = self.counters
@@ -187,6 +191,7 @@ class HostTier(KVTier):
 
     def _evict_one(self) -> None:
         key = self._order.victim()
+        self._order.evicted(key)
         slot = self._slots[key]
         if self.on_evict is not None:
             self._wait(slot)
