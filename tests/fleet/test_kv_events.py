@@ -5,7 +5,10 @@ positional batch), and a consumer rebuilds exactly the replica's cached set."""
 from __future__ import annotations
 
 import random
+import socket
+import struct
 import threading
+import time
 
 import msgpack
 import pytest
@@ -329,3 +332,124 @@ def test_an_endpoint_in_use_is_refused_by_name_and_the_engine_stops(model):
     with Pipeline(model, reuse_cache=True, kv_events_endpoint=pub,
                   kv_events_replay_endpoint=rep) as again:
         assert again.kv_event_publisher.replay_endpoint == rep
+
+
+def published_blocks(sub: zmq.Socket, tokens: list[int], timeout_s: float = 10.0) -> bool:
+    """Whether `sub` receives a BlockStored of `tokens` (as its first block) in time."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        if not sub.poll(int(left * 1000)):
+            break
+        _, _, payload = sub.recv_multipart()
+        if any(e.get("type") == "BlockStored" and e["token_ids"][:B] == tokens[:B]
+               for e in msgpack.unpackb(payload, raw=False)[1]):
+            return True
+    return False
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed during the handshake")
+        data += chunk
+    return data
+
+
+def zmtp_subscriber(endpoint: str) -> socket.socket:
+    """A raw ZMTP 3.0 SUB peer past its handshake, to send frames libzmq would not (a
+    libzmq SUB holding a 4 MiB subscription crashes its own process when it closes)."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(b"\xff" + bytes(8) + b"\x7f")
+    _recv_exactly(sock, 10)
+    sock.sendall(b"\x03\x00" + b"NULL".ljust(20, b"\x00") + bytes(32))
+    _recv_exactly(sock, 54)
+    ready = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 3) + b"SUB"
+    sock.sendall(b"\x04" + bytes([len(ready)]) + ready)
+    _, size = _recv_exactly(sock, 2)
+    _recv_exactly(sock, size)
+    return sock
+
+
+def closed_by_peer(sock: socket.socket, frame: bytes, timeout_s: float = 10.0) -> bool:
+    """Send `frame`; whether the other side then closes the connection."""
+    sock.settimeout(timeout_s)
+    try:
+        sock.sendall(frame)
+        while sock.recv(65536):
+            pass
+        return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+    finally:
+        sock.close()
+
+
+def test_a_subscription_longer_than_the_topic_never_reaches_the_publisher(model, caplog):
+    """A frame header declaring a 16 GiB subscription, and a 4 MiB subscription sent whole:
+    their peers are disconnected at the header (ZMQ_MAXMSGSIZE), nothing allocated for them;
+    a short subscription that is no prefix of the topic is dropped (logged once); a
+    subscriber of the topic beside them gets every event."""
+    pub, rep = endpoints()
+    with Pipeline(model, reuse_cache=True, seq_size_per_block=B, kv_events_endpoint=pub,
+                  kv_events_replay_endpoint=rep, kv_events_topic="kv@") as pipeline:
+        declared = zmtp_subscriber(pub)
+        assert closed_by_peer(declared, b"\x02" + struct.pack(">Q", 16 << 30) + b"\x01kv@"), \
+            "a 16 GiB subscription header kept its connection"
+        huge = b"\x01kv@" + b"x" * (4 << 20)
+        assert closed_by_peer(zmtp_subscriber(pub), b"\x02" + struct.pack(">Q", len(huge)) + huge)
+        stray = subscriber(b"kv@" + b"y" * 16)
+        stray.connect(pub)
+        good = subscriber(b"kv@")
+        good.connect(pub)
+        assert wait_until(lambda: good.poll(200), 10)    # subscribed: a heartbeat came
+        prompt = list(range(120, 129))
+        run(pipeline, prompt)
+        assert published_blocks(good, prompt)
+        assert not stray.poll(100)
+        assert wait_until(lambda: "no prefix of the topic" in caplog.text, 5)
+        stray.close()
+        good.close()
+
+
+def test_a_replay_flood_delays_the_events_by_a_turn_and_logs_a_line(model, caplog):
+    """300,000 malformed one-frame requests, then a valid one: an event the engine makes
+    during the flood is published before the flood is worked off (the valid request's answer
+    comes after it), and the malformed requests are logged once, not once each."""
+    pub, rep = endpoints()
+    ctx = zmq.Context.instance()
+    sub = subscriber(b"")
+    with Pipeline(model, reuse_cache=True, seq_size_per_block=B, kv_events_endpoint=pub,
+                  kv_events_replay_endpoint=rep) as pipeline:
+        sub.connect(pub)
+        assert wait_until(lambda: sub.poll(200), 10)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(rep)
+        sent = []
+
+        def flood() -> None:
+            for i in range(300_000):
+                dealer.send(b"x")
+                sent.append(i)
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+
+        flooder = threading.Thread(target=flood)
+        flooder.start()
+        assert wait_until(lambda: len(sent) > 20_000, 30)
+        prompt = list(range(140, 149))
+        run(pipeline, prompt)
+        assert published_blocks(sub, prompt)
+        assert dealer.poll(0) == 0, "the whole flood was served before the event"
+        flooder.join(60)
+        assert dealer.poll(60000), "no answer to the valid request after the flood"
+        frames = dealer.recv_multipart()
+        assert frames[:2] == [b"", b""] and int.from_bytes(frames[2], "big") == 0
+        dealer.close()
+    sub.close()
+    lines = [r for r in caplog.records if "malformed replay request" in r.getMessage()]
+    assert 1 <= len(lines) <= 2, len(lines)
