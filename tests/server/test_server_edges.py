@@ -380,3 +380,62 @@ def test_a_submission_whose_caller_is_cancelled_is_closed_when_it_returns(edge_s
     (req,) = stream.requests
     assert req.cancelled and req.done.wait(5)
     assert req.num_output < 500
+
+
+@pytest.fixture(scope="module")
+def render_server(llama_path):
+    """The default body limit (16 MB): an 8 MB body is read and parsed."""
+    model = load(llama_path, kv_cache_max_tokens=8192, concurrency_limit=8)
+    pipe = Pipeline(model, model.tokenizer)
+    with ServerThread(create_app(pipe, "tiny")) as server:
+        yield server, pipe
+    pipe.stop()
+
+
+def test_large_render_and_chat_bodies_never_stall_health_or_a_stream(render_server):
+    """Beside a live stream: an 8 MB render body, 2,000 prompts of 4,000 characters to
+    render, an 8 MB chat message to render and to generate from. Each is refused by name
+    (too long for max_seq_len, untokenized; more prompts than CONCURRENCY_LIMIT) while
+    /health answers within 0.5 s throughout and the stream runs to its end."""
+    server, pipe = render_server
+    big = "word " * (8 * 2**20 // 5)
+    bodies = [("/v1/completions/render", {"prompt": big}, "characters"),
+              ("/v1/completions/render", {"prompt": ["x" * 4000] * 2000}, "CONCURRENCY_LIMIT"),
+              ("/v1/chat/completions/render",
+               {"messages": [{"role": "user", "content": big}]}, "characters"),
+              ("/v1/chat/completions",
+               {"messages": [{"role": "user", "content": big}], "max_tokens": 2}, "characters")]
+    done, worst, stream = threading.Event(), [0.0], {}
+
+    def watch() -> None:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            while not done.is_set():
+                began = time.monotonic()
+                assert c.get("/health").status_code == 200
+                worst[0] = max(worst[0], time.monotonic() - began)
+                time.sleep(0.02)
+
+    def run_stream() -> None:
+        body = {"prompt": "hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            with c.stream("POST", "/v1/completions", json=body) as res:
+                stream["lines"] = [line for line in res.iter_lines() if line]
+
+    watcher, streamer = threading.Thread(target=watch), threading.Thread(target=run_stream)
+    watcher.start()
+    streamer.start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            for route, body, said in bodies:
+                res = c.post(route, content=orjson.dumps({"model": "tiny", **body}),
+                             headers={"content-type": "application/json"})
+                assert res.status_code == 400, (route, res.status_code, res.text[:300])
+                assert said in res.json()["error"]["message"], res.text[:300]
+        streamer.join(120)
+    finally:
+        done.set()
+        watcher.join(30)
+    last = orjson.loads(stream["lines"][-2].removeprefix("data: "))
+    assert stream["lines"][-1] == "data: [DONE]"
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert worst[0] < 0.5, f"/health took {worst[0]:.2f} s"
