@@ -51,6 +51,7 @@ from typing import Any, Optional
 import zmq
 
 from rtpkv.cache.events import KVEventBuffer
+from rtpkv.cache.manager import tenant_label
 from rtpkv.fleet import wire
 from rtpkv.log_limit import RateLimitedLog
 
@@ -128,16 +129,18 @@ class KVEventPublisher:
         medium = wire.MEDIUMS.get(event["tier"], event["tier"].upper())
         if event["type"] == "stored":
             parent = bytes.fromhex(event["parent_hash"])
-            # the salt as the request gave it (its UTF-8 bytes are the key's extra), as vLLM
-            # publishes a cache_salt (bytes that are not UTF-8, from a corrupt disk record's
-            # header, raise: _translated drops that event and logs it)
-            salt = bytes.fromhex(event.get("extra", "")).decode()
-            tokens = [t for block in event["token_ids"] for t in block]
+            # the salt (the key's extra, on the first block of a salted chain) never goes out:
+            # its digest does, and that block's ids folded with it (rtpkv.fleet.wire)
+            salt = bytes.fromhex(event.get("extra", ""))
+            blocks = [list(block) for block in event["token_ids"]]
+            label = tenant_label(salt) if salt else None
+            if label is not None:
+                blocks[0] = wire.salted_token_ids(label, blocks[0])
             return wire.block_stored(
                 [wire.wire_hash(bytes.fromhex(h)) for h in event["block_hashes"]],
-                None if parent == self.root_key else wire.wire_hash(parent), tokens,
-                self.block_size, medium,
-                [[salt]] + [None] * (len(event["block_hashes"]) - 1) if salt else None)
+                None if parent == self.root_key else wire.wire_hash(parent),
+                [t for block in blocks for t in block], self.block_size, medium,
+                [[label]] + [None] * (len(blocks) - 1) if label else None)
         if event["type"] == "removed":
             return wire.block_removed([wire.wire_hash(bytes.fromhex(h))
                                        for h in event["block_hashes"]], medium)

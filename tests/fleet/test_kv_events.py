@@ -18,7 +18,8 @@ from rtpkv.config import Settings
 from rtpkv.errors import ConfigError
 from rtpkv.fleet.publisher import END_SEQ
 from rtpkv.fleet.view import ReplicaView
-from rtpkv.fleet.wire import wire_hash
+from rtpkv.cache.manager import tenant_label
+from rtpkv.fleet.wire import salted_token_ids, wire_hash
 from rtpkv.model_factory import ModelConfig, ModelFactory
 from rtpkv.pipeline import Pipeline
 from server_helpers import free_port, wait_until
@@ -117,9 +118,13 @@ def test_cache_salt_keeps_tenants_apart_in_the_events(model):
         run(pipeline, prompt)
         run(pipeline, prompt, cache_salt="tenant-a")
         assert wait_until(lambda: view.poll(0.05) >= 0 and len(view.blocks["GPU"]) == 4, 10)
-        # the same tokens under two salts: two distinct chains of two blocks each
+        # the same tokens under two salts: two distinct chains of two blocks each; the salted
+        # chain's first block is announced with its ids folded by the salt's digest, so a
+        # router that hashes the plain prompt finds only the unsalted chain
         firsts = [h for h in view.blocks["GPU"] if view.tokens[h] == prompt[:B]]
-        assert len(firsts) == 2
+        folded = salted_token_ids(tenant_label(b"tenant-a"), prompt[:B])
+        assert len(firsts) == 1 and min(folded) >= 2**30
+        assert [h for h in view.blocks["GPU"] if view.tokens[h] == folded]
         view.close()
 
 
@@ -150,7 +155,7 @@ def test_the_array_layout_is_what_llm_d_decodes(model):
     """KV_EVENTS_LAYOUT=array: each event an array, its tag first and vLLM's fields at the
     positions llm-d's vllm_adapter.go reads them (1 hashes, 2 parent, 3 token_ids, 4 block size,
     6 medium, 8 extra_keys); hashes packed as 8-byte ints (it refuses shorter ones); the salt
-    as the request gave it; ReplicaView reads this layout too."""
+    as its digest, the salted block's ids folded with it; ReplicaView reads this layout too."""
     pub, rep = endpoints()
     sub = subscriber(b"")
     with Pipeline(model, reuse_cache=True, seq_size_per_block=B, kv_events_endpoint=pub,
@@ -168,8 +173,11 @@ def test_the_array_layout_is_what_llm_d_decodes(model):
         first_salted = next(i for i, e in enumerate(stored) if e[8] is not None)
         plain, salted = stored[:first_salted], stored[first_salted:]   # the runs in order
         assert [t for e in plain for t in e[3]] == prompt[:2 * B] and plain[0][2] is None
-        assert [t for e in salted for t in e[3]] == prompt[:2 * B]
-        assert salted[0][8] == [["tenant-ä"]] + [None] * (len(salted[0][1]) - 1)
+        label = tenant_label("tenant-ä".encode())   # the salt's digest, never the salt
+        assert [t for e in salted for t in e[3]] == \
+            salted_token_ids(label, prompt[:B]) + prompt[B:2 * B]
+        assert salted[0][8] == [[label]] + [None] * (len(salted[0][1]) - 1)
+        assert "tenant-ä".encode() not in b"".join(raw)
         plain_hashes = [h for e in plain for h in e[1]]
         salted_hashes = [h for e in salted for h in e[1]]
         assert not set(plain_hashes) & set(salted_hashes)
