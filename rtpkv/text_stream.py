@@ -66,8 +66,12 @@ class TextStream:
         tail = list(ids[-RUN_SCAN_TOKENS:])
         offset = len(ids) - len(tail)
         try:
+            last = self.tokenizer.convert_ids_to_tokens(tail[-1:])[0]
+            if isinstance(last, str) and tail[-1] not in self._dropped \
+                    and not BYTE_PIECE.fullmatch(last):
+                return []        # the common case: no run, one id looked up
             pieces = self.tokenizer.convert_ids_to_tokens(tail)
-        except (AttributeError, TypeError, ValueError):
+        except (AttributeError, TypeError, ValueError, IndexError):
             return None
         run = []
         for i in reversed(range(len(tail))):

@@ -47,16 +47,18 @@ class GhostList:
 
 
 TAILS_PER_PARENT = 4   # the most recent continuations kept after one chain position
+MAX_TAIL_PARENTS = 16384   # chain positions remembered at most (about 16 MB at 64-token blocks)
 
 
 class GhostTails:
     """(parent key, extra bytes) -> the lineage (`parent_serial`) and token ids of the tails
-    left after it, newest first; the oldest parent is forgotten first past `capacity`."""
+    left after it, newest first; the oldest parent is forgotten first past `capacity` (at most
+    MAX_TAIL_PARENTS)."""
 
     def __init__(self, capacity: int):
         if capacity < 0:
             raise ValueError("the ghost tails' capacity must be >= 0")
-        self.capacity = capacity
+        self.capacity = min(capacity, MAX_TAIL_PARENTS)
         self._tails: OrderedDict[tuple[bytes, bytes], list[tuple[int, array]]] = OrderedDict()
 
     def add(self, parent_key: bytes, extra: bytes, parent_serial: int,
@@ -64,7 +66,7 @@ class GhostTails:
         if not self.capacity or not tokens:
             return
         pair = (parent_key, extra)
-        tails = [(parent_serial, array("q", tokens))] + self._tails.pop(pair, [])
+        tails = [(parent_serial, array("i", tokens))] + self._tails.pop(pair, [])
         self._tails[pair] = tails[:TAILS_PER_PARENT]
         while len(self._tails) > self.capacity:
             self._tails.popitem(last=False)
