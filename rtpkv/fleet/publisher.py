@@ -186,8 +186,9 @@ class KVEventPublisher:
                 self._pub.setsockopt(zmq.SUBSCRIBE if flag == b"\x01" else zmq.UNSUBSCRIBE,
                                      prefix)
             else:
-                self._bad_subscription("KV events: dropped a subscription message of %d bytes that "
-                              "is no prefix of the topic %r", len(msg), self.topic.decode())
+                self._bad_subscription("KV events: dropped a subscription message of %d "
+                                       "bytes that is no prefix of the topic %r", len(msg),
+                                       self.topic.decode())
         return True
 
     def _translated(self, event: dict[str, Any]) -> Optional[wire.Event]:
