@@ -52,6 +52,7 @@ from rtpkv.cache.block import DEFAULT_PRIORITY, Block
 from rtpkv.cache.block_pool import BlockPool
 from rtpkv.cache.eviction import EvictionPolicy
 from rtpkv.cache.events import KVEventBuffer
+from rtpkv.cache.ghost_list import GhostTails
 from rtpkv.cache.gpu_pool import gpu_pool_blocks
 from rtpkv.cache.kv_memory import KVMemory
 from rtpkv.cache.prefix_index import KeyChain, PrefixIndex
@@ -215,6 +216,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, index, events, policy=policy, clock=clock,
                               on_evict=self._offload if self.ladder else None, ghosts=ghosts,
                               quota=quota)
+        # the tails partial reuse would have kept, as token ids only (to explain a reuse_stop)
+        self.ghost_tails = GhostTails(0 if partial_reuse else self.pool.ghosts.capacity)
         self.window = window              # tokens each query attends to; None: all
         self.query_tokens = 0
         self.hit_tokens = 0
@@ -508,8 +511,12 @@ class KVCacheManager:
         if not self.partial_reuse:
             parent_serial = self.pool.blocks[seq.block_table[i - 1]].serial if i else 0
             hit = self._partial_hit(seq, i, parent_serial, cap)
-            if hit is not None:
-                return ReuseStop("partial_block", hit.num_tokens)
+            chain = self._chain(seq)
+            tail = self.ghost_tails.longest(chain.parent(i), chain.extra(i), parent_serial,
+                                            seq.token_ids[i * B:min((i + 1) * B, cap)])
+            k = max(tail, hit.num_tokens if hit is not None else 0)
+            if k:
+                return ReuseStop("partial_block", k)
         last = cap // B                          # whole blocks the prompt may reuse
         if i >= last:
             return ReuseStop("prompt_end" if reused == cap or not self.partial_reuse
@@ -610,7 +617,7 @@ class KVCacheManager:
         stay cached (evictable); the rest go back to the free list."""
         retention = seq.retention or _DEFAULT_RETENTION
         tiers = self.ladder.allowed(seq.allows_tier)
-        if self.partial_reuse and self.reuse_applies(seq):
+        if self.reuse_applies(seq):
             self._keep_tail(seq)
         for i in reversed(range(len(seq.block_table))):
             if seq.block_table[i] != RELEASED:
@@ -620,7 +627,8 @@ class KVCacheManager:
 
     def _keep_tail(self, seq: CacheSequence) -> None:
         """Keep `seq`'s partly filled last block as a partial-hit source when its computed
-        tokens follow a full block of its chain (the pool may decline a duplicate)."""
+        tokens follow a full block of its chain (the pool may decline a duplicate); with
+        partial reuse off, only its token ids, to explain a follow-up's reuse_stop."""
         B = self.block_size
         t, k = divmod(seq.num_computed, B)
         table = seq.block_table
@@ -630,8 +638,11 @@ class KVCacheManager:
         if t and not parent_serial:
             return                           # its parent was never committed (a failed step)
         chain = self._chain(seq)
-        self.pool.keep_tail(table[t], chain.parent(t), parent_serial,
-                            tuple(seq.token_ids[t * B:seq.num_computed]), chain.extra(t),
+        tokens = tuple(seq.token_ids[t * B:seq.num_computed])
+        if not self.partial_reuse:
+            self.ghost_tails.add(chain.parent(t), chain.extra(t), parent_serial, tokens)
+            return
+        self.pool.keep_tail(table[t], chain.parent(t), parent_serial, tokens, chain.extra(t),
                             chain.tenant(t))
 
     def _release_entry(self, seq: CacheSequence, i: int, retention: KvCacheRetentionConfig,

@@ -218,6 +218,14 @@ class Fleet:
             _terminate(replica.process, 20)
         self.replicas = []
 
+    def describe(self, router: str, policy: str) -> str:
+        """Where everything listens, and the model name requests must give."""
+        lines = [f"replica {r.index}: {r.url}  events {r.events_endpoint}  "
+                 f"replay {r.replay_endpoint}" for r in self.replicas]
+        lines.append(f"router ({router}, {policy}): {self.router_url}  logs: {self.log_dir}")
+        lines.append(f"model: {self.served_model_name}  (the \"model\" of every request)")
+        return "\n".join(lines)
+
     def __enter__(self) -> "Fleet":
         return self
 
@@ -225,27 +233,29 @@ class Fleet:
         self.stop()
 
 
+def fleet_from_args(args: argparse.Namespace) -> Fleet:
+    """The Fleet `rtpkv fleet` runs (nothing started yet)."""
+    from rtpkv.model_factory.tiny import model_or_demo
+
+    return Fleet(model_or_demo(args.model), args.replicas, host=args.host,
+                 replica_port=args.replica_port, events_port=args.events_port,
+                 router_port=args.port, block_size=args.block_size,
+                 threads_per_replica=args.threads_per_replica, redis_url=args.redis,
+                 log_dir=args.log_dir,
+                 served_model_name=args.served_model_name or (None if args.model else "demo"))
+
+
 def main(args: argparse.Namespace) -> None:
     """`rtpkv fleet`: start the replicas and the router, print where they are, run until
     SIGINT/SIGTERM (or --duration seconds), then stop everything."""
-    from rtpkv.model_factory.tiny import model_or_demo
-
-    fleet = Fleet(model_or_demo(args.model), args.replicas, host=args.host,
-                  replica_port=args.replica_port,
-                  events_port=args.events_port, router_port=args.port,
-                  block_size=args.block_size, threads_per_replica=args.threads_per_replica,
-                  redis_url=args.redis, log_dir=args.log_dir)
+    fleet = fleet_from_args(args)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(True))
     try:
         fleet.start_replicas()
         fleet.start_router(args.router, args.policy, router_args=shlex.split(args.router_args))
-        for r in fleet.replicas:
-            print(f"replica {r.index}: {r.url}  events {r.events_endpoint}  "
-                  f"replay {r.replay_endpoint}", flush=True)
-        print(f"router ({args.router}, {args.policy}): {fleet.router_url}  logs: {fleet.log_dir}",
-              flush=True)
+        print(fleet.describe(args.router, args.policy), flush=True)
         deadline = time.monotonic() + args.duration if args.duration else None
         while not stop and (deadline is None or time.monotonic() < deadline):
             time.sleep(0.2)
@@ -258,6 +268,9 @@ def add_parser(sub: "argparse._SubParsersAction", parents: list) -> None:
                        help="N `rtpkv serve` replicas behind vllm-router or sglang-router")
     p.add_argument("--model", help="checkpoint directory every replica serves "
                                    "(default: the demo one)")
+    p.add_argument("--served-model-name",
+                   help="the model name the replicas serve (default: the model directory's "
+                        "name; demo for the demo model)")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--router", choices=sorted(ROUTERS), default="vllm")
     p.add_argument("--policy", default="kv_aware",

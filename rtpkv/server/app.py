@@ -30,6 +30,7 @@ log = logging.getLogger("rtpkv")
 GENERATION_ROUTES = ("/", "/v1/chat/completions", "/v1/completions", "/v1/messages")
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"
 MAX_JSON_DEPTH = 64  # far above any real request (chat content parts nest 5 deep)
+LARGE_BODY_BYTES = 64 * 1024   # bodies past this are parsed and checked off the event loop
 
 
 async def _last(responses: AsyncGenerator[Any, None]) -> Any:
@@ -62,6 +63,13 @@ async def _json_body(request: Request) -> dict[str, Any]:
     except ClientDisconnect:  # an ordinary event: one line at debug level, no traceback
         log.debug("client %s left before sending its body", request.client)
         raise ClientGone() from None
+    if len(raw) > LARGE_BODY_BYTES:  # megabytes take the loop tens of milliseconds
+        return await asyncio.to_thread(_parsed, raw)
+    return _parsed(raw)
+
+
+def _parsed(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, its depth checked."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
