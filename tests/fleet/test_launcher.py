@@ -105,7 +105,8 @@ def test_the_readme_curl_names_the_demo_model_and_its_content_type(monkeypatch, 
 
     headers, body = readme_fleet_curl()
     assert headers.get("Content-Type") == "application/json"
-    monkeypatch.setattr("rtpkv.cli._model_path", lambda model: model or "/cache/demo-0123")
+    monkeypatch.setattr("rtpkv.model_factory.tiny.model_or_demo",
+                        lambda model: model or "/cache/demo-0123")
     parser = argparse.ArgumentParser()
     launcher.add_parser(parser.add_subparsers(), [])
     fleet = launcher.fleet_from_args(parser.parse_args(["fleet", "--log-dir", str(tmp_path)]))
