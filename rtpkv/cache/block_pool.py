@@ -27,7 +27,7 @@ import time
 from collections import Counter, deque
 from typing import Callable, Optional
 
-from rtpkv.cache.block import DEFAULT_PRIORITY, Block
+from rtpkv.cache.block import DEFAULT_PRIORITY, Block, parents_first
 from rtpkv.cache.eviction import EvictionPolicy, PriorityEvictionPolicy, TenantEvictionPolicy
 from rtpkv.cache.events import KVEventBuffer
 from rtpkv.cache.ghost_list import GhostList
@@ -207,6 +207,13 @@ class BlockPool:
         block.pin_count -= 1
         self.num_pinned -= block.pin_count == 0
         self.release(block_id)
+
+    def announce(self) -> None:
+        """A stored event for every indexed block (what a request can hit now), parents first:
+        a consumer that subscribed late learns the pool's contents."""
+        for block in parents_first(b for b in self.blocks if b.indexed):
+            self.events.stored([block.key], block.parent_key, [block.tokens], block.priority,
+                               extra=block.extra)
 
     # ------------------------------------------------------------------ internals
     def _fill(self, block: Block, key: bytes, parent_key: bytes, parent_serial: int,

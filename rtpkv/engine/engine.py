@@ -140,6 +140,11 @@ class Engine:
         with self.lock:
             self.scheduler.announce_tiers()
 
+    def announce_contents(self) -> None:
+        """Emit a stored event for each block the pool and the tiers hold now (parents first)."""
+        with self.lock:
+            self.scheduler.announce_contents()
+
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
         torch.set_num_threads(self._threads)  # thread counts are per OS thread

@@ -98,6 +98,9 @@ class Scheduler:
     def announce_tiers(self) -> None:
         self.cache.announce_tiers()
 
+    def announce_contents(self) -> None:
+        self.cache.announce_contents()
+
     def cached_tokens(self, req: Request) -> int:
         return self.cache.cached_tokens(req)
 

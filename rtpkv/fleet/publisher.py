@@ -26,6 +26,11 @@ know none of its blocks until the replica's next event.
 The engine thread only appends each event to a queue (the listener); a background thread turns
 them into batches, encodes, sends and serves replays, so publishing costs the engine one queue
 append per event.
+
+The PUB socket is an XPUB: it publishes the same way, and also tells the publisher when a
+consumer subscribes (`add_subscribe_listener`). A consumer without a replay socket (Dynamo's
+relay, which subscribes only once its worker has started) misses what was published before;
+a listener can then announce the replica's current contents again.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import zmq
 
@@ -62,7 +67,9 @@ class KVEventPublisher:
         self._seq = 0
         self._queue: "queue.SimpleQueue[dict[str, Any]]" = queue.SimpleQueue()
         self._ctx = zmq.Context.instance()
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)   # every subscription, not only the first
+        self._subscribe_listeners: list[Callable[[], None]] = []
         self._pub.set_hwm(hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: Optional[zmq.Socket] = None
@@ -95,6 +102,11 @@ class KVEventPublisher:
                    config.kv_events_replay_endpoint, config.kv_events_topic,
                    config.kv_events_buffer_steps, layout=config.kv_events_layout)
 
+    def add_subscribe_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (on the publisher's thread: it must only hand off) each time a
+        consumer subscribes to this publisher's topic."""
+        self._subscribe_listeners.append(listener)
+
     # ------------------------------------------------------------------ translation
     def to_wire(self, event: dict[str, Any]) -> Optional[wire.Event]:
         """The vLLM event for one of the buffer's events (None for `updated`: vLLM has none)."""
@@ -122,6 +134,8 @@ class KVEventPublisher:
             if self._replay is not None:
                 while self._replay.poll(0):
                     self._serve_replay()
+            while self._pub.poll(0):
+                self._take_subscription(self._pub.recv())
             try:
                 first = self._queue.get(timeout=POLL_S)
             except queue.Empty:
@@ -159,6 +173,12 @@ class KVEventPublisher:
         self._last_send = time.monotonic()
         self.buffer.append((self._seq, payload))
         self._seq += 1
+
+    def _take_subscription(self, message: bytes) -> None:
+        """XPUB's subscription message: 1 then the topic (0 then the topic: unsubscribed)."""
+        if message[:1] == b"\x01" and self.topic.startswith(message[1:]):
+            for listener in list(self._subscribe_listeners):
+                listener()
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()
