@@ -190,6 +190,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: CHECKPOINT_PATH)")
     p.add_argument("--served-model-name",
                    help="the model's name at the frontend (default: the directory name)")
+    p.add_argument("--port", type=int,
+                   help="also serve rtpkv's HTTP routes over the same pipeline on this port "
+                        "(/health, /cache_status, /metrics, generation: what operators and "
+                        "other routers read); none by default")
+    p.add_argument("--host", default="127.0.0.1", help="address of --port (default 127.0.0.1)")
     p.add_argument("--namespace", default=DEFAULT_NAMESPACE,
                    help="Dynamo namespace the frontend serves (default: dynamo)")
     p.add_argument("--component", default="backend", help="Dynamo component name")
@@ -213,6 +218,8 @@ def _engine_class() -> type:
         def __init__(self, args: argparse.Namespace, checkpoint: Path, card: Path, name: str):
             self.args, self.checkpoint, self.card, self.name = args, checkpoint, card, name
             self.pipeline: Any = None
+            self.http: Optional[Any] = None       # uvicorn server of --port
+            self._http_thread: Optional[threading.Thread] = None
             self._streams: dict[str, Any] = {}   # context id -> the request's ResponseStream
 
         @classmethod
@@ -242,6 +249,8 @@ def _engine_class() -> type:
 
         async def start(self, worker_id: int) -> "EngineConfig":
             self.pipeline = await asyncio.to_thread(self._load)
+            if self.args.port:
+                self._serve_http()
             config = self.pipeline.config
             return EngineConfig(
                 model=str(self.card), served_model_name=self.name,
@@ -266,6 +275,23 @@ def _engine_class() -> type:
                      self.checkpoint, pipeline.engine.cache.num_blocks,
                      pipeline.config.seq_size_per_block, pipeline.kv_event_publisher.endpoint)
             return pipeline
+
+        def _serve_http(self) -> None:
+            """rtpkv's app over the same pipeline, on its own thread and event loop (uvicorn
+            installs no signal handler off the main thread: the Rust worker keeps them)."""
+            import uvicorn
+
+            from rtpkv.server.app import create_app
+            from rtpkv.server.main import bind
+
+            sock = bind(self.args.host, self.args.port)
+            app = create_app(self.pipeline, self.name, stop_pipeline_on_shutdown=False)
+            self.http = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                                      access_log=False))
+            self._http_thread = threading.Thread(target=self.http.run, kwargs={"sockets": [sock]},
+                                                 name="rtpkv-http", daemon=True)
+            self._http_thread.start()
+            log.info("rtpkv routes on http://%s:%d", self.args.host, self.args.port)
 
         async def kv_event_sources(self) -> list:
             publisher = self.pipeline.kv_event_publisher
@@ -318,6 +344,10 @@ def _engine_class() -> type:
                 stream.close()
 
         async def cleanup(self) -> None:
+            if self.http is not None:
+                self.http.should_exit = True
+                await asyncio.to_thread(self._http_thread.join, 10)
+                self.http = None
             if self.pipeline is not None:
                 await asyncio.to_thread(self.pipeline.stop)
                 self.pipeline = None
