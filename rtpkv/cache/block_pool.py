@@ -61,6 +61,7 @@ class BlockPool:
         self.free_ids: deque[int] = deque(range(num_blocks))
         self._next_serial = 1
         self.num_pinned = 0               # blocks with pin_count > 0
+        self.changes = 0                  # insertions into and removals from the index, ever
         self.evictions = 0
         self.evictions_by_priority: Counter[int] = Counter()
 
@@ -236,6 +237,7 @@ class BlockPool:
                 self.policy.remove(held)
                 self._put_free(held)
         self.index.insert(block.key, block.block_id)
+        self.changes += 1
         self.ghosts.discard(block.key)
         self.children.add(block.parent_key, block.extra, block.block_id)
         self._count(block.tenant, 1)
@@ -246,6 +248,7 @@ class BlockPool:
     def _unindex(self, block: Block) -> None:
         if block.indexed:
             self.index.remove(block.key)
+            self.changes += 1
             self.children.discard(block.parent_key, block.extra, block.block_id)
             self._count(block.tenant, -1)
             block.indexed = False

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
+from rtpkv.cache.block import parents_first
 from rtpkv.cache.manager import HashFn, KVCacheManager, PinnedPrefix, sha256
 from rtpkv.config import RuntimeConfig
 from rtpkv.engine.heap_trim import HeapTrimmer, libc_malloc_trim
@@ -139,6 +140,14 @@ class Engine:
         """Emit a stored event for each block the tiers held before events were listened to."""
         with self.lock:
             self.scheduler.announce_tiers()
+
+    def indexed_blocks(self) -> tuple[int, list[tuple[bytes, bytes, tuple[int, ...], bytes]]]:
+        """(the pool's change count, its indexed blocks as (key, parent key, tokens, extra),
+        parents first): what a router that polls for the cached set reads, taken at once."""
+        with self.lock:
+            pool = self.cache.pool
+            blocks = parents_first(b for b in pool.blocks if b.indexed)
+            return pool.changes, [(b.key, b.parent_key, b.tokens, b.extra) for b in blocks]
 
     def announce_contents(self) -> None:
         """Emit a stored event for each block the pool and the tiers hold now (parents first)."""

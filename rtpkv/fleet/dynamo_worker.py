@@ -13,6 +13,9 @@ This module is that worker, on Dynamo's Python backend API (`dynamo.common.backe
 - The relay subscribes only after `start()`, so what was published before (the task prompts'
   pinned blocks, a disk tier's records found at a restart) would be lost: each time a consumer
   subscribes, the pool's and the tiers' current contents are announced again.
+- Host-memory and disk blocks are published under the tier names Dynamo maps
+  (KV_EVENTS_MEDIUMS=tiers unless set), so its router weighs them with its host and disk
+  hit weights rather than as device blocks.
 - Registered with the pool's capacity (`total_kv_blocks`), block size, context length and
   CONCURRENCY_LIMIT; the frontend reads the tokenizer and chat template from a card directory
   (the checkpoint's own when it has `tokenizer.json` and a template; else one written here
@@ -266,8 +269,10 @@ def _engine_class() -> type:
             from rtpkv.server.main import warm_up
 
             loaded = ModelFactory.from_huggingface(str(self.checkpoint), ModelConfig())
-            options = {} if loaded.config.kv_events_endpoint else {
+            options: dict[str, Any] = {} if loaded.config.kv_events_endpoint else {
                 "kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+            if "KV_EVENTS_MEDIUMS" not in os.environ:   # the names Dynamo maps to its tiers
+                options["kv_events_mediums"] = "tiers"
             pipeline = Pipeline(loaded, loaded.tokenizer, **options)
             if Settings.from_env().warm_up:
                 log.info("warm-up done in %.1f s", warm_up(pipeline))

@@ -58,8 +58,10 @@ HEARTBEAT_S = 1.0   # while idle, the last batch is sent again this often (see t
 class KVEventPublisher:
     def __init__(self, events: KVEventBuffer, block_size: int, root_key: bytes, endpoint: str,
                  replay_endpoint: Optional[str] = None, topic: str = "",
-                 buffer_steps: int = 10000, hwm: int = 100000, layout: str = "map"):
+                 buffer_steps: int = 10000, hwm: int = 100000, layout: str = "map",
+                 mediums: str = "disk"):
         self.layout = layout
+        self.mediums = wire.MEDIUM_NAMES[mediums]
         self.block_size = block_size
         self.root_key = root_key
         self.topic = topic.encode()
@@ -100,7 +102,8 @@ class KVEventPublisher:
                     root_key: bytes) -> "KVEventPublisher":
         return cls(events, block_size, root_key, config.kv_events_endpoint,
                    config.kv_events_replay_endpoint, config.kv_events_topic,
-                   config.kv_events_buffer_steps, layout=config.kv_events_layout)
+                   config.kv_events_buffer_steps, layout=config.kv_events_layout,
+                   mediums=config.kv_events_mediums)
 
     def add_subscribe_listener(self, listener: Callable[[], None]) -> None:
         """Call `listener` (on the publisher's thread: it must only hand off) each time a
@@ -110,7 +113,7 @@ class KVEventPublisher:
     # ------------------------------------------------------------------ translation
     def to_wire(self, event: dict[str, Any]) -> Optional[wire.Event]:
         """The vLLM event for one of the buffer's events (None for `updated`: vLLM has none)."""
-        medium = wire.MEDIUMS.get(event["tier"], event["tier"].upper())
+        medium = self.mediums.get(event["tier"], event["tier"].upper())
         if event["type"] == "stored":
             parent = bytes.fromhex(event["parent_hash"])
             # the salt as the request gave it (its UTF-8 bytes are the key's extra), as vLLM
