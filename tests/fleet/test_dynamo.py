@@ -136,6 +136,29 @@ def test_greedy_outputs_through_dynamo_equal_one_pipeline_alone(fleet):
             == answers[1]["choices"][0]["message"]["content"])
 
 
+def test_a_client_that_goes_away_cancels_its_request_in_the_engine(fleet):
+    """The stream is closed after its first chunk: the worker stops the request long before
+    its max_tokens (each engine step makes at most one of its tokens)."""
+    max_tokens = 800
+    before = [httpx.get(r.url + "/worker_status", timeout=10).json()["iterate_count"]
+              for r in fleet.replicas]
+    body = {"model": "qwen2", "prompt": text(700, 30), "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", fleet.router_url + "/v1/completions", json=body,
+                      timeout=60) as res:
+        assert res.status_code == 200, res.read()
+        assert any(line.startswith("data:") for line in res.iter_lines())
+
+    def idle() -> bool:
+        return all(httpx.get(r.url + "/cache_status", timeout=10).json()["requests_running"]
+                   == 0 for r in fleet.replicas)
+    assert wait_until(idle, 30, 0.1)
+    after = [httpx.get(r.url + "/worker_status", timeout=10).json()["iterate_count"]
+             for r in fleet.replicas]
+    steps = sum(a - b for a, b in zip(after, before))
+    assert 0 < steps < max_tokens // 2, steps
+
+
 def test_with_the_overlap_credit_at_0_the_holder_is_not_preferred(fleet):
     """Credit 0: cached blocks count for nothing, so a prefix held by one worker does not pull
     its requests there (with equal loads the router's tie-break decides)."""
