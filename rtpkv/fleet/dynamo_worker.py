@@ -153,7 +153,8 @@ def card_directory(checkpoint: Path, cache_root: Path) -> Path:
     """Where Dynamo's frontend reads the model's tokenizer, chat template and config: the
     checkpoint itself when it has `tokenizer.json` and a chat template; else a directory
     (under `cache_root`, one per checkpoint and tokenizer version) with the tokenizer saved in
-    its fast form, rtpkv's fallback chat template (ChatML) and the checkpoint's config."""
+    its fast form, rtpkv's fallback chat template (ChatML, after the BOS where the tokenizer
+    adds one, as rtpkv renders it) and the checkpoint's config."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
@@ -171,7 +172,12 @@ def card_directory(checkpoint: Path, cache_root: Path) -> Path:
         return target
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache_root, prefix=".card-"))
-    tokenizer.chat_template = tokenizer.chat_template or CHATML_TEMPLATE
+    if not tokenizer.chat_template:
+        # rtpkv tokenizes its fallback rendering as a plain prompt (BOS added where the
+        # tokenizer adds one); the frontend adds no special token to a rendered chat
+        bos = tokenizer.bos_token_id
+        adds_bos = bos is not None and tokenizer("x")["input_ids"][:1] == [bos]
+        tokenizer.chat_template = ("{{ bos_token }}" if adds_bos else "") + CHATML_TEMPLATE
     tokenizer.save_pretrained(str(tmp))
     for name in CARD_FILES:
         if (checkpoint / name).exists():

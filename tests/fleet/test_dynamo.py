@@ -175,6 +175,34 @@ def test_with_the_overlap_credit_at_0_the_holder_is_not_preferred(fleet):
     fleet.start_router("dynamo", "kv")   # the default credit for the tests after this one
 
 
+def test_a_llama_chat_through_the_frontend_is_rendered_as_rtpkv_renders_it(checkpoints,
+                                                                           tmp_path):
+    """A tokenizer that adds a BOS (Llama's): the card's template starts with it, so the
+    frontend's ids and greedy reply equal rtpkv's own. (A plain completion reaches the worker
+    without the BOS: the frontend adds none to a prompt.)"""
+    base = free_base(6)
+    with Fleet(checkpoints("llama"), 1, replica_port=base, events_port=base + 1,
+               router_port=base + 4, block_size=B, log_dir=str(tmp_path), time_limit_s=300,
+               served_model_name="llama", dynamo=True,
+               env={"RTPKV_CACHE_DIR": str(tmp_path / "cards")}) as llama:
+        llama.start_replicas()
+        llama.start_router("dynamo", "kv")
+        messages = [{"role": "user", "content": text(900, 20)}]
+        worker = llama.replicas[0].url
+        ids = httpx.post(worker + "/v1/chat/completions/render", timeout=30,
+                         json={"messages": messages}).json()["token_ids"]
+        body = {"model": "llama", "messages": messages, "max_tokens": 6, "temperature": 0}
+        routed, alone = (httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            **body, **extra}).json() for url, extra in ((llama.router_url, {}),
+                                                        (worker, {"reuse_cache": False})))
+        assert routed["usage"]["prompt_tokens"] == len(ids)
+        # a byte-fallback token cut short of its character decodes to U+FFFD: the two
+        # detokenizers may print one per byte or one per sequence; the rest is the same text
+        replies = [r["choices"][0]["message"]["content"].replace("\ufffd", "")
+                   for r in (routed, alone)]
+        assert replies[0] == replies[1] and replies[0]
+
+
 def test_a_killed_worker_stops_receiving_requests(fleet):
     """Last in the module: it leaves one worker."""
     fleet.kill_replica(1)

@@ -109,6 +109,22 @@ def test_the_card_directory_has_the_fast_tokenizer_and_rtpkvs_chat_template(chec
     assert card_directory(card, tmp_path / "other") == card      # complete: used as it is
 
 
+def test_the_card_renders_a_chat_to_the_ids_rtpkv_renders(checkpoints, tmp_path):
+    """Dynamo's frontend renders the card's template and adds no special token (a Llama
+    tokenizer's BOS: tests/fleet/test_dynamo.py, with the frontend itself)."""
+    from transformers import AutoTokenizer
+
+    from rtpkv.chat import render_chat
+
+    checkpoint = checkpoints("qwen2")
+    card = card_directory(checkpoint, tmp_path)
+    ours, theirs = (AutoTokenizer.from_pretrained(str(p)) for p in (checkpoint, card))
+    messages = [{"role": "system", "content": "tell me about the river"},
+                {"role": "user", "content": "hello, what's your name?"}]
+    text = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert theirs(text, add_special_tokens=False)["input_ids"] == render_chat(ours, messages)
+
+
 def fleet_with_two(tmp_path) -> Fleet:
     fleet = Fleet("/models/m", 2, replica_port=9000, events_port=9100, router_port=9200,
                   block_size=32, log_dir=str(tmp_path), dynamo=True)
