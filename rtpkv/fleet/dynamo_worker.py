@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, AsyncGenerator, Optional
 
 from rtpkv.chat import CHATML_TEMPLATE
-from rtpkv.errors import ConfigError
+from rtpkv.errors import ConfigError, RequestError
 
 log = logging.getLogger("rtpkv")
 
@@ -323,7 +323,7 @@ def _engine_class() -> type:
             token_ids = list(request["token_ids"])
             try:
                 stream = await asyncio.to_thread(self.pipeline.pipeline_async, token_ids, config)
-            except Exception as exc:   # validation: a field out of range, a prompt too long
+            except (RequestError, ConfigError) as exc:   # out of range, a prompt too long, ...
                 raise InvalidArgument(str(exc)) from None
             key = context.id()
             self._streams[key] = stream

@@ -110,8 +110,10 @@ def worker_status(pipeline: "Pipeline", stats: dict[str, Any], in_flight: int,
                   params: dict[str, Any]) -> dict[str, Any]:
     """FlexLB's WorkerStatusResponse of this worker."""
     cache = cache_status(pipeline, stats, params)
+    # the HTTP routes' requests, or the engine's (a Dynamo worker's requests skip the routes)
+    busy = max(in_flight, stats["requests_running"] + stats["requests_waiting"])
     return {"role": ROLE,
-            "available_concurrency": max(0, pipeline.config.concurrency_limit - in_flight),
+            "available_concurrency": max(0, pipeline.config.concurrency_limit - busy),
             "running_query_len": stats["requests_running"],
             "waiting_query_len": stats["requests_waiting"],
             "iterate_count": pipeline.engine.steps, "dpSize": 1, "tpSize": 1, "dpRank": 0,

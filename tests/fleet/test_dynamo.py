@@ -159,6 +159,13 @@ def test_a_client_that_goes_away_cancels_its_request_in_the_engine(fleet):
     assert 0 < steps < max_tokens // 2, steps
 
 
+def test_what_rtpkv_cannot_honour_is_refused_by_name_through_the_frontend(fleet):
+    res = httpx.post(fleet.router_url + "/v1/completions", timeout=60, json={
+        "model": "qwen2", "prompt": text(800, 20), "max_tokens": 4, "presence_penalty": 0.5})
+    assert res.status_code >= 400 and "presence_penalty=0.5" in res.text, res.text
+    assert complete(fleet.router_url, text(801, 20))["choices"][0]["text"] is not None
+
+
 def test_with_the_overlap_credit_at_0_the_holder_is_not_preferred(fleet):
     """Credit 0: cached blocks count for nothing, so a prefix held by one worker does not pull
     its requests there (with equal loads the router's tie-break decides)."""
