@@ -59,9 +59,10 @@ class KVEventPublisher:
     def __init__(self, events: KVEventBuffer, block_size: int, root_key: bytes, endpoint: str,
                  replay_endpoint: Optional[str] = None, topic: str = "",
                  buffer_steps: int = 10000, hwm: int = 100000, layout: str = "map",
-                 mediums: str = "disk"):
+                 mediums: str = "disk", salt_prefix: str = ""):
         self.layout = layout
         self.mediums = wire.MEDIUM_NAMES[mediums]
+        self.salt_prefix = salt_prefix   # tags a salt for a consumer that wants it tagged
         self.block_size = block_size
         self.root_key = root_key
         self.topic = topic.encode()
@@ -103,7 +104,7 @@ class KVEventPublisher:
         return cls(events, block_size, root_key, config.kv_events_endpoint,
                    config.kv_events_replay_endpoint, config.kv_events_topic,
                    config.kv_events_buffer_steps, layout=config.kv_events_layout,
-                   mediums=config.kv_events_mediums)
+                   mediums=config.kv_events_mediums, salt_prefix=config.kv_events_salt_prefix)
 
     def add_subscribe_listener(self, listener: Callable[[], None]) -> None:
         """Call `listener` (on the publisher's thread: it must only hand off) each time a
@@ -125,7 +126,8 @@ class KVEventPublisher:
                 [wire.wire_hash(bytes.fromhex(h)) for h in event["block_hashes"]],
                 None if parent == self.root_key else wire.wire_hash(parent), tokens,
                 self.block_size, medium,
-                [[salt]] + [None] * (len(event["block_hashes"]) - 1) if salt else None)
+                [[self.salt_prefix + salt]] + [None] * (len(event["block_hashes"]) - 1)
+                if salt else None)
         if event["type"] == "removed":
             return wire.block_removed([wire.wire_hash(bytes.fromhex(h))
                                        for h in event["block_hashes"]], medium)

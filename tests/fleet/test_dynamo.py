@@ -1,8 +1,8 @@
-"""Two `rtpkv dynamo-worker`s behind NVIDIA Dynamo's frontend and KV router (ai-dynamo from
-PyPI, file discovery, everything on loopback), started once for the module: a prefix goes to
-the worker that holds it, not with the overlap credit at 0; a task prompt pinned before the
-router subscribed is credited; greedy outputs equal one pipeline's; a killed worker gets no
-more requests."""
+"""Two `rtpkv dynamo-worker`s behind NVIDIA Dynamo's frontend and KV router (ai-dynamo,
+file discovery, everything on loopback), started once for the module: a prefix (salted or not)
+goes to the worker that holds it, not with the overlap credit at 0; a task prompt pinned before
+the router subscribed is credited; greedy outputs equal one pipeline's; a client that leaves
+cancels its request; a refused field is named; a killed worker gets no more requests."""
 
 from __future__ import annotations
 
@@ -95,9 +95,9 @@ def queries(fleet: Fleet) -> list[int]:
             for r in fleet.replicas]
 
 
-def served_by(fleet: Fleet, prompt: str) -> tuple[int, dict[str, Any]]:
+def served_by(fleet: Fleet, prompt: str, **extra: Any) -> tuple[int, dict[str, Any]]:
     before = queries(fleet)
-    res = complete(fleet.router_url, prompt)
+    res = complete(fleet.router_url, prompt, **extra)
     after = queries(fleet)
     grew = [i for i, (a, b) in enumerate(zip(before, after)) if b > a]
     assert len(grew) == 1, (before, after)
@@ -112,6 +112,17 @@ def test_a_repeated_long_prefix_goes_to_the_worker_that_holds_it(fleet):
         for turn in range(2):
             who, res = served_by(fleet, shared + f" turn {turn}")
             assert who == holder and cached(res) >= 4 * B, (holder, who, res["usage"])
+
+
+def test_a_salted_prefix_goes_to_the_worker_that_holds_it_under_that_salt(fleet):
+    """The events tag the salt as Dynamo's relay reads it, so the router hashes the request's
+    cache_salt into the same blocks."""
+    for holder in (0, 1):
+        shared = text(150 + holder)
+        complete(fleet.replicas[holder].url, shared + " first", cache_salt="tenant-a")
+        time.sleep(EVENT_DELAY_S)
+        who, res = served_by(fleet, shared + " next", nvext={"cache_salt": "tenant-a"})
+        assert who == holder and cached(res) >= 4 * B, (holder, who, res["usage"])
 
 
 def test_a_worker_started_with_a_task_prompt_is_credited_for_it(fleet):
