@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -116,7 +115,8 @@ def generate_config(request: dict[str, Any], eos_token_ids: frozenset[int]) -> d
     # frontend shows or hides each as the request asked)
     extra_ids = [i for i in (request.get("eos_token_ids") or []) if i not in eos_token_ids]
     for group in ("stop_token_ids", "stop_token_ids_visible", "stop_token_ids_hidden"):
-        extra_ids += [i for i in (stop.get(group) or []) if i not in extra_ids + list(eos_token_ids)]
+        extra_ids += [i for i in (stop.get(group) or [])
+                      if i not in eos_token_ids and i not in extra_ids]
     if extra_ids and not config.get("ignore_eos"):
         config["stop_words_list"] = [[i] for i in extra_ids]
     if output.get("skip_special_tokens") is not None:
