@@ -314,7 +314,12 @@ def main(args: argparse.Namespace) -> None:
     """`rtpkv fleet`: start the replicas and the router, print where they are, run until
     SIGINT/SIGTERM (or --duration seconds), then stop everything."""
     from rtpkv.cli import _model_path
+    from rtpkv.errors import ConfigError
 
+    if args.router != "dynamo" and (args.overlap_score_credit is not None
+                                    or args.router_temperature is not None):
+        raise ConfigError(f"--overlap-score-credit and --router-temperature are Dynamo's "
+                          f"router's knobs; --router {args.router} has none")
     fleet = Fleet(_model_path(args.model), args.replicas, host=args.host,
                   replica_port=args.replica_port,
                   events_port=args.events_port, router_port=args.port,

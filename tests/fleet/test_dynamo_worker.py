@@ -210,3 +210,11 @@ def test_a_late_subscriber_learns_the_pool_and_the_tiers_from_the_announcement(c
             return {m: late.blocks[m] for m in held} == held
         assert wait_until(caught_up, 15), {m: len(b) for m, b in late.blocks.items()}
         late.close()
+
+
+def test_the_fleet_command_refuses_dynamos_knobs_for_another_router(capsys):
+    from rtpkv.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["fleet", "--router", "vllm", "--router-temperature", "0.5", "--duration", "1"])
+    assert "--router vllm has none" in capsys.readouterr().err
