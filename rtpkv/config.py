@@ -33,8 +33,10 @@ _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdi
 
 KV_CACHE_DTYPES = ("auto", "int8")
 KV_EVENTS_LAYOUTS = ("map", "array")   # the KV events' layouts (rtpkv.fleet.wire)
+KV_EVENTS_MEDIUM_NAMES = ("disk", "storage", "tiers")   # rtpkv.fleet.wire.MEDIUM_NAMES
 _CHOICES = {"weight_type": WEIGHT_TYPES, "kv_cache_dtype": KV_CACHE_DTYPES,
-            "kv_events_layout": KV_EVENTS_LAYOUTS}   # lower-cased
+            "kv_events_layout": KV_EVENTS_LAYOUTS,
+            "kv_events_mediums": KV_EVENTS_MEDIUM_NAMES}   # lower-cased
 # a block's retention priority when no request gave one (rtp-llm's default; 0-100, higher kept
 # longer): the cache's default, and SECONDARY_OFFLOAD_MIN_PRIORITY's
 DEFAULT_PRIORITY = 35
@@ -229,6 +231,8 @@ class RuntimeConfig(BaseModel):
     kv_events_topic: str = Field("", max_length=256)
     kv_events_buffer_steps: int = Field(10000, ge=1, le=1000000)  # batches kept for replay
     kv_events_layout: str = "map"   # "map" (vllm-router) or "array" (llm-d): rtpkv.fleet.wire
+    kv_events_mediums: str = "disk"   # how host memory and disk are named: rtpkv.fleet.wire
+    kv_events_salt_prefix: str = Field("", max_length=64)   # before a salt in extra_keys
 
     @field_validator("reuse_cache", "enable_partial_reuse", "enable_memory_cache",
                      "enable_memory_cache_disk", "write_cache_sync", "enable_remote_cache",
@@ -254,7 +258,8 @@ class RuntimeConfig(BaseModel):
     def _lower(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value
 
-    @field_validator("weight_type", "kv_cache_dtype", "kv_events_layout", mode="before")
+    @field_validator("weight_type", "kv_cache_dtype", "kv_events_layout", "kv_events_mediums",
+                     mode="before")
     @classmethod
     def _choice(cls, value: Any, info: ValidationInfo) -> Any:
         accepted = _CHOICES[info.field_name]

@@ -11,7 +11,7 @@ block of a finished request, kept on the device only as a source of partial-bloc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterable, Optional, Protocol, TypeVar
 
 from rtpkv.config import DEFAULT_PRIORITY
 
@@ -41,3 +41,28 @@ class Block:
     @property
     def full(self) -> bool:
         return self.serial != 0
+
+
+class _Chained(Protocol):
+    key: Optional[bytes]
+    parent_key: bytes
+
+
+Chained = TypeVar("Chained", bound=_Chained)
+
+
+def parents_first(blocks: Iterable[Chained]) -> list[Chained]:
+    """`blocks` ordered so that a block whose parent is among them comes after it: announced
+    in this order, a consumer that chains each block to its parent (Dynamo's radix tree) never
+    sees a child before its parent."""
+    by_key = {b.key: b for b in blocks}
+    ordered: list[Chained] = []
+    placed: set[Optional[bytes]] = set()
+    for key in by_key:
+        path = []
+        while key in by_key and key not in placed:
+            placed.add(key)
+            path.append(by_key[key])
+            key = by_key[key].parent_key
+        ordered.extend(reversed(path))
+    return ordered

@@ -27,7 +27,7 @@ import time
 from collections import Counter, deque
 from typing import Callable, Optional
 
-from rtpkv.cache.block import DEFAULT_PRIORITY, Block
+from rtpkv.cache.block import DEFAULT_PRIORITY, Block, parents_first
 from rtpkv.cache.eviction import EvictionPolicy, PriorityEvictionPolicy, TenantEvictionPolicy
 from rtpkv.cache.events import KVEventBuffer
 from rtpkv.cache.ghost_list import GhostList
@@ -62,6 +62,7 @@ class BlockPool:
         self.free_ids: deque[int] = deque(range(num_blocks))
         self._next_serial = 1
         self.num_pinned = 0               # blocks with pin_count > 0
+        self.changes = 0                  # insertions into and removals from the index, ever
         self.evictions = 0
         self.evictions_by_priority: Counter[int] = Counter()
         self.residency = ResidencyHistograms()   # of indexed blocks, on the device
@@ -231,6 +232,13 @@ class BlockPool:
         self.num_pinned -= block.pin_count == 0
         self.release(block_id)
 
+    def announce(self) -> None:
+        """A stored event for every indexed block (what a request can hit now), parents first:
+        a consumer that subscribed late learns the pool's contents."""
+        for block in parents_first(b for b in self.blocks if b.indexed):
+            self.events.stored([block.key], block.parent_key, [block.tokens], block.priority,
+                               extra=block.extra)
+
     # ------------------------------------------------------------------ internals
     def _fill(self, block: Block, key: bytes, parent_key: bytes, parent_serial: int,
               tokens: tuple[int, ...], extra: bytes, tenant: Optional[bytes],
@@ -253,6 +261,7 @@ class BlockPool:
                 self._put_free(held)
         self.index.insert(block.key, block.block_id)
         block.stored_at = block.released_at = self.clock()
+        self.changes += 1
         self.ghosts.discard(block.key)
         self.children.add(block.parent_key, block.extra, block.block_id)
         self._count(block.tenant, 1)
@@ -263,6 +272,7 @@ class BlockPool:
     def _unindex(self, block: Block) -> None:
         if block.indexed:
             self.index.remove(block.key)
+            self.changes += 1
             self.children.discard(block.parent_key, block.extra, block.block_id)
             self._count(block.tenant, -1)
             block.indexed = False

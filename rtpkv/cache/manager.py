@@ -261,6 +261,13 @@ class KVCacheManager:
         replica's disk records), so a router that starts from `AllBlocksCleared` knows them."""
         self.ladder.announce()
 
+    def announce_contents(self) -> None:
+        """Report as KV events everything the pool and the tiers hold now, for a consumer that
+        subscribed after those blocks were announced (Dynamo's relay subscribes only once the
+        worker has started)."""
+        self.pool.announce()
+        self.ladder.announce()
+
     @property
     def events(self) -> KVEventBuffer:
         return self.pool.events

@@ -37,6 +37,11 @@ before it publishes what the engine queued, so a flood of requests delays the ev
 turn, not by its length; malformed requests and refused subscriptions are dropped with one log
 line a minute (RateLimitedLog). The events ports are for the routers only: bind them to a
 private interface (docs/USAGE.md, "KV events sockets").
+
+The PUB socket is an XPUB: it publishes the same way, and also tells the publisher when a
+consumer subscribes (`add_subscribe_listener`, called for each subscription it applies). A consumer without a replay socket (Dynamo's
+relay, which subscribes only once its worker has started) misses what was published before;
+a listener can then announce the replica's current contents again.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import zmq
 
@@ -72,8 +77,11 @@ SUBSCRIPTIONS_PER_TURN = 4096   # subscription messages read from the XPUB socke
 class KVEventPublisher:
     def __init__(self, events: KVEventBuffer, block_size: int, root_key: bytes, endpoint: str,
                  replay_endpoint: Optional[str] = None, topic: str = "",
-                 buffer_steps: int = 10000, hwm: int = 100000, layout: str = "map"):
+                 buffer_steps: int = 10000, hwm: int = 100000, layout: str = "map",
+                 mediums: str = "disk", salt_prefix: str = ""):
         self.layout = layout
+        self.mediums = wire.MEDIUM_NAMES[mediums]
+        self.salt_prefix = salt_prefix   # tags a salt for a consumer that wants it tagged
         self.block_size = block_size
         self.root_key = root_key
         self.topic = topic.encode()
@@ -82,6 +90,7 @@ class KVEventPublisher:
         self._queue: "queue.SimpleQueue[dict[str, Any]]" = queue.SimpleQueue()
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.XPUB)
+        self._subscribe_listeners: list[Callable[[], None]] = []
         self._pub.set_hwm(hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.XPUB_MANUAL, 1)   # subscriptions are checked here first
@@ -121,12 +130,18 @@ class KVEventPublisher:
                     root_key: bytes) -> "KVEventPublisher":
         return cls(events, block_size, root_key, config.kv_events_endpoint,
                    config.kv_events_replay_endpoint, config.kv_events_topic,
-                   config.kv_events_buffer_steps, layout=config.kv_events_layout)
+                   config.kv_events_buffer_steps, layout=config.kv_events_layout,
+                   mediums=config.kv_events_mediums, salt_prefix=config.kv_events_salt_prefix)
+
+    def add_subscribe_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (on the publisher's thread: it must only hand off) each time a
+        consumer subscribes to this publisher's topic."""
+        self._subscribe_listeners.append(listener)
 
     # ------------------------------------------------------------------ translation
     def to_wire(self, event: dict[str, Any]) -> Optional[wire.Event]:
         """The vLLM event for one of the buffer's events (None for `updated`: vLLM has none)."""
-        medium = wire.MEDIUMS.get(event["tier"], event["tier"].upper())
+        medium = self.mediums.get(event["tier"], event["tier"].upper())
         if event["type"] == "stored":
             parent = bytes.fromhex(event["parent_hash"])
             # the salt (the key's extra, on the first block of a salted chain) never goes out:
@@ -140,7 +155,7 @@ class KVEventPublisher:
                 [wire.wire_hash(bytes.fromhex(h)) for h in event["block_hashes"]],
                 None if parent == self.root_key else wire.wire_hash(parent),
                 [t for block in blocks for t in block], self.block_size, medium,
-                [[label]] + [None] * (len(blocks) - 1) if label else None)
+                [[self.salt_prefix + label]] + [None] * (len(blocks) - 1) if label else None)
         if event["type"] == "removed":
             return wire.block_removed([wire.wire_hash(bytes.fromhex(h))
                                        for h in event["block_hashes"]], medium)
@@ -185,6 +200,9 @@ class KVEventPublisher:
             if flag in (b"\x00", b"\x01") and self.topic.startswith(prefix):
                 self._pub.setsockopt(zmq.SUBSCRIBE if flag == b"\x01" else zmq.UNSUBSCRIBE,
                                      prefix)
+                if flag == b"\x01":
+                    for listener in list(self._subscribe_listeners):
+                        listener()
             else:
                 self._bad_subscription("KV events: dropped a subscription message of %d "
                                        "bytes that is no prefix of the topic %r", len(msg),

@@ -46,6 +46,12 @@ import msgpack
 # Where a block lives, in vLLM's `medium` names: the device pool is the engine's "GPU" (the
 # tier a router credits fully, whatever the device), host memory "CPU", the disk tier "DISK".
 MEDIUMS = {"device": "GPU", "memory": "CPU", "disk": "DISK"}
+# The namings consumers read (KV_EVENTS_MEDIUMS): "disk" as above (vllm-router, llm-d);
+# "storage", vLLM's current name for its storage tier; "tiers", the names every Dynamo release
+# maps to its host-pinned and disk tiers (older ones take "CPU" and "DISK" for the device's,
+# crediting a host or disk block as if it were on the device).
+MEDIUM_NAMES = {"disk": MEDIUMS, "storage": {**MEDIUMS, "disk": "STORAGE"},
+                "tiers": {"device": "GPU", "memory": "CPU_TIER1", "disk": "CPU_TIER2"}}
 
 
 # Each event's fields after its tag, in vLLM's order: the "array" layout's positions.

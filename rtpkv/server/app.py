@@ -1,6 +1,7 @@
 """The HTTP app: rtp-llm's native `POST /`, OpenAI's /v1 routes, /health, /cache_status and
-/metrics over one Pipeline. Every route is async on `pipeline_async`: the engine thread hands
-tokens to the event loop, so there is no thread per request."""
+/worker_status (also in FlexLB's shape) and /metrics over one Pipeline. Every route is async
+on `pipeline_async`: the engine thread hands tokens to the event loop, so there is no thread
+per request."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from rtpkv.pipeline import Pipeline, ResponseStream
-from rtpkv.server import anthropic, native, openai
+from rtpkv.server import anthropic, flexlb, native, openai
 from rtpkv.server.body_limit import DEFAULT_MAX_BODY_MB, BodyLimit
 from rtpkv.server.errors import ApiError, ErrorCode, anthropic_body, api_error
 from rtpkv.server.sse import ClientGone, EventStreamResponse, until_disconnect
@@ -262,11 +263,33 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
             return JSONResponse({"status": "stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    async def _poll_params(request: Request) -> dict[str, Any]:
+        body = await _json_body(request) if request.method == "POST" and \
+            await request.body() else None
+        return flexlb.poll_params(request.query_params, body)
+
     @app.get("/cache_status")
-    async def cache_status() -> dict[str, Any]:
+    @app.post("/cache_status")
+    @app.get("/rtp_llm/cache_status")
+    @app.post("/rtp_llm/cache_status")
+    async def cache_status(request: Request) -> dict[str, Any]:
+        """rtpkv's cache stats, and FlexLB's CacheStatus fields (rtpkv.server.flexlb)."""
+        params = await _poll_params(request)
         stats = await asyncio.to_thread(pipeline.cache_stats)  # waits for the step's lock
+        polled = await asyncio.to_thread(flexlb.cache_status, pipeline, stats, params)
         return {**stats, "requests_in_flight": state.in_flight,
-                "task_ids": pipeline.tasks.ids()}
+                "task_ids": pipeline.tasks.ids(), **polled}
+
+    @app.get("/worker_status")
+    @app.post("/worker_status")
+    @app.get("/rtp_llm/worker_status")
+    @app.post("/rtp_llm/worker_status")
+    async def worker_status(request: Request) -> dict[str, Any]:
+        """FlexLB's WorkerStatusResponse (rtpkv.server.flexlb)."""
+        params = await _poll_params(request)
+        stats = await asyncio.to_thread(pipeline.cache_stats)
+        return await asyncio.to_thread(flexlb.worker_status, pipeline, stats, state.in_flight,
+                                       params)
 
     @app.get("/metrics")
     async def metrics() -> HttpResponse:

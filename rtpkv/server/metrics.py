@@ -1,5 +1,6 @@
 """Prometheus metrics of one server: requests by outcome, latencies, token counts, and the KV
-cache read from `cache_stats()` at scrape time. Each app has its own registry."""
+cache read from `cache_stats()` at scrape time, under rtpkv's names and (for the load-aware
+routers that read vLLM's) vLLM's. Each app has its own registry."""
 
 from __future__ import annotations
 
@@ -108,8 +109,44 @@ def _tenant_metrics(tenants: dict[str, dict[str, Any]]) -> Iterator[Any]:
     yield quota
 
 
+class _VllmCollector(Collector):
+    """The same engine state under vLLM's metric names, which the load-aware policies of
+    llm-d's scheduler and vllm-router read: requests running and waiting, KV cache usage (the
+    fraction of the pool held by requests; cached blocks nobody holds are reusable, as in
+    vLLM) and the prefix cache's query and hit counters, in tokens. Labelled as vLLM labels
+    them (model_name, engine)."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str):
+        self._stats, self._labels = stats, [model_name, "0"]
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc, labels=["model_name", "engine"])
+        family.add_metric(self._labels, value)
+        return family
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
+        family.add_metric(self._labels, value)
+        return family
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        yield self._gauge("vllm:num_requests_running", "requests in the running batch",
+                          stats["requests_running"])
+        yield self._gauge("vllm:num_requests_waiting", "requests waiting for admission",
+                          stats["requests_waiting"])
+        yield self._gauge("vllm:kv_cache_usage_perc",
+                          "KV cache usage: 1 means 100 percent (blocks held by requests)",
+                          stats["blocks_in_use"] / stats["blocks_total"])
+        yield self._counter("vllm:prefix_cache_queries", "prompt tokens looked up in the prefix "
+                            "cache", stats["queries"])
+        yield self._counter("vllm:prefix_cache_hits", "prompt tokens found in the prefix cache",
+                            stats["hits"])
+
+
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], dict[str, Any]], in_flight: Callable[[], int]):
+    def __init__(self, stats: Callable[[], dict[str, Any]], in_flight: Callable[[], int],
+                 model_name: str = ""):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("rtpkv_requests", "HTTP generation requests by route and outcome",
@@ -127,6 +164,7 @@ class ServerMetrics:
         self.reused_tokens = Counter("rtpkv_reused_tokens", "prompt tokens served from the cache",
                                      registry=r)
         r.register(_CacheCollector(stats, in_flight))
+        r.register(_VllmCollector(stats, model_name))
 
     def observe(self, aux: dict[str, Any]) -> None:
         """Record one finished engine request from its aux_info."""

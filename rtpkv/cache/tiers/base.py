@@ -89,8 +89,10 @@ class KVTier(ABC):
     events: Optional["KVEventBuffer"] = None
 
     def announce(self) -> None:
-        """Report through `events`, as stored, the blocks this tier held before it was handed
-        its events (a disk tier's records found at start); the default holds none then."""
+        """Report through `events`, as stored and parents first, the blocks this tier holds
+        now: at start a disk tier's records found there, later everything, for a consumer that
+        subscribed after the blocks arrived. The default (a tier that cannot list what it
+        holds) reports nothing."""
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> int:

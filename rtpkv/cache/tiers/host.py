@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from rtpkv.cache.block import parents_first
 from rtpkv.cache.tiers.base import BlockMeta, KVTier, TierLayout
 from rtpkv.cache.tiers.order import EvictionOrder
 
@@ -108,6 +109,15 @@ class HostTier(KVTier):
             self._order.add(meta.key, meta.priority)
             self.counters["offloaded_blocks"] += 1
             if self.events is not None:
+                self.events.stored([meta.key], meta.parent_key, [meta.tokens], meta.priority,
+                                   tier=self.name, extra=meta.extra)
+
+    def announce(self) -> None:
+        """Every block held now, as stored events, parents first."""
+        if self.events is None:
+            return
+        with self._lock:
+            for meta in parents_first(slot.meta for slot in self._slots.values()):
                 self.events.stored([meta.key], meta.parent_key, [meta.tokens], meta.priority,
                                    tier=self.name, extra=meta.extra)
 
