@@ -7,7 +7,9 @@ rate (sum of cached_tokens / sum of prompt tokens), TTFT p50/p90/p99, output tok
 requests failed. Setups: round_robin; round_robin with every replica on one Redis tier;
 cache_aware (the router's approximate tree over request text); kv_aware (fed by the replicas'
 KV events); kv_aware+sessions (the same, with the router's session affinity: a conversation's
-first request is placed by the events, its later turns stay on that replica); and one replica
+first request is placed by the events, its later turns stay on that replica); dynamo-* (NVIDIA
+Dynamo's frontend and KV router over `rtpkv dynamo-worker`s, fed by the same events, with its
+overlap score credit at 0, 0.5, 1 or 2, and with --dynamo-temperature); and one replica
 alone without a router, with every replica's threads (the
 ceiling: it sees every turn).
 
@@ -24,7 +26,9 @@ enough that the trace evicts.
 
     python benchmarks/fleet.py --trace PATH/mooncake-conversation.jsonl [--requests 1000]
         [--replicas 2] [--concurrency 4 | --arrivals trace --speedup 2]
-        [--setups round_robin round_robin+redis cache_aware kv_aware kv_aware+sessions alone]
+        [--setups round_robin round_robin+redis cache_aware kv_aware kv_aware+sessions
+                  dynamo-credit0 dynamo-credit0.5 dynamo-credit1 dynamo-credit2
+                  dynamo-credit1-temp dynamo-credit2-temp alone]
 
 Method and machine: docs/BENCHMARKS.md.
 """
@@ -50,8 +54,17 @@ from redis_server import RedisServer  # noqa: E402
 
 from rtpkv.fleet.launcher import Fleet  # noqa: E402
 
+# NVIDIA Dynamo's frontend and KV router over `rtpkv dynamo-worker`s, its knobs swept: the
+# overlap score credit (0 ignores cached blocks, 1 is Dynamo's default, 2 favours them) and the
+# softmax temperature of its worker choice (0: always the cheapest worker).
+DYNAMO_SETUPS = {"dynamo-credit0": {"overlap_score_credit": 0.0},
+                 "dynamo-credit0.5": {"overlap_score_credit": 0.5},
+                 "dynamo-credit1": {"overlap_score_credit": 1.0},
+                 "dynamo-credit2": {"overlap_score_credit": 2.0},
+                 "dynamo-credit1-temp": {"overlap_score_credit": 1.0},
+                 "dynamo-credit2-temp": {"overlap_score_credit": 2.0}}
 SETUPS = ("round_robin", "round_robin+redis", "cache_aware", "kv_aware", "kv_aware+sessions",
-          "alone")
+          *DYNAMO_SETUPS, "alone")
 SESSION_TTL_S = 600   # kv_aware+sessions: vllm-router's --kv-aware-session-affinity-ttl-secs
 WORDS = ("the of and to in is was for on are with as by at from his her they this that have "
          "not but what all were when we there can an your which their said if will each about "
@@ -178,15 +191,22 @@ def run_setup(setup: str, args: Any, trace: list[Request], redis: RedisServer,
     limit = len(trace) if open_loop else args.concurrency    # open loop: never refuse for load
     env = {"KV_CACHE_MAX_TOKENS": str(args.kv_tokens), "CONCURRENCY_LIMIT": str(limit),
            "MAX_SEQ_LEN": str(args.max_seq_len)}
+    dynamo = setup in DYNAMO_SETUPS
     with Fleet(args.model, replicas, replica_port=args.port + 10, events_port=args.port + 40,
                router_port=args.port, block_size=args.block, redis_url=redis_url,
                threads_per_replica=args.threads_per_replica * (args.replicas // replicas),
                env=env,
                log_dir=str(log_dir / setup), time_limit_s=args.time_limit,
-               served_model_name="bench") as fleet:
+               served_model_name="bench", dynamo=dynamo) as fleet:
         fleet.start_replicas()
         url = fleet.replicas[0].url
-        if setup != "alone":
+        if dynamo:
+            policy = dict(DYNAMO_SETUPS[setup])
+            if setup.endswith("-temp"):
+                policy["router_temperature"] = args.dynamo_temperature
+            fleet.start_router("dynamo", "kv", dynamo_policy=policy)
+            url = fleet.router_url
+        elif setup != "alone":
             sessions = ["--kv-aware-session-affinity-ttl-secs", str(SESSION_TTL_S)]
             fleet.start_router("vllm", setup.split("+")[0],
                                router_args=sessions if setup.endswith("+sessions") else ())
@@ -206,6 +226,8 @@ def main() -> None:
     parser.add_argument("--speedup", type=float, default=1.0,
                         help="open loop: arrival times are divided by this")
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    parser.add_argument("--dynamo-temperature", type=float, default=0.5,
+                        help="router_temperature of the dynamo-*-temp setups")
     parser.add_argument("--trace", type=Path, required=True, help="mooncake-conversation.jsonl")
     parser.add_argument("--words-per-id", type=int, default=8)
     parser.add_argument("--max-ids", type=int, default=48,
@@ -234,7 +256,7 @@ def main() -> None:
           f"{args.block}; " + (f"open loop at the trace's arrival times / {args.speedup:g}"
                                if args.arrivals == "trace" else
                                f"closed loop at concurrency {args.concurrency}")
-          + "; router: vllm-router",
+          + "; routers: vllm-router, NVIDIA Dynamo's frontend (dynamo-*)",
           flush=True)
     rows = []
     with RedisServer(args=["--maxmemory", args.redis_maxmemory]) as redis:

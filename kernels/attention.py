@@ -13,8 +13,11 @@ window's first block and masked to a band (keys within W positions of each query
 gathered a whole block at a time with one `index_select` over head-major block rows (see
 kv_store). With the int8 KV cache (kv_quant.py) the gathered rows are dequantized, and a chunk
 without a cached prefix attends its own K/V as stored (quantized and back), as every later query
-reads them. Its results depend on the batch's shape in the last bits, so it does not give the
-batch-invariance guarantee (see cpu_attention).
+reads them. On CUDA its results depend on the batch's shape in the last bits, so there it does
+not give the batch-invariance guarantee (see cpu_attention). On a CPU, where it is the fallback
+of a host without the C kernels (no AVX2 or no compiler), each query row attends alone to exactly
+its keys (`TorchMetadata.key_ranges`): one SDPA call of one shape per row, whatever shares its
+step, so reuse on equals reuse off there too, at the cost of a call per row.
 
 On CUDA it turns cuDNN's SDPA backend off (`torch.backends.cuda.enable_cudnn_sdp(False)`) when
 it is made: cuDNN builds an execution plan for each new shape, and a decode's context grows by
@@ -131,6 +134,9 @@ class TorchMetadata:
     decode_len: int = 0                           # longest decode context, in tokens
     decode_mask: Optional[torch.Tensor] = None    # (num_decodes, 1, 1, decode_len); None if all equal
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # per row, the keys it attends to within its sequence's gathered context: [lo, hi); set where
+    # each row attends alone (on a CPU)
+    key_ranges: Optional[list[tuple[int, int]]] = None
     # Gather buffers (flat, big enough for the largest gather of the step): a fresh multi-MB
     # tensor per gather costs page faults that can exceed the copy itself.
     k_buffer: Optional[torch.Tensor] = None
@@ -177,6 +183,7 @@ class TorchAttention:
         """`kv_dtype`: the pool's (torch.int8 for the int8 cache); the model's by default."""
         kv_dtype = kv_dtype or dtype
         self.row = row_width(head_dim, kv_dtype)
+        self.per_row = device.type == "cpu"   # batch-invariant on the CPU (module docstring)
         self._k_buffer = torch.empty(0, dtype=kv_dtype, device=device)
         self._v_buffer = torch.empty(0, dtype=kv_dtype, device=device)
         if device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
@@ -213,7 +220,22 @@ class TorchAttention:
                 chunk.mask = band[None, None]
             meta.prefills.append(chunk)
         meta.k_buffer, meta.v_buffer = self._buffers(meta.gather_numel(self.row))
+        if self.per_row:
+            meta.key_ranges = self._key_ranges(batch, len(decodes))
         return meta
+
+    @staticmethod
+    def _key_ranges(batch: AttentionBatch, n: int) -> list[tuple[int, int]]:
+        """Each row's keys [lo, hi) within its gathered context: a decode's starts at its
+        window's first block, a chunk's at its oldest key's block (0 without a cached prefix)."""
+        B, ranges = batch.block_size, []
+        for i, (rows, end) in enumerate(zip(batch.query_len, batch.context_len)):
+            if i < n:
+                base = batch.first_key(end - 1) // B * B
+            else:
+                base = batch.first_key(end - rows) // B * B if end > rows else 0
+            ranges += [(batch.first_key(p) - base, p + 1 - base) for p in range(end - rows, end)]
+        return ranges
 
     @staticmethod
     def _build_decodes(batch: AttentionBatch, meta: TorchMetadata, n: int) -> None:
@@ -244,6 +266,8 @@ class TorchAttention:
                 softcap: Optional[float] = None) -> torch.Tensor:
         """`softcap`: scores become softcap * tanh(score / softcap) before the mask (Gemma 2)."""
         write_kv(k_cache, v_cache, k, v, meta.write_rows)
+        if meta.key_ranges is not None:
+            return self._per_row(q, k, v, k_cache, v_cache, meta, scale, softcap)
         out = torch.empty_like(q)
         n, B = meta.num_decodes, meta.block_size
         if n:
@@ -267,12 +291,44 @@ class TorchAttention:
             out[chunk.start:chunk.end] = o[0].transpose(0, 1)
         return out
 
+    def _per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: TorchMetadata, scale: float,
+                 softcap: Optional[float]) -> torch.Tensor:
+        """Each row attends alone to its keys (`key_ranges`) of its sequence's gathered
+        context: the same call, on the same values, whether the row decodes or sits in a
+        chunk, and whatever else the step holds."""
+        out = torch.empty_like(q)
+        n, B = meta.num_decodes, meta.block_size
+
+        def attend(row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+            lo, hi = meta.key_ranges[row]
+            o = _attend(q[row][None, :, None, :], keys[None, :, lo:hi].contiguous(),
+                        values[None, :, lo:hi].contiguous(), None, scale, softcap, causal=False)
+            out[row] = o[0, :, 0, :]
+
+        if n:
+            ks = _context(k_cache, meta.decode_blocks, B, meta.k_buffer, meta.decode_len, q.dtype)
+            vs = _context(v_cache, meta.decode_blocks, B, meta.v_buffer, meta.decode_len, q.dtype)
+            for row in range(n):
+                attend(row, ks[row], vs[row])
+        for chunk in meta.prefills:
+            if chunk.ctx_blocks is None:
+                ks = _as_stored(k[chunk.start:chunk.end], k_cache).transpose(0, 1)
+                vs = _as_stored(v[chunk.start:chunk.end], v_cache).transpose(0, 1)
+            else:
+                ctx = chunk.mask.shape[-1]
+                ks = _context(k_cache, chunk.ctx_blocks, B, meta.k_buffer, ctx, q.dtype)
+                vs = _context(v_cache, chunk.ctx_blocks, B, meta.v_buffer, ctx, q.dtype)
+            for row in range(chunk.start, chunk.end):
+                attend(row, ks, vs)
+        return out
+
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
             scale: float, softcap: Optional[float], causal: bool) -> torch.Tensor:
     """Attention of q (..., H, c, d) over k, v (..., KVH, n, d) under a boolean `mask`, or
-    causal (`causal`, no mask, c == n), or over every key. Without `softcap`, torch's SDPA; with it,
-    transformers' eager arithmetic: scores, the cap, the mask, a float32 softmax."""
+    causal (`causal`, no mask, c == n), or over every key. Without `softcap`, torch's SDPA; with
+    it, transformers' eager arithmetic: scores, the cap, the mask, a float32 softmax."""
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               scale=scale, enable_gqa=True)

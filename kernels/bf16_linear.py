@@ -16,7 +16,6 @@ import ctypes
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rtpkv.kernels import fp32_linear
@@ -26,8 +25,8 @@ from rtpkv.kernels.int8_linear import QuantizedLinear
 
 class Bf16Linear(QuantizedLinear):
     """y = x W^T + b with W held as bfloat16 panels (`fp32_linear.pack`'s layout) and float32
-    activations. The C kernel where it builds, else F.linear over the widened weight (the same
-    values, not the same bits)."""
+    activations. The C kernel where it builds, else the float GEMM over the widened weight (the
+    same values, other bits, batch-invariant too)."""
 
     path = "bf16"
 
@@ -39,7 +38,7 @@ class Bf16Linear(QuantizedLinear):
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, path={self.path}"
 
-    def widened(self) -> torch.Tensor:
+    def float_weight(self) -> torch.Tensor:
         """The (out, in) float32 weight this layer computes with."""
         panels = self.q.float().transpose(1, 2).reshape(-1, self.in_features)
         return panels[:self.out_features]
@@ -50,7 +49,3 @@ class Bf16Linear(QuantizedLinear):
     def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, rows: int, y: torch.Tensor) -> None:
         lib.rtpkv_bf16w_linear(x.data_ptr(), rows, self.in_features, self.q.data_ptr(),
                                self.out_features, ptr(self.bias), y.data_ptr())
-
-    def _torch(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias[:self.out_features]
-        return F.linear(x.float(), self.widened(), bias)

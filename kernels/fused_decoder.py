@@ -1,10 +1,10 @@
 """A forward's decoder layers in one C call (csrc/decoder.c) where the model runs on the C
 kernels end to end: float32 on the CPU, linear layers all on the avx2, the bf16-weight, the
 int8 or the w8a8 kernel, the CPU paged-attention backend (over a float32 or an int8 KV cache),
-the fused ops, and a layer plan (model_factory/plan.py) of Llama's layers only (`runs_plan`). It
-calls the same kernels the per-layer Python path calls, in the same order, so the two give the
-same bits (tests/kernels/test_fused_decoder.py); it only removes the Python between them, which
-dominates the small kernels of a one-token decode step. `FusedDecoder.build`
+the fused ops, no mixture of experts, and a layer plan (model_factory/plan.py) of Llama's layers
+only (`runs_plan`). It calls the same kernels the per-layer Python path calls, in the same order,
+so the two give the same bits (tests/kernels/test_fused_decoder.py); it only removes the Python
+between them, which dominates the small kernels of a one-token decode step. `FusedDecoder.build`
 returns None for any other model, and CausalLM then runs its layers one by one.
 
 `logits` is the engine's call: from token ids to the LM head's logits of the rows that sample
@@ -151,6 +151,8 @@ class FusedDecoder:
         """The fused decoder of `module`, or None where it does not run end to end on the C
         kernels (then its layers run one by one)."""
         spec, backbone = module.spec, module.model
+        if spec.moe is not None:   # csrc/decoder.c has no mixture-of-experts layer
+            return None
         weight = backbone.embed_tokens.weight
         linears = [m for layer in backbone.layers
                    for m in (layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up,

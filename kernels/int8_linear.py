@@ -57,7 +57,7 @@ def quantize(weight: torch.Tensor,
     usable = (scale > 0).unsqueeze(-1)
     safe = torch.where(usable, scale.unsqueeze(-1), torch.ones_like(padded))
     q = torch.where(usable, torch.round(padded / safe), torch.zeros_like(padded))
-    q = q.clamp_(-127, 127).to(torch.int8).view(w.shape[0], -1)[:, :w.shape[1]]
+    q = q.clamp_(-127, 127).to(torch.int8).view(w.shape[0], padded.shape[1] * padded.shape[2])[:, :w.shape[1]]
     return q.contiguous(), scale
 
 
@@ -78,10 +78,12 @@ def pack(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 class QuantizedLinear(nn.Module):
-    """What the int8 layers share: the weight quantized at load (`quantize`) and held packed
-    for a kernel as `q` and `scale`, a float32 bias, and the call: the kernel (`_kernel`) on
-    contiguous float32 rows on the CPU, else the layer's torch path (`_torch`); `path` names the
-    kind."""
+    """What the converted layers share (kernels/weight_types.py): the weight converted at load
+    and held packed for a kernel as `q` and `scale`, a float32 bias, and the call: the kernel
+    (`_kernel`) on contiguous float32 rows on the CPU, else the layer's torch path (`_torch`):
+    by default the float32 weight it computes with (`float_weight`) through the float GEMM path
+    `auto` picks, which is batch-invariant (kernels/linear.py), so reuse stays exact on a host
+    without the C kernels; `path` names the kind."""
 
     path = ""
 
@@ -91,6 +93,7 @@ class QuantizedLinear(nn.Module):
         self.group_size = group_size
         self.q, self.scale = q, scale
         self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self._fallback: Optional[nn.Module] = None
 
     def extra_repr(self) -> str:
         return (f"{self.in_features}, {self.out_features}, path={self.path}, "
@@ -117,21 +120,35 @@ class QuantizedLinear(nn.Module):
     def _kernel(self, lib: ctypes.CDLL, x: torch.Tensor, rows: int, y: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _torch(self, x: torch.Tensor) -> torch.Tensor:
+    def float_weight(self) -> torch.Tensor:
+        """The (out, in) float32 weight this layer computes with."""
         raise NotImplementedError
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fallback is None:   # built on first use: only a host without the kernel pays
+            from rtpkv.kernels.linear import InferenceLinear, linear_path
+
+            weight = self.float_weight()
+            layer = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                              device="meta")
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+            if self.bias is not None:
+                layer.bias = nn.Parameter(self.bias[:self.out_features], requires_grad=False)
+            self._fallback = InferenceLinear(layer, linear_path(torch.float32, weight.device))
+        return self._fallback(x.float())
 
 
 class Int8Linear(QuantizedLinear):
     """y = x W^T + b with W held as int8 and per-group scales; float32 activations. The C kernel
-    where it builds, else a torch reference over the dequantized weight (correct, slower, and
-    not batch-invariant in the last bits)."""
+    where it builds, else the float GEMM over the dequantized weight (the same values, other
+    bits, batch-invariant too)."""
 
     path = "int8"
 
     def __init__(self, linear: nn.Linear, group_size: int = GROUP_SIZE):
         super().__init__(linear, group_size, *pack(*quantize(linear.weight, group_size)))
 
-    def dequantized(self) -> torch.Tensor:
+    def float_weight(self) -> torch.Tensor:
         """The (out, in) float32 weight this layer computes with."""
         q = self.q.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features]
         scale = self.scale.transpose(1, 2).reshape(-1, self.scale.shape[1])[:self.out_features]
@@ -145,5 +162,3 @@ class Int8Linear(QuantizedLinear):
                               self.scale.data_ptr(), self.out_features, self.group_size,
                               ptr(self.bias), y.data_ptr(), PANEL_MIN_ROWS)
 
-    def _torch(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.dequantized(), self.bias)

@@ -1,6 +1,7 @@
 """The decoder-only models (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, and QWen read as
 Qwen2: model_factory/qwen.py) over a paged KV cache, built from and running their layer plan
-(model_factory/plan.py).
+(model_factory/plan.py), and the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral), whose
+sparse layers' MLP is model_factory/moe.py's.
 
 Parameter names follow the Hugging Face checkpoints so a state dict loads as is; `fuse()` then
 concatenates q/k/v and gate/up projections so each layer runs two fewer matmuls.
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Optional
+from functools import partial
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,7 @@ from rtpkv.kernels.activation import gelu_tanh_and_mul
 from rtpkv.kernels.norm import rms_norm_float_weight
 from rtpkv.kernels.fused_decoder import FusedDecoder
 from rtpkv.kernels.linear import InferenceLinear, linear_path
+from rtpkv.model_factory.moe import SparseMoe
 from rtpkv.model_factory.plan import (GLOBAL_ROPE, LayerPlan, ModelPlan, NormPlan, capped_window,
                                       model_plan)
 from rtpkv.model_factory.spec import ModelSpec
@@ -106,12 +109,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, plan: LayerPlan):
+    def __init__(self, spec: ModelSpec, intermediate_size: Optional[int] = None,
+                 kind: str = "silu"):
+        """`intermediate_size`: an expert's (model_factory/moe.py); the dense MLP's by default.
+        `kind`: the layer plan's MLP kind, "silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
         super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
-        self.kind = plan.mlp
+        inter = intermediate_size or spec.intermediate_size
+        self.gate_proj = nn.Linear(spec.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, spec.hidden_size, bias=False)
+        self.kind = kind
         self.gate_up: Optional[nn.Linear] = None
 
     def fuse(self) -> None:
@@ -121,6 +128,12 @@ class MLP(nn.Module):
         fused.weight.data = torch.cat([g.weight, u.weight])
         self.gate_up = fused
         del self.gate_proj, self.up_proj
+
+    def convert(self, convert: Callable[[nn.Linear], nn.Module]) -> None:
+        """Fuse, then run both projections through `convert` (CausalLM.prepare's)."""
+        self.fuse()
+        self.gate_up = convert(self.gate_up)
+        self.down_proj = convert(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused, act = _ACTIVATIONS[self.kind]
@@ -134,10 +147,13 @@ class DecoderLayer(nn.Module):
     `plan.sandwich` Gemma's four (`post_attention_layernorm` on the attention output,
     `pre_feedforward_layernorm` on the MLP input, `post_feedforward_layernorm` on its output)."""
 
-    def __init__(self, spec: ModelSpec, plan: LayerPlan):
+    def __init__(self, spec: ModelSpec, index: int, plan: LayerPlan):
         super().__init__()
         self.self_attn = Attention(spec, plan)
-        self.mlp = MLP(spec, plan)
+        self.mlp: nn.Module = (
+            SparseMoe(spec.hidden_size, spec.moe, partial(MLP, spec))
+            if spec.moe is not None and index in spec.moe.sparse_layers
+            else MLP(spec, kind=plan.mlp))
         self.sandwich = plan.sandwich
         self.input_layernorm = RMSNorm(spec.hidden_size, plan.norm)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, plan.norm)
@@ -162,7 +178,8 @@ class Backbone(nn.Module):
     def __init__(self, spec: ModelSpec, plan: ModelPlan):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, layer) for layer in plan.layers)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, layer)
+                                    for i, layer in enumerate(plan.layers))
         self.norm = RMSNorm(spec.hidden_size, plan.final_norm)
 
 
@@ -212,14 +229,16 @@ class CausalLM(nn.Module):
                 freed += sum(p.numel() * p.element_size() for p in layer.parameters())
             return kind.convert(layer)
 
+        router_path = linear_path(weight.dtype, weight.device, linear)
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.fuse()
-            mlp.fuse()
             attn.qkv = convert(attn.qkv)
             attn.o_proj = convert(attn.o_proj)
-            mlp.gate_up = convert(mlp.gate_up)
-            mlp.down_proj = convert(mlp.down_proj)
+            if isinstance(mlp, SparseMoe):
+                mlp.convert(convert, lambda router: InferenceLinear(router, router_path))
+            else:
+                mlp.convert(convert)
         tied = self.spec.tie_word_embeddings
         self.lm_head = convert(self.lm_head, shared=tied)
         if kind:
@@ -227,7 +246,7 @@ class CausalLM(nn.Module):
             log.info("WEIGHT_TYPE=%s: %d linear layers (the LM head included) held as %s: "
                      "%.1f MiB of float32 weights freed, %.1f MiB held (%.1f MiB saved%s); "
                      "embeddings and norms stay float32", kind.name.upper(),
-                     4 * len(self.model.layers) + 1, kind.held_as,
+                     sum(isinstance(m, kind.layer) for m in self.modules()), kind.held_as,
                      freed / 2**20, held / 2**20, (freed - held) / 2**20,
                      "; the tied LM head is a copy of the float32 embedding" if tied else "")
         self.ropes = {name: rope_table(self.spec.inv_freq(rope), max_positions, weight.dtype,

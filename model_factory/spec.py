@@ -14,6 +14,7 @@ import torch
 
 from rtpkv.errors import ConfigError
 from rtpkv.model_factory import qwen
+from rtpkv.model_factory.moe import MOE_ARCHITECTURES, MoeSpec
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -23,9 +24,15 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "QWenLMHeadModel",
+    *MOE_ARCHITECTURES,
 )
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+# their sliding_window, when set, applies (to every layer) without use_sliding_window
+_ALWAYS_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM")
+# use_sliding_window puts the window on every layer, not on those of max_window_layers
+_EVERY_LAYER_WINDOWED = _ALWAYS_WINDOWED + ("Qwen3MoeForCausalLM",)
 
 _ROPE_TYPES = ("default", "llama3", "linear")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -62,6 +69,7 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: Optional[int] = None
     torch_dtype: Optional[str] = None
+    moe: Optional[MoeSpec] = None        # mixtures of experts (model_factory/moe.py)
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelSpec":
@@ -104,10 +112,12 @@ class ModelSpec:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             qkv_bias=(arch in ("Qwen2ForCausalLM", qwen.ARCHITECTURE)
-                      or bool(cfg.get("attention_bias", False))),
+                      or bool(cfg.get("attention_bias", False))
+                      or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))),
             # Qwen2's bias is q/k/v's only; attention_bias covers o_proj too elsewhere
-            o_proj_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            o_proj_bias=(arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+                         and bool(cfg.get("attention_bias", False))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             rope=rope,
             local_rope=local_rope,
             sliding_window=sliding if "sliding_attention" in types else None,
@@ -122,6 +132,7 @@ class ModelSpec:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            moe=MoeSpec.from_config(arch, cfg, source),
         )
 
     @property
@@ -198,7 +209,7 @@ def _sliding_window(cfg: dict[str, Any], arch: str) -> Optional[int]:
     sliding attention on; None otherwise."""
     if arch in GEMMA_ARCHITECTURES:
         sliding = cfg.get("sliding_window", 4096)
-    elif arch == "MistralForCausalLM" or cfg.get("use_sliding_window"):
+    elif arch in _ALWAYS_WINDOWED or cfg.get("use_sliding_window"):
         sliding = cfg.get("sliding_window")
     else:
         sliding = None
@@ -211,7 +222,7 @@ def _layer_types(cfg: dict[str, Any], arch: str, layers: int, sliding: Optional[
     has it, else the architecture's pattern."""
     if sliding is None and arch not in GEMMA_ARCHITECTURES:
         return ["full_attention"] * layers
-    if arch == "MistralForCausalLM":
+    if arch in _EVERY_LAYER_WINDOWED:
         return ["sliding_attention"] * layers
     types = cfg.get("layer_types")
     if not types:

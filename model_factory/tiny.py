@@ -35,6 +35,9 @@ ARCHITECTURE_CONFIGS = {
     "Qwen3ForCausalLM": "Qwen3Config",
     "Gemma2ForCausalLM": "Gemma2Config",
     "Gemma3ForCausalLM": "Gemma3TextConfig",
+    "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
+    "Qwen2MoeForCausalLM": "Qwen2MoeConfig",
+    "MixtralForCausalLM": "MixtralConfig",
 }
 
 # architectures whose RMSNorm weights are offsets from 1 (zero at init): the tiny checkpoints
@@ -42,7 +45,8 @@ ARCHITECTURE_CONFIGS = {
 OFFSET_NORM_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
-BYTE_LEVEL_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+BYTE_LEVEL_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
+                            "Qwen3MoeForCausalLM")
 
 
 def _corpus(path: Path, lines: int, seed: int) -> None:
@@ -99,12 +103,16 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
                           rope_scaling: Optional[dict[str, Any]] = None,
                           tokenizer_vocab_size: int = 600, seed: int = 0,
                           dtype: str = "float32", sliding_window: Optional[int] = None,
+                          moe: Optional[dict[str, Any]] = None,
                           config_overrides: Optional[dict[str, Any]] = None) -> Path:
     """Write a random-initialised checkpoint of `architecture` with its tokenizer to out_dir.
     `sliding_window`: Mistral's window (default: max_position_embeddings, i.e. none in effect);
     for Qwen2 it turns use_sliding_window on in every layer; Gemma's sliding layers (its
-    `layer_types`) take it. `config_overrides`: further fields of the transformers config
-    (Gemma's layer_types, query_pre_attn_scalar, soft-caps, RoPE parameters, head_dim)."""
+    `layer_types`) take it. `moe`: a mixture of experts' config fields (num_experts,
+    num_experts_per_tok, moe_intermediate_size, ...; Mixtral's experts take
+    `intermediate_size`), given to its config class as they are. `config_overrides`: further
+    fields of the transformers config (Gemma's layer_types, query_pre_attn_scalar, soft-caps,
+    RoPE parameters, head_dim)."""
     import torch
     import transformers
 
@@ -124,6 +132,7 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
     )
     if rope_scaling:
         kwargs["rope_scaling"] = rope_scaling
+    kwargs.update(moe or {})
     if architecture == "MistralForCausalLM":
         kwargs["sliding_window"] = sliding_window or max_position_embeddings
     elif architecture in OFFSET_NORM_ARCHITECTURES:
@@ -142,7 +151,7 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
     # greedy text, which makes token-for-token comparisons meaningful.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() == 2:
+            if param.dim() >= 2:   # matrices, and the experts' stacked matrices
                 param.normal_(0.0, 0.08 if "embed" not in name else 1.0)
             elif "norm" in name and architecture in OFFSET_NORM_ARCHITECTURES:
                 param.normal_(0.0, 0.2)

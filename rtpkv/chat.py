@@ -88,14 +88,16 @@ def _after_system_turn(tokenizer: Any, msgs: list[dict[str, str]]) -> str:
     return text[len(head):]
 
 
-def render_chat(tokenizer: Any, messages: Any, after_task_prompt: bool = False) -> list[int]:
-    """Token ids of `messages` followed by the assistant's turn opener; `after_task_prompt`:
+def render_chat(tokenizer: Any, messages: Any, after_task_prompt: bool = False,
+                generation: bool = True) -> list[int]:
+    """Token ids of `messages` followed by the assistant's turn opener (`generation`; without
+    it, the messages alone: what a prefix of the chat renders to); `after_task_prompt`:
     without a system turn, to follow a task prompt (no special tokens added)."""
     msgs = normalize_messages(messages)
     if after_task_prompt:
         text = _after_system_turn(tokenizer, msgs)
         return list(tokenizer(text, add_special_tokens=False).input_ids)
-    text = _render(tokenizer, msgs, generation=True)
+    text = _render(tokenizer, msgs, generation=generation)
     if getattr(tokenizer, "chat_template", None):
         return list(tokenizer(text, add_special_tokens=False).input_ids)
     return list(tokenizer(text).input_ids)

@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rtpkv.fleet.launcher import add_parser as add_fleet_parser
 
     add_fleet_parser(sub, [verbose])
+    from rtpkv.fleet.dynamo_worker import add_parser as add_dynamo_worker_parser
+
+    add_dynamo_worker_parser(sub, [verbose])
     return parser
 
 
@@ -146,7 +149,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     args.verbose = getattr(args, "verbose", False)
     # the server logs at INFO by default: a container operator's only view of what it does
-    logging.basicConfig(level=logging.INFO if args.verbose or args.command == "serve"
+    logging.basicConfig(level=logging.INFO if args.verbose or args.command in ("serve",
+                                                                             "dynamo-worker")
                         else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         args.func(args)

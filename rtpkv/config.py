@@ -19,7 +19,9 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
                       field_validator)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rtpkv.env_check import check_environment
 from rtpkv.errors import ConfigError
+from rtpkv.rtp_llm_compat import env_options
 from rtpkv.switches import parse_switch
 from rtpkv.kernels.names import ATTENTION_BACKENDS, ISA_LEVELS, LINEAR_PATHS, WEIGHT_TYPES
 
@@ -31,8 +33,10 @@ _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdi
 
 KV_CACHE_DTYPES = ("auto", "int8")
 KV_EVENTS_LAYOUTS = ("map", "array")   # the KV events' layouts (rtpkv.fleet.wire)
+KV_EVENTS_MEDIUM_NAMES = ("disk", "storage", "tiers")   # rtpkv.fleet.wire.MEDIUM_NAMES
 _CHOICES = {"weight_type": WEIGHT_TYPES, "kv_cache_dtype": KV_CACHE_DTYPES,
-            "kv_events_layout": KV_EVENTS_LAYOUTS}   # lower-cased
+            "kv_events_layout": KV_EVENTS_LAYOUTS,
+            "kv_events_mediums": KV_EVENTS_MEDIUM_NAMES}   # lower-cased
 # a block's retention priority when no request gave one (rtp-llm's default; 0-100, higher kept
 # longer): the cache's default, and SECONDARY_OFFLOAD_MIN_PRIORITY's
 DEFAULT_PRIORITY = 35
@@ -134,6 +138,7 @@ def redact_url(url: str) -> str:
 _SECRET_VALUES: dict[str, Callable[[Any], Any]] = {
     "remote_cache_url": lambda v: redact_url(v) if isinstance(v, str) else v,
     "remote_cache_password": lambda v: "***",
+    "admin_api_key": lambda v: "***",
 }
 
 
@@ -200,7 +205,7 @@ class RuntimeConfig(BaseModel):
     weight_type: str = "auto"
     int8_mode: bool = False
     # the KV cache's storage (rtpkv.kernels.kv_quant): KV_CACHE_DTYPE=int8, or rtp-llm's
-    # INT8_KV_CACHE=1; "auto" stores K/V in the model's dtype (FP8_KV_CACHE: rtpkv.env_check)
+    # INT8_KV_CACHE=1; "auto" stores K/V in the model's dtype (FP8_KV_CACHE: rtpkv.rtp_llm_compat)
     kv_cache_dtype: str = "auto"
     int8_kv_cache: bool = False
     # tiers below the device pool (rtpkv.cache.tiers.factory)
@@ -226,6 +231,8 @@ class RuntimeConfig(BaseModel):
     kv_events_topic: str = Field("", max_length=256)
     kv_events_buffer_steps: int = Field(10000, ge=1, le=1000000)  # batches kept for replay
     kv_events_layout: str = "map"   # "map" (vllm-router) or "array" (llm-d): rtpkv.fleet.wire
+    kv_events_mediums: str = "disk"   # how host memory and disk are named: rtpkv.fleet.wire
+    kv_events_salt_prefix: str = Field("", max_length=64)   # before a salt in extra_keys
 
     @field_validator("reuse_cache", "enable_partial_reuse", "enable_memory_cache",
                      "enable_memory_cache_disk", "write_cache_sync", "enable_remote_cache",
@@ -251,7 +258,8 @@ class RuntimeConfig(BaseModel):
     def _lower(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value
 
-    @field_validator("weight_type", "kv_cache_dtype", "kv_events_layout", mode="before")
+    @field_validator("weight_type", "kv_cache_dtype", "kv_events_layout", "kv_events_mediums",
+                     mode="before")
     @classmethod
     def _choice(cls, value: Any, info: ValidationInfo) -> Any:
         accepted = _CHOICES[info.field_name]
@@ -328,21 +336,27 @@ class Settings(RuntimeConfig, BaseSettings):
     host: str = Field("127.0.0.1", min_length=1)
     max_request_body_mb: float = Field(16.0, gt=0)  # larger bodies: 413 before parsing
     warm_up: bool = True   # rtp-llm's switch: one short request at start, before "ready"
+    # how clients steer the cache (rtpkv.server.tenants): OpenAI's prompt_cache_key becomes the
+    # cache_salt (it is a routing hint, not an isolation boundary, unless the operator says so);
+    # the tenant header, when TENANT_HEADER_SALT is on, is every request's cache_salt; with an
+    # admin key, /cache/tenants answers only requests that carry it
+    prompt_cache_key_salt: bool = False
+    tenant_header: str = Field("x-tenant-id", pattern=r"^[A-Za-z0-9-]{1,64}$")
+    tenant_header_salt: bool = False
+    admin_api_key: Optional[str] = Field(None, min_length=8, repr=False)
 
-    @field_validator("warm_up", mode="before")
+    @field_validator("warm_up", "prompt_cache_key_salt", "tenant_header_salt", mode="before")
     @classmethod
-    def _warm_up_switch(cls, value: Any) -> Any:
+    def _server_switch(cls, value: Any) -> Any:
         return parse_switch(value)
 
     @classmethod
     def from_env(cls) -> "Settings":
         """Read and validate the environment; a bad value raises ConfigError naming it, and a
         variable that looks meant for rtpkv but has no effect is warned about (env_check)."""
-        from rtpkv.env_check import check_environment
-
         check_environment(name.upper() for name in cls.model_fields)
         try:
-            return cls()
+            return cls(**env_options(os.environ))   # rtp-llm's names for rtpkv's options
         except ValidationError as exc:
             raise ConfigError(describe_validation_error(exc, str.upper, _env_value)) from None
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Option
 
 import torch
 
-from rtpkv.chat import Messages, render_chat
+from rtpkv.chat import Messages, normalize_messages, render_chat
 from rtpkv.config import RuntimeConfig
 from rtpkv.engine import Engine, Request, StepOutput
 from rtpkv.errors import ConfigError, EmptyPromptError, PromptTooLongError, RequestError
@@ -364,7 +364,8 @@ class Pipeline:
             task = self.tasks.get(cfg.task_id)
             prefix = task.token_ids
         limit = self.config.max_seq_len
-        self._refuse_untokenized(prompt, limit - len(prefix))
+        if isinstance(prompt, str):
+            self._refuse_untokenized(len(prompt), limit - len(prefix), "prompt")
         own = self._tokenize(prompt, with_special=not prefix)
         ids = prefix + own
         room = limit - len(ids)
@@ -386,13 +387,12 @@ class Pipeline:
         aux = {"input_len": len(own), "prefix_len": len(prefix)}
         return req, _ResponseBuilder(req, stream, cfg.return_incremental, aux)
 
-    def _refuse_untokenized(self, prompt: Prompt, room: int) -> None:
+    def _refuse_untokenized(self, chars: int, room: int, what: str) -> None:
         """A text too long for any tokenization of it to fit is refused before the tokenizer
         spends time on it (seconds for megabytes, holding the tokenizer's lock)."""
-        if (isinstance(prompt, str) and self._token_chars is not None
-                and len(prompt) > max(room, 0) * self._token_chars):
+        if self._token_chars is not None and chars > max(room, 0) * self._token_chars:
             raise PromptTooLongError(
-                f"prompt of {len(prompt)} characters is longer than any prompt that fits "
+                f"{what} of {chars} characters is longer than any prompt that fits "
                 f"max_seq_len {self.config.max_seq_len} can be (at most {self._token_chars} "
                 "characters a token); refused before tokenizing")
 
@@ -400,7 +400,7 @@ class Pipeline:
         if isinstance(prompt, str):
             if not prompt:
                 raise EmptyPromptError("prompt is empty; pass a non-empty string or token id list")
-            encoder = self._encoder(prompt)
+            encoder = self._encoder(len(prompt))
             if with_special:
                 return list(encoder(prompt).input_ids)
             return list(encoder(prompt, add_special_tokens=False).input_ids)
@@ -415,10 +415,10 @@ class Pipeline:
             return list(prompt)
         raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def _encoder(self, text: str) -> LockedTokenizer:
-        """The shared tokenizer for short texts; for long ones a private copy made once (the
-        shared one where it cannot be copied)."""
-        if len(text) <= LONG_PROMPT_CHARS:
+    def _encoder(self, chars: int) -> LockedTokenizer:
+        """The shared tokenizer for texts of up to LONG_PROMPT_CHARS characters; for longer
+        ones a private copy made once (the shared one where it cannot be copied)."""
+        if chars <= LONG_PROMPT_CHARS:
             return self.tokenizer
         with self._long_encoder_lock:
             if self._long_encoder is None:
@@ -438,7 +438,7 @@ class Pipeline:
             if prompt is not None:
                 raise RequestError("pass either prompt or messages, not both")
             task = GenerateConfig.build(generate_config, kwargs).task_id
-            prompt = render_chat(self.tokenizer, messages, after_task_prompt=task is not None)
+            prompt = self._chat_ids(messages, after_task_prompt=task is not None)
         if prompt is None:
             raise RequestError("prompt is missing (got NoneType); pass a string, token ids, a "
                                "list of strings (a batch) or messages=[...]")
@@ -496,12 +496,23 @@ class Pipeline:
 
     def prompt_token_ids(self, prompt: Prompt) -> list[int]:
         """The token ids a request without a task_id computes for `prompt` (text is tokenized
-        with the tokenizer's special tokens): what a router must hash to find its blocks."""
+        with the tokenizer's special tokens): what a router must hash to find its blocks. A
+        text no tokenization of which fits max_seq_len is refused, as a request refuses it."""
+        if isinstance(prompt, str):
+            self._refuse_untokenized(len(prompt), self.config.max_seq_len, "prompt")
         return self._tokenize(prompt, with_special=True)
 
     def chat_prompt(self, messages: Messages) -> list[int]:
         """The token ids of `messages` rendered for the assistant's reply (rtpkv.chat)."""
-        return render_chat(self.tokenizer, messages)
+        return self._chat_ids(messages)
+
+    def _chat_ids(self, messages: Messages, after_task_prompt: bool = False) -> list[int]:
+        """render_chat as a prompt is tokenized: messages too long for any tokenization to fit
+        refused untokenized, long ones rendered and encoded by the private tokenizer copy."""
+        msgs = normalize_messages(messages)
+        chars = sum(len(m["content"]) for m in msgs)
+        self._refuse_untokenized(chars, self.config.max_seq_len, "messages")
+        return render_chat(self._encoder(chars), msgs, after_task_prompt=after_task_prompt)
 
     def _note_retention_without_reuse(self) -> None:
         """A client may send a retention config everywhere: with reuse off it has no effect,
@@ -513,6 +524,16 @@ class Pipeline:
     # ------------------------------------------------------------------ lifecycle, stats
     def cache_stats(self) -> dict[str, Any]:
         return self.engine.cache_stats()
+
+    def tenant_quota(self, salt: str) -> dict[str, Any]:
+        """One tenant's (cache_salt's) cached blocks, quota and quota evictions."""
+        return self.engine.tenant_quota(salt)
+
+    def set_tenant_quota(self, salt: str, blocks: Optional[int]) -> dict[str, Any]:
+        """Change one tenant's bound on cached blocks while the engine runs (None: back to
+        CACHE_SALT_QUOTA_BLOCKS); past it, the tenant's blocks go first from the next eviction.
+        Needs quotas configured at start (CACHE_SALT_QUOTA_BLOCKS or CACHE_SALT_QUOTAS)."""
+        return self.engine.set_tenant_quota(salt, blocks)
 
     def kv_cache_events(self, timeout: Optional[float] = None) -> list[dict[str, Any]]:
         """Drain the KV cache events (`stored`, `removed`, `updated`) buffered since the last

@@ -59,6 +59,13 @@ def aux_table(aux: Mapping[str, Any], block_size: int) -> str:
 def stats_table(stats: Mapping[str, Any]) -> str:
     rows = []
     for key, value in stats.items():
+        if key == "residency":   # histograms: each tier's and kind's count and mean
+            for tier, kinds in value.items():
+                for kind, h in kinds.items():
+                    mean = f"{h['sum_s'] / h['count']:.1f}" if h["count"] else "-"
+                    rows.append((f"residency {tier} {kind}", mean,
+                                 f"s mean of {h['count']} blocks"))
+            continue
         unit = STATS_UNITS.get(key, "")
         if key.startswith(("blocks_", "evictions")):
             unit = "blocks (priority: count)" if isinstance(value, dict) else "blocks"

@@ -25,7 +25,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 GEMMA_WINDOW = 32
 
 # Each architecture with the features its family brings: GQA everywhere, llama3 RoPE scaling,
-# Qwen2's q/k/v bias, Qwen3's q/k norm, tied and untied embeddings; Gemma 2's alternating
+# Qwen2's q/k/v bias, Qwen3's q/k norm, tied and untied embeddings; the mixtures of experts with
+# a dense layer among sparse ones (Qwen's mlp_only_layers, decoder_sparse_step), renormalised
+# top-k weights or not, Qwen2-MoE's gated shared expert, Mixtral's layout; Gemma 2's alternating
 # sliding and full layers, query_pre_attn_scalar and both soft-caps; Gemma 3's five-to-one
 # pattern (shortened), q/k norm, two RoPE tables (a local base, a linearly scaled global one) and
 # a head_dim apart from hidden / heads.
@@ -36,6 +38,15 @@ ARCHITECTURES = {
     "qwen3": dict(architecture="Qwen3ForCausalLM", tie_word_embeddings=True),
     "llama_linear_rope": dict(architecture="LlamaForCausalLM", num_kv_heads=4,
                               rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "qwen3_moe": dict(architecture="Qwen3MoeForCausalLM", num_layers=3, tie_word_embeddings=True,
+                      moe=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                               norm_topk_prob=True, mlp_only_layers=[1])),
+    "qwen2_moe": dict(architecture="Qwen2MoeForCausalLM",
+                      moe=dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=64, norm_topk_prob=False,
+                               decoder_sparse_step=2)),
+    "mixtral": dict(architecture="MixtralForCausalLM", intermediate_size=64,
+                    moe=dict(num_local_experts=4, num_experts_per_tok=2)),
     "gemma2": dict(architecture="Gemma2ForCausalLM", sliding_window=GEMMA_WINDOW, num_layers=3,
                    config_overrides=dict(query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                                          final_logit_softcapping=8.0)),

@@ -1,4 +1,4 @@
-/* The C kernels that csrc/decoder.c calls, declared once: each kernel's source includes this
+/* The C kernels that csrc/decoder.c and csrc/moe_experts.c call, declared once: each kernel's source includes this
  * header too, so the compiler checks its definition against what the decoder calls (the Python
  * bindings in kernels/ declare their own ctypes signatures). */
 #ifndef RTPKV_KERNELS_H

@@ -11,7 +11,7 @@ block of a finished request, kept on the device only as a source of partial-bloc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterable, Optional, Protocol, TypeVar
 
 from rtpkv.config import DEFAULT_PRIORITY
 
@@ -30,6 +30,9 @@ class Block:
     extra: bytes = b""              # extra key material (cache salt on a first block)
     priority: int = DEFAULT_PRIORITY
     duration_s: Optional[float] = None    # priority lapses this long after the last release
+    held_until: Optional[float] = None    # when that is (the pool's clock), once released
+    stored_at: float = 0.0          # when it was indexed, and last released (residency)
+    released_at: float = 0.0
     tiers: frozenset[str] = field(default_factory=frozenset)  # tiers it may be offloaded to
     tail: bool = False              # a kept, partly filled last block (partial-reuse source)
     tenant: Optional[bytes] = None  # the cache_salt it was computed under (b"": none; None:
@@ -39,3 +42,28 @@ class Block:
     @property
     def full(self) -> bool:
         return self.serial != 0
+
+
+class _Chained(Protocol):
+    key: Optional[bytes]
+    parent_key: bytes
+
+
+Chained = TypeVar("Chained", bound=_Chained)
+
+
+def parents_first(blocks: Iterable[Chained]) -> list[Chained]:
+    """`blocks` ordered so that a block whose parent is among them comes after it: announced
+    in this order, a consumer that chains each block to its parent (Dynamo's radix tree) never
+    sees a child before its parent."""
+    by_key = {b.key: b for b in blocks}
+    ordered: list[Chained] = []
+    placed: set[Optional[bytes]] = set()
+    for key in by_key:
+        path = []
+        while key in by_key and key not in placed:
+            placed.add(key)
+            path.append(by_key[key])
+            key = by_key[key].parent_key
+        ordered.extend(reversed(path))
+    return ordered

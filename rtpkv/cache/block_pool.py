@@ -27,12 +27,13 @@ import time
 from collections import Counter, deque
 from typing import Callable, Optional
 
-from rtpkv.cache.block import DEFAULT_PRIORITY, Block
+from rtpkv.cache.block import DEFAULT_PRIORITY, Block, parents_first
 from rtpkv.cache.eviction import EvictionPolicy, PriorityEvictionPolicy, TenantEvictionPolicy
 from rtpkv.cache.events import KVEventBuffer
 from rtpkv.cache.ghost_list import GhostList
 from rtpkv.cache.partial_index import PartialIndex
 from rtpkv.cache.prefix_index import PrefixIndex
+from rtpkv.cache.residency import ResidencyHistograms
 
 
 class BlockPool:
@@ -61,8 +62,10 @@ class BlockPool:
         self.free_ids: deque[int] = deque(range(num_blocks))
         self._next_serial = 1
         self.num_pinned = 0               # blocks with pin_count > 0
+        self.changes = 0                  # insertions into and removals from the index, ever
         self.evictions = 0
         self.evictions_by_priority: Counter[int] = Counter()
+        self.residency = ResidencyHistograms()   # of indexed blocks, on the device
 
     # ------------------------------------------------------------------ reading
     @property
@@ -105,6 +108,7 @@ class BlockPool:
             self.evictions += 1
             self.evictions_by_priority[block.priority] += 1
             if block.indexed:
+                self.residency.evicted(self.clock(), block.stored_at, block.released_at)
                 self.ghosts.add(block.key)
                 if self.on_evict is not None:
                     self.on_evict(block)
@@ -119,6 +123,8 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             self.policy.remove(block)
+            if block.indexed:
+                self.residency.observe("reuse_gap", self.clock() - block.released_at)
         block.ref_count += 1
 
     def release(self, block_id: int) -> None:
@@ -131,7 +137,11 @@ class BlockPool:
         if block.full and not block.indexed and self.index.get(block.key) is None:
             self._index(block)
         if block.indexed or block.tail:
-            self.policy.add(block, self.clock())
+            now = self.clock()
+            held = block.duration_s is not None and block.priority != DEFAULT_PRIORITY
+            block.held_until = now + block.duration_s if held else None
+            block.released_at = now
+            self.policy.add(block, now)
         else:
             self._put_free(block)
 
@@ -181,9 +191,17 @@ class BlockPool:
         return True
 
     def stamp(self, block_id: int, priority: int, duration_s: Optional[float],
-              tiers: frozenset[str]) -> None:
-        """The retention a releasing request gives a full block (the last release decides)."""
+              tiers: frozenset[str], keep_hold: bool = False) -> None:
+        """The retention a releasing request gives a full block (the last release decides).
+        `keep_hold`: the request gave no retention config, so a priority the block holds and
+        whose duration has not run out stays, for what is left of it (a prefix held for an hour
+        is not dropped, nor held longer, by requests that only read it)."""
         block = self.blocks[block_id]
+        if keep_hold and block.priority != DEFAULT_PRIORITY:
+            if block.held_until is None:   # held without end, or not yet released: as it is
+                priority, duration_s = block.priority, block.duration_s
+            elif block.held_until > (now := self.clock()):
+                priority, duration_s = block.priority, block.held_until - now
         if block.indexed and priority != block.priority:
             self.events.updated(block.key, block.priority, priority)
         block.priority, block.duration_s, block.tiers = priority, duration_s, tiers
@@ -195,7 +213,13 @@ class BlockPool:
         for block in self.policy.lapse(self.clock()):
             if block.indexed:
                 self.events.updated(block.key, block.priority, DEFAULT_PRIORITY)
-            block.priority, block.duration_s = DEFAULT_PRIORITY, None
+            block.priority, block.duration_s, block.held_until = DEFAULT_PRIORITY, None, None
+
+    def set_quota(self, tenant: bytes, blocks: Optional[int]) -> None:
+        """Change one tenant's bound (the pool's `quota` must be a TenantQuotas): whether it
+        is past it is decided now, so it gives way from the next eviction on."""
+        self.quota.set(tenant, blocks)   # type: ignore[union-attr]
+        self._count(tenant, 0)
 
     # ------------------------------------------------------------------ pins
     def pin(self, block_id: int) -> None:
@@ -209,6 +233,13 @@ class BlockPool:
         block.pin_count -= 1
         self.num_pinned -= block.pin_count == 0
         self.release(block_id)
+
+    def announce(self) -> None:
+        """A stored event for every indexed block (what a request can hit now), parents first:
+        a consumer that subscribed late learns the pool's contents."""
+        for block in parents_first(b for b in self.blocks if b.indexed):
+            self.events.stored([block.key], block.parent_key, [block.tokens], block.priority,
+                               extra=block.extra)
 
     # ------------------------------------------------------------------ internals
     def _fill(self, block: Block, key: bytes, parent_key: bytes, parent_serial: int,
@@ -231,6 +262,8 @@ class BlockPool:
                 self.policy.remove(held)
                 self._put_free(held)
         self.index.insert(block.key, block.block_id)
+        block.stored_at = block.released_at = self.clock()
+        self.changes += 1
         self.ghosts.discard(block.key)
         self.children.add(block.parent_key, block.extra, block.block_id)
         self._count(block.tenant, 1)
@@ -241,6 +274,7 @@ class BlockPool:
     def _unindex(self, block: Block) -> None:
         if block.indexed:
             self.index.remove(block.key)
+            self.changes += 1
             self.children.discard(block.parent_key, block.extra, block.block_id)
             self._count(block.tenant, -1)
             block.indexed = False
@@ -261,7 +295,7 @@ class BlockPool:
         if count:
             self.tenant_blocks[tenant] = count
         else:
-            del self.tenant_blocks[tenant]
+            self.tenant_blocks.pop(tenant, None)
         if self.quota is None:
             return
         bound = self.quota(tenant)

@@ -61,13 +61,16 @@ from rtpkv.cache.block import DEFAULT_PRIORITY, Block
 from rtpkv.cache.block_pool import BlockPool
 from rtpkv.cache.eviction import EvictionPolicy
 from rtpkv.cache.events import KVEventBuffer
+from rtpkv.cache.ghost_list import GhostTails
 from rtpkv.cache.gpu_pool import gpu_pool_blocks
 from rtpkv.cache.groups import KVGroup, group_root, kv_groups, layer_slots, slots
 from rtpkv.cache.kv_memory import KVMemory
 from rtpkv.cache.prefix_index import KeyChain, PrefixIndex
 from rtpkv.cache.retention import KvCacheRetentionConfig
+from rtpkv.cache.tenant_quotas import TenantQuotas
 from rtpkv.cache.tiers.base import BlockMeta
 from rtpkv.cache.tiers.ladder import TierHit, TierLadder, TierPlan
+from rtpkv.errors import ConfigError
 
 if TYPE_CHECKING:
     from rtpkv.cache.tiers.base import KVTier
@@ -197,17 +200,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def salt_quota(config: "RuntimeConfig") -> Optional[Callable[[bytes], Optional[int]]]:
-    """Each tenant's bound on cached blocks: its `cache_salt_quotas` entry, else
-    `cache_salt_quota_blocks` for a salted tenant (requests without a salt are bounded only by
-    an entry for ""). None when no quota is configured."""
-    overrides = {salt.encode(): n for salt, n in (config.cache_salt_quotas or {}).items()}
-    default = config.cache_salt_quota_blocks
-    if default is None and not overrides:
-        return None
-    return lambda salt: overrides.get(salt, default if salt else None)
-
-
 def tenant_label(salt: bytes) -> str:
     """How stats name a tenant: a digest of its salt, never the salt (a tenant's secret)."""
     return hashlib.sha256(salt).hexdigest()[:12] if salt else "(no salt)"
@@ -280,6 +272,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, index, events, policy=policy, clock=clock,
                               on_evict=self._offload if self.ladder else None, ghosts=ghosts,
                               quota=quota)
+        # the tails partial reuse would have kept, as token ids only (to explain a reuse_stop)
+        self.ghost_tails = GhostTails(0 if partial_reuse else self.pool.ghosts.capacity)
         self.groups = groups
         self.window = groups[0].window    # group 0's: tokens each query attends to; None: all
         grouped = len(groups) > 1
@@ -319,7 +313,7 @@ class KVCacheManager:
                     events=KVEventBuffer(config.kv_cache_event_buffer_max_size),
                     tiers=tiers,
                     offload_min_priority=config.secondary_offload_min_priority, window=window,
-                    ghosts=config.kv_cache_ghost_blocks, quota=salt_quota(config),
+                    ghosts=config.kv_cache_ghost_blocks, quota=TenantQuotas.from_config(config),
                     groups=groups)
         if len(groups) > 1:
             log.info("KV cache groups: %s (%d layers a block)", ", ".join(
@@ -339,6 +333,13 @@ class KVCacheManager:
     def announce_tiers(self) -> None:
         """Report as KV events what the tiers held before a listener came (a restarted
         replica's disk records), so a router that starts from `AllBlocksCleared` knows them."""
+        self.ladder.announce()
+
+    def announce_contents(self) -> None:
+        """Report as KV events everything the pool and the tiers hold now, for a consumer that
+        subscribed after those blocks were announced (Dynamo's relay subscribes only once the
+        worker has started)."""
+        self.pool.announce()
         self.ladder.announce()
 
     @property
@@ -713,8 +714,12 @@ class KVCacheManager:
         if not self.partial_reuse:
             parent_serial = self.pool.blocks[seq.block_table[i - 1]].serial if i else 0
             hit = self._partial_hit(seq, i, parent_serial, cap)
-            if hit is not None:
-                return ReuseStop("partial_block", hit.num_tokens)
+            chain = self._chain(seq)
+            tail = self.ghost_tails.longest(chain.parent(i), chain.extra(i), parent_serial,
+                                            seq.token_ids[i * B:min((i + 1) * B, cap)])
+            k = max(tail, hit.num_tokens if hit is not None else 0)
+            if k:
+                return ReuseStop("partial_block", k)
         last = cap // B                          # whole blocks the prompt may reuse
         if i >= last:
             return ReuseStop("prompt_end" if reused == cap or not self.partial_reuse
@@ -817,11 +822,12 @@ class KVCacheManager:
 
     def free(self, seq: CacheSequence) -> None:
         """Drop `seq`'s references, tail first, stamping each block with `seq`'s retention
-        priority (the last request to release a block decides it). Unreferenced full blocks
+        priority (the last request with a retention config to release a block decides it; one
+        without leaves a hold that has not run out as it is). Unreferenced full blocks
         stay cached (evictable); the rest go back to the free list."""
         retention = seq.retention or _DEFAULT_RETENTION
         tiers = self.ladder.allowed(seq.allows_tier)
-        if self.partial_reuse and self.reuse_applies(seq):
+        if self.reuse_applies(seq):
             self._keep_tail(seq)
         for _, view in reversed(self._views(seq)):
             for i in reversed(range(len(view.block_table))):
@@ -832,7 +838,8 @@ class KVCacheManager:
 
     def _keep_tail(self, seq: CacheSequence) -> None:
         """Keep `seq`'s partly filled last block as a partial-hit source when its computed
-        tokens follow a full block of its chain (the pool may decline a duplicate)."""
+        tokens follow a full block of its chain (the pool may decline a duplicate); with
+        partial reuse off, only its token ids, to explain a follow-up's reuse_stop."""
         B = self.block_size
         t, k = divmod(seq.num_computed, B)
         table = seq.block_table
@@ -842,8 +849,11 @@ class KVCacheManager:
         if t and not parent_serial:
             return                           # its parent was never committed (a failed step)
         chain = self._chain(seq)
-        self.pool.keep_tail(table[t], chain.parent(t), parent_serial,
-                            tuple(seq.token_ids[t * B:seq.num_computed]), chain.extra(t),
+        tokens = tuple(seq.token_ids[t * B:seq.num_computed])
+        if not self.partial_reuse:
+            self.ghost_tails.add(chain.parent(t), chain.extra(t), parent_serial, tokens)
+            return
+        self.pool.keep_tail(table[t], chain.parent(t), parent_serial, tokens, chain.extra(t),
                             chain.tenant(t))
 
     def _release_entry(self, seq: CacheSequence, i: int, retention: KvCacheRetentionConfig,
@@ -853,7 +863,7 @@ class KVCacheManager:
         block_id = seq.block_table[i]
         if self.pool.blocks[block_id].full or self.pool.blocks[block_id].tail:
             priority, duration = retention.block_retention(i * self.block_size, seq.num_prompt)
-            self.pool.stamp(block_id, priority, duration, tiers)
+            self.pool.stamp(block_id, priority, duration, tiers, keep_hold=seq.retention is None)
         self.pool.release(block_id)
 
     # ------------------------------------------------------------------ pins
@@ -905,7 +915,25 @@ class KVCacheManager:
         }
         stats.update(self._tenant_stats())
         stats.update(self.ladder.stats())
+        stats["residency"] = {"device": pool.residency.stats(), **self.ladder.residency()}
         return stats
+
+    def tenant(self, salt: str) -> dict[str, object]:
+        """One tenant's cached blocks, quota and quota evictions (the operator names it by its
+        salt; stats name it by `tenant_label`)."""
+        pool, key = self.pool, salt.encode()
+        quota = pool.quota(key) if pool.quota is not None else None
+        return {"tenant": tenant_label(key), "cached_blocks": pool.tenant_blocks[key],
+                "quota_blocks": quota, "quota_evictions": pool.quota_evictions[key],
+                "over_quota": quota is not None and pool.tenant_blocks[key] > quota}
+
+    def set_tenant_quota(self, salt: str, blocks: Optional[int]) -> None:
+        """Change one tenant's quota now (None: back to CACHE_SALT_QUOTA_BLOCKS); a tenant past
+        its new bound gives way at the next eviction."""
+        if not isinstance(self.pool.quota, TenantQuotas):
+            raise ConfigError("per-tenant quotas are off: start with CACHE_SALT_QUOTA_BLOCKS or "
+                              "CACHE_SALT_QUOTAS to change them at run time")
+        self.pool.set_quota(salt.encode(), blocks)
 
     def _tenant_stats(self) -> dict[str, object]:
         """Per-tenant counts (cached blocks, quota, quota evictions), each tenant named by a

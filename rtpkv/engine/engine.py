@@ -28,6 +28,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from rtpkv.cache.block import parents_first
 from rtpkv.cache.manager import KVCacheManager, PinnedPrefix
 from rtpkv.config import RuntimeConfig
 from rtpkv.engine.heap_trim import HeapTrimmer, libc_malloc_trim
@@ -148,6 +149,17 @@ class Engine:
         with self.lock:
             self.cache.announce_tiers()
 
+    def tenant_quota(self, salt: str) -> dict[str, Any]:
+        """One tenant's cached blocks, quota and quota evictions (KVCacheManager.tenant)."""
+        with self.lock:
+            return self.cache.tenant(salt)
+
+    def set_tenant_quota(self, salt: str, blocks: Optional[int]) -> dict[str, Any]:
+        """Change one tenant's quota between steps; returns its counts after the change."""
+        with self.lock:
+            self.cache.set_tenant_quota(salt, blocks)
+            return self.cache.tenant(salt)
+
     def reuse_applies(self, req: Request) -> bool:
         """Whether `req` looks up and registers cached blocks (REUSE_CACHE and its own
         `reuse_cache`)."""
@@ -166,6 +178,19 @@ class Engine:
     def tier_names(self) -> list[str]:
         """The tiers below the device pool, nearest first."""
         return [tier.name for tier in self.cache.ladder.tiers]
+
+    def indexed_blocks(self) -> tuple[int, list[tuple[bytes, bytes, tuple[int, ...], bytes]]]:
+        """(the pool's change count, its indexed blocks as (key, parent key, tokens, extra),
+        parents first): what a router that polls for the cached set reads, taken at once."""
+        with self.lock:
+            pool = self.cache.pool
+            blocks = parents_first(b for b in pool.blocks if b.indexed)
+            return pool.changes, [(b.key, b.parent_key, b.tokens, b.extra) for b in blocks]
+
+    def announce_contents(self) -> None:
+        """Emit a stored event for each block the pool and the tiers hold now (parents first)."""
+        with self.lock:
+            self.cache.announce_contents()
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:

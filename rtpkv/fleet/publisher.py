@@ -26,6 +26,22 @@ know none of its blocks until the replica's next event.
 The engine thread only appends each event to a queue (the listener); a background thread turns
 them into batches, encodes, sends and serves replays, so publishing costs the engine one queue
 append per event.
+
+The sockets face whoever can reach their ports, so what a peer can make the replica do is
+bounded: both set ZMQ_MAXMSGSIZE (a larger frame, or a frame header declaring one, disconnects
+the peer before anything is allocated for it); the PUB side is an XPUB in manual mode, so a
+subscription reaches libzmq's subscription trie only when it is a prefix of the topic (a longer
+or different one could never match a message: it is dropped, not stored); each turn of the
+thread reads at most REPLAY_REQUESTS_PER_TURN replay requests (and a bounded number of frames)
+before it publishes what the engine queued, so a flood of requests delays the events by one
+turn, not by its length; malformed requests and refused subscriptions are dropped with one log
+line a minute (RateLimitedLog). The events ports are for the routers only: bind them to a
+private interface (docs/USAGE.md, "KV events sockets").
+
+The PUB socket is an XPUB: it publishes the same way, and also tells the publisher when a
+consumer subscribes (`add_subscribe_listener`, called for each subscription it applies). A consumer without a replay socket (Dynamo's
+relay, which subscribes only once its worker has started) misses what was published before;
+a listener can then announce the replica's current contents again.
 """
 
 from __future__ import annotations
@@ -35,11 +51,12 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import zmq
 
 from rtpkv.cache.events import KVEventBuffer
+from rtpkv.cache.manager import tenant_label
 from rtpkv.fleet import wire
 from rtpkv.log_limit import RateLimitedLog
 
@@ -48,13 +65,23 @@ log = logging.getLogger("rtpkv")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 POLL_S = 0.05   # how long the publisher thread waits for an event before it checks replays
 HEARTBEAT_S = 1.0   # while idle, the last batch is sent again this often (see the docstring)
+# Room for a peer's handshake (its READY command: socket type and an identity of up to 255
+# bytes), which passes through the same size check as its messages.
+HANDSHAKE_BYTES = 512
+REQUEST_FRAMES = 3              # a replay request: [identity, b"", 8-byte start_seq]
+REPLAY_REQUESTS_PER_TURN = 8    # replay requests served before the thread publishes again
+FRAMES_PER_TURN = 64 * REQUEST_FRAMES   # frames read from the replay socket per turn
+SUBSCRIPTIONS_PER_TURN = 4096   # subscription messages read from the XPUB socket per turn
 
 
 class KVEventPublisher:
     def __init__(self, events: KVEventBuffer, block_size: int, root_key: bytes, endpoint: str,
                  replay_endpoint: Optional[str] = None, topic: str = "",
-                 buffer_steps: int = 10000, hwm: int = 100000, layout: str = "map"):
+                 buffer_steps: int = 10000, hwm: int = 100000, layout: str = "map",
+                 mediums: str = "disk", salt_prefix: str = ""):
         self.layout = layout
+        self.mediums = wire.MEDIUM_NAMES[mediums]
+        self.salt_prefix = salt_prefix   # tags a salt for a consumer that wants it tagged
         self.block_size = block_size
         self.root_key = root_key
         self.group_roots = events.group_roots   # KV cache groups' roots: first blocks too
@@ -63,15 +90,25 @@ class KVEventPublisher:
         self._seq = 0
         self._queue: "queue.SimpleQueue[dict[str, Any]]" = queue.SimpleQueue()
         self._ctx = zmq.Context.instance()
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self._subscribe_listeners: list[Callable[[], None]] = []
         self._pub.set_hwm(hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.XPUB_MANUAL, 1)   # subscriptions are checked here first
+        # a subscription frame is its flag byte and its prefix (or, from ZMTP 3.1 peers, a
+        # SUBSCRIBE command: 10 bytes and the prefix); none longer than the topic can match
+        self._pub.setsockopt(zmq.MAXMSGSIZE, HANDSHAKE_BYTES + len(self.topic))
         self._replay: Optional[zmq.Socket] = None
+        self._request: list[bytes] = []     # the replay request being read, frame by frame
+        self._request_frames = 0            # its frames so far (those past 3 are not kept)
+        self._bad_subscription = RateLimitedLog(log, logging.WARNING)
+        self._bad_request = RateLimitedLog(log, logging.WARNING)
         try:
             self._pub.bind(endpoint)
             if replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, HANDSHAKE_BYTES)
                 self._replay.bind(replay_endpoint)
         except zmq.ZMQError as exc:
             self._close_sockets()
@@ -94,26 +131,35 @@ class KVEventPublisher:
                     root_key: bytes) -> "KVEventPublisher":
         return cls(events, block_size, root_key, config.kv_events_endpoint,
                    config.kv_events_replay_endpoint, config.kv_events_topic,
-                   config.kv_events_buffer_steps, layout=config.kv_events_layout)
+                   config.kv_events_buffer_steps, layout=config.kv_events_layout,
+                   mediums=config.kv_events_mediums, salt_prefix=config.kv_events_salt_prefix)
+
+    def add_subscribe_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (on the publisher's thread: it must only hand off) each time a
+        consumer subscribes to this publisher's topic."""
+        self._subscribe_listeners.append(listener)
 
     # ------------------------------------------------------------------ translation
     def to_wire(self, event: dict[str, Any]) -> Optional[wire.Event]:
         """The vLLM event for one of the buffer's events (None for `updated`: vLLM has none)."""
-        medium = wire.MEDIUMS.get(event["tier"], event["tier"].upper())
+        medium = self.mediums.get(event["tier"], event["tier"].upper())
         if event["type"] == "stored":
             parent = bytes.fromhex(event["parent_hash"])
-            # the salt as the request gave it (its UTF-8 bytes are the key's extra), as vLLM
-            # publishes a cache_salt (bytes that are not UTF-8, from a corrupt disk record's
-            # header, raise: _translated drops that event and logs it)
-            salt = bytes.fromhex(event.get("extra", "")).decode()
-            tokens = [t for block in event["token_ids"] for t in block]
+            # the salt (the key's extra, on the first block of a salted chain) never goes out:
+            # its digest does, and that block's ids folded with it (rtpkv.fleet.wire)
+            salt = bytes.fromhex(event.get("extra", ""))
+            blocks = [list(block) for block in event["token_ids"]]
+            label = tenant_label(salt) if salt else None
+            if label is not None:
+                blocks[0] = wire.salted_token_ids(label, blocks[0])
             first = parent == self.root_key or parent in self.group_roots
             group = {f: event[f] for f in wire.GROUP_FIELDS["BlockStored"] if f in event}
             return wire.block_stored(
                 [wire.wire_hash(bytes.fromhex(h)) for h in event["block_hashes"]],
-                None if first else wire.wire_hash(parent), tokens,
-                self.block_size, medium,
-                [[salt]] + [None] * (len(event["block_hashes"]) - 1) if salt else None, group)
+                None if first else wire.wire_hash(parent),
+                [t for block in blocks for t in block], self.block_size, medium,
+                [[self.salt_prefix + label]] + [None] * (len(blocks) - 1) if label else None,
+                group)
         if event["type"] == "removed":
             return wire.block_removed([wire.wire_hash(bytes.fromhex(h))
                                        for h in event["block_hashes"]], medium,
@@ -123,11 +169,11 @@ class KVEventPublisher:
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
         while True:
+            behind = self._read_subscriptions()
             if self._replay is not None:
-                while self._replay.poll(0):
-                    self._serve_replay()
-            try:
-                first = self._queue.get(timeout=POLL_S)
+                behind = self._serve_replays() or behind
+            try:   # a socket with more to read is served again right after this turn's events
+                first = self._queue.get(timeout=0 if behind else POLL_S)
             except queue.Empty:
                 if self._stopping.is_set():
                     return
@@ -145,6 +191,28 @@ class KVEventPublisher:
             events = [e for e in map(self._translated, batch) if e is not None]
             if events:
                 self._send(events)
+
+    def _read_subscriptions(self) -> bool:
+        """Take the (un)subscriptions peers sent, at most SUBSCRIPTIONS_PER_TURN: a prefix of
+        the topic is applied (manual mode: to the peer that sent it), anything else dropped.
+        Returns whether more are waiting."""
+        for _ in range(SUBSCRIPTIONS_PER_TURN):
+            try:
+                msg = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            flag, prefix = msg[:1], msg[1:]
+            if flag in (b"\x00", b"\x01") and self.topic.startswith(prefix):
+                self._pub.setsockopt(zmq.SUBSCRIBE if flag == b"\x01" else zmq.UNSUBSCRIBE,
+                                     prefix)
+                if flag == b"\x01":
+                    for listener in list(self._subscribe_listeners):
+                        listener()
+            else:
+                self._bad_subscription("KV events: dropped a subscription message of %d "
+                                       "bytes that is no prefix of the topic %r", len(msg),
+                                       self.topic.decode())
+        return True
 
     def _translated(self, event: dict[str, Any]) -> Optional[wire.Event]:
         """to_wire, or None (logged, at most once a minute) for an event it fails on: the
@@ -164,13 +232,35 @@ class KVEventPublisher:
         self.buffer.append((self._seq, payload))
         self._seq += 1
 
-    def _serve_replay(self) -> None:
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
-            log.warning("KV events: ignoring a malformed replay request of %d frames", len(frames))
-            return
-        identity, _, start = frames
-        first = int.from_bytes(start, "big")
+    def _serve_replays(self) -> bool:
+        """Read the replay socket frame by frame, at most FRAMES_PER_TURN frames and
+        REPLAY_REQUESTS_PER_TURN requests (valid or not) a turn; answer each valid request.
+        A request's frames past the third are counted, not kept. Returns whether more are
+        waiting."""
+        requests = 0
+        for _ in range(FRAMES_PER_TURN):
+            if requests == REPLAY_REQUESTS_PER_TURN:
+                return True
+            try:
+                frame = self._replay.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            self._request_frames += 1
+            if self._request_frames <= REQUEST_FRAMES:
+                self._request.append(frame)
+            if self._replay.getsockopt(zmq.RCVMORE):
+                continue
+            frames, count = self._request, self._request_frames
+            self._request, self._request_frames = [], 0
+            requests += 1
+            if count == REQUEST_FRAMES and frames[1] == b"" and len(frames[2]) == 8:
+                self._answer(frames[0], int.from_bytes(frames[2], "big"))
+            else:
+                self._bad_request("KV events: dropped a malformed replay request of %d frames "
+                              "(expected [b'', 8-byte start_seq])", count - 1)
+        return True
+
+    def _answer(self, identity: bytes, first: int) -> None:
         for seq, payload in list(self.buffer):
             if seq >= first:
                 self._replay.send_multipart((identity, b"", self.topic, seq.to_bytes(8, "big"),

@@ -24,12 +24,21 @@ removal, and index the block by its `token_ids` (vllm-router hashes each block's
 SHA-256, llm-d with FNV-64a over CBOR, Dynamo with XXH3, each chaining them from the root), so a
 router that tokenizes the request with the same tokenizer and block size finds what a replica
 holds, and no hash seed is shared. The key carries the model, the block size and the request's
-`cache_salt`, so tenants' blocks never share a hash; a salted first block also carries the salt
-in `extra_keys`, as the string the request gave, as vLLM does.
+`cache_salt`, so tenants' blocks never share a hash.
+
+A salted block is the tenant's own, and no router may credit it to a request of another tenant
+with the same text, nor learn the salt: the first block of a salted chain (the one whose key
+takes the salt) carries in `extra_keys` the salt's digest (`tenant_label`, as /cache_status
+names tenants), never the salt, and its `token_ids` folded with that digest
+(`salted_token_ids`): each id t becomes 2**30 + (BLAKE2b-32 of t keyed by the digest) mod 2**30,
+an id no tokenizer gives, so a router that hashes a request's plain token ids never matches it,
+nor any block chained below it. A consumer that knows a request's salt folds the first block
+of its tokens the same way to find the tenant's blocks.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Optional, Sequence
 
 import msgpack
@@ -37,6 +46,12 @@ import msgpack
 # Where a block lives, in vLLM's `medium` names: the device pool is the engine's "GPU" (the
 # tier a router credits fully, whatever the device), host memory "CPU", the disk tier "DISK".
 MEDIUMS = {"device": "GPU", "memory": "CPU", "disk": "DISK"}
+# The namings consumers read (KV_EVENTS_MEDIUMS): "disk" as above (vllm-router, llm-d);
+# "storage", vLLM's current name for its storage tier; "tiers", the names every Dynamo release
+# maps to its host-pinned and disk tiers (older ones take "CPU" and "DISK" for the device's,
+# crediting a host or disk block as if it were on the device).
+MEDIUM_NAMES = {"disk": MEDIUMS, "storage": {**MEDIUMS, "disk": "STORAGE"},
+                "tiers": {"device": "GPU", "memory": "CPU_TIER1", "disk": "CPU_TIER2"}}
 
 
 # Each event's fields after its tag, in vLLM's order: the "array" layout's positions.
@@ -56,6 +71,18 @@ def wire_hash(key: bytes) -> int:
     bit cleared and the next one set, so that signed (i64) and unsigned (u64) consumers read the
     same number and msgpack always packs it in 8 bytes (llm-d refuses hashes packed shorter)."""
     return int.from_bytes(key[:8], "big") >> 2 | 1 << 62
+
+
+SALTED_ID_BASE = 2**30   # folded ids lie in [2**30, 2**31): above any vocabulary, int32-safe
+
+
+def salted_token_ids(label: str, token_ids: Sequence[int]) -> list[int]:
+    """The ids published for the first block of a chain salted with the salt whose digest is
+    `label`: unmatchable by a request's plain ids, distinct per tenant."""
+    key = label.encode()
+    return [SALTED_ID_BASE + int.from_bytes(hashlib.blake2b(
+        t.to_bytes(8, "big"), key=key, digest_size=4).digest(), "big") % SALTED_ID_BASE
+        for t in token_ids]
 
 
 Event = dict[str, Any]

@@ -58,6 +58,18 @@ class ApiError(Exception):
                           "code": code}}
 
 
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                         403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 409: "rate_limit_error",
+                         429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_body(err: ApiError) -> dict[str, Any]:
+    """Anthropic's error object: {"type": "error", "error": {"type", "message"}}."""
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(err.status, "api_error"),
+                                       "message": err.message}}
+
+
 def api_error(exc: BaseException) -> ApiError:
     """The HTTP answer for an exception raised by the pipeline (or the server itself)."""
     if isinstance(exc, ApiError):

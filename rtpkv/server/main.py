@@ -20,6 +20,7 @@ import uvicorn
 from rtpkv.config import Settings
 from rtpkv.errors import ConfigError
 from rtpkv.server.app import create_app
+from rtpkv.server.tenants import CacheSwitches
 
 log = logging.getLogger("rtpkv")
 
@@ -112,7 +113,8 @@ def serve(model: Optional[str] = None, host: Optional[str] = None, port: Optiona
             log.info("warming up (WARM_UP=0 skips it)")
             log.info("warm-up done in %.1f s", warm_up(pipeline))
         app = create_app(pipeline, name,
-                         max_body_bytes=int(settings.max_request_body_mb * 2**20))
+                         max_body_bytes=int(settings.max_request_body_mb * 2**20),
+                         switches=CacheSwitches.from_settings(settings))
         config = uvicorn.Config(app, log_level=log_level, access_log=access_log,
                                 timeout_graceful_shutdown=shutdown_timeout + ANSWER_GRACE_S)
         # uvicorn re-raises the stop signal once it has shut down gracefully; a container's

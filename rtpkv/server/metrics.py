@@ -1,14 +1,16 @@
 """Prometheus metrics of one server: requests by outcome, latencies, token counts, and the KV
-cache read from `cache_stats()` at scrape time. Each app has its own registry."""
+cache read from `cache_stats()` at scrape time, under rtpkv's names and (for the load-aware
+routers that read vLLM's) vLLM's. Each app has its own registry."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+MAX_TENANT_LABELS = 20   # tenants labelled by name (digest) on /metrics; the rest are "other"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0)
 
@@ -56,6 +58,8 @@ class _CacheCollector(Collector):
         yield GaugeMetricFamily("rtpkv_cache_tenants_over_quota",
                                 "tenants (cache_salt) holding more cached blocks than their quota",
                                 value=stats["tenants_over_quota"])
+        yield from _tenant_metrics(stats["tenants"])
+        yield from _residency_metrics(stats["residency"])
         yield GaugeMetricFamily("rtpkv_requests_running", "requests in the running batch",
                                 value=stats["requests_running"])
         yield GaugeMetricFamily("rtpkv_requests_waiting", "requests waiting for admission",
@@ -64,8 +68,85 @@ class _CacheCollector(Collector):
                                 value=self._in_flight())
 
 
+RESIDENCY_HELP = {
+    "lifetime": "seconds from a block's store to its eviction, per tier",
+    "idle_before_eviction": "seconds a block sat unused before its eviction, per tier",
+    "reuse_gap": "seconds between a block's release (or last use) and its next hit, per tier",
+}
+
+
+def _residency_metrics(residency: dict[str, dict[str, Any]]) -> Iterator[Any]:
+    """rtpkv_kv_block_<kind>_seconds{tier}: cache_stats()["residency"] as histograms."""
+    for kind, doc in RESIDENCY_HELP.items():
+        family = HistogramMetricFamily(f"rtpkv_kv_block_{kind}_seconds", doc, labels=["tier"])
+        for tier, kinds in residency.items():
+            entry, total, buckets = kinds[kind], 0, []
+            for le, count in zip(entry["le_s"] + [float("inf")], entry["counts"]):
+                total += count
+                buckets.append(("+Inf" if le == float("inf") else repr(le), total))
+            family.add_metric([tier], buckets, sum_value=entry["sum_s"])
+        yield family
+
+
+def _tenant_metrics(tenants: dict[str, dict[str, Any]]) -> Iterator[Any]:
+    """Cached blocks and quota per tenant (labelled by the digest of its salt): the
+    MAX_TENANT_LABELS tenants holding the most blocks by name, the rest summed as "other", so
+    the label set stays bounded however many salts clients send."""
+    ranked = sorted(tenants.items(), key=lambda item: (-item[1]["blocks"], item[0]))
+    shown, rest = ranked[:MAX_TENANT_LABELS], ranked[MAX_TENANT_LABELS:]
+    blocks = GaugeMetricFamily("rtpkv_cache_tenant_blocks",
+                               "cached blocks per tenant (cache_salt, as a digest)",
+                               labels=["tenant"])
+    quota = GaugeMetricFamily("rtpkv_cache_tenant_quota_blocks", "each tenant's quota",
+                              labels=["tenant"])
+    for label, entry in shown:
+        blocks.add_metric([label], entry["blocks"])
+        if entry["quota"] is not None:
+            quota.add_metric([label], entry["quota"])
+    if rest:
+        blocks.add_metric(["other"], sum(entry["blocks"] for _, entry in rest))
+    yield blocks
+    yield quota
+
+
+class _VllmCollector(Collector):
+    """The same engine state under vLLM's metric names, which the load-aware policies of
+    llm-d's scheduler and vllm-router read: requests running and waiting, KV cache usage (the
+    fraction of the pool held by requests; cached blocks nobody holds are reusable, as in
+    vLLM) and the prefix cache's query and hit counters, in tokens. Labelled as vLLM labels
+    them (model_name, engine)."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str):
+        self._stats, self._labels = stats, [model_name, "0"]
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc, labels=["model_name", "engine"])
+        family.add_metric(self._labels, value)
+        return family
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
+        family.add_metric(self._labels, value)
+        return family
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        yield self._gauge("vllm:num_requests_running", "requests in the running batch",
+                          stats["requests_running"])
+        yield self._gauge("vllm:num_requests_waiting", "requests waiting for admission",
+                          stats["requests_waiting"])
+        yield self._gauge("vllm:kv_cache_usage_perc",
+                          "KV cache usage: 1 means 100 percent (blocks held by requests)",
+                          stats["blocks_in_use"] / stats["blocks_total"])
+        yield self._counter("vllm:prefix_cache_queries", "prompt tokens looked up in the prefix "
+                            "cache", stats["queries"])
+        yield self._counter("vllm:prefix_cache_hits", "prompt tokens found in the prefix cache",
+                            stats["hits"])
+
+
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], dict[str, Any]], in_flight: Callable[[], int]):
+    def __init__(self, stats: Callable[[], dict[str, Any]], in_flight: Callable[[], int],
+                 model_name: str = ""):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("rtpkv_requests", "HTTP generation requests by route and outcome",
@@ -83,6 +164,7 @@ class ServerMetrics:
         self.reused_tokens = Counter("rtpkv_reused_tokens", "prompt tokens served from the cache",
                                      registry=r)
         r.register(_CacheCollector(stats, in_flight))
+        r.register(_VllmCollector(stats, model_name))
 
     def observe(self, aux: dict[str, Any]) -> None:
         """Record one finished engine request from its aux_info."""

@@ -5,6 +5,12 @@ Fields rtpkv does not implement are not declared: like any undeclared key they p
 generate_config (that is how rtpkv's extras such as `task_id`, `cache_salt`, `top_k` arrive from
 the `openai` client's `extra_body`), so an unsupported one is refused by name there.
 `usage.prompt_tokens_details.cached_tokens` is the request's `reuse_len`.
+
+OpenAI's prompt-cache controls: `prompt_cache_retention` ("in_memory", "24h") holds the whole
+prompt at a retention priority for a while (rtpkv.server.cache_controls has the table);
+`prompt_cache_key` is accepted, and is the request's `cache_salt` only on a server started with
+PROMPT_CACHE_KEY_SALT=1 (OpenAI's key groups requests for routing; it isolates nothing unless
+the operator makes it).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rtpkv.pipeline import BatchResponse, Response, TokenLogprob
+from rtpkv.server.cache_controls import OPENAI_RETENTION, whole_prompt
 from rtpkv.server.errors import ApiError, ErrorCode, api_error
 
 DONE = "data: [DONE]\n\n"
@@ -72,16 +79,32 @@ class _Common(BaseModel):
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = None
     user: Optional[str] = None  # OpenAI's end-user id: accepted for compatibility, not used
+    prompt_cache_key: Optional[str] = Field(None, min_length=1, max_length=256)
+    prompt_cache_retention: Optional[Literal["in_memory", "24h"]] = None
     # The routers forward their own request models whole (SGLang's, vLLM's): their fields at the
     # values that leave them off are accepted, so a router in front of rtpkv works unmodified;
     # any other value is refused.
     no_stop_trim: Literal[False] = False
 
-    def generate_config(self) -> dict[str, Any]:
+    def generate_config(self, key_is_salt: bool = False) -> dict[str, Any]:
         """The rtpkv generate_config: mapped OpenAI fields, then the extras as given (the
-        unsupported OpenAI parameters, checked in `parse`, left off)."""
+        unsupported OpenAI parameters, checked in `parse`, left off); `key_is_salt`: the
+        prompt_cache_key is the cache_salt (PROMPT_CACHE_KEY_SALT)."""
         config: dict[str, Any] = {k: v for k, v in (self.model_extra or {}).items()
                                   if k not in UNSUPPORTED}
+        if self.prompt_cache_retention is not None:
+            if config.get("kv_cache_retention_config") is not None:
+                raise ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                               "give either prompt_cache_retention or kv_cache_retention_config, "
+                               "not both", "prompt_cache_retention")
+            config["kv_cache_retention_config"] = whole_prompt(
+                OPENAI_RETENTION[self.prompt_cache_retention])
+        if key_is_salt and self.prompt_cache_key is not None:
+            if config.get("cache_salt") not in (None, self.prompt_cache_key):
+                raise ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                               "prompt_cache_key is this server's cache_salt "
+                               "(PROMPT_CACHE_KEY_SALT=1); give one of them", "prompt_cache_key")
+            config["cache_salt"] = self.prompt_cache_key
         mapped = {"max_new_tokens": self.max_new_tokens(), "temperature": self.temperature,
                   "top_p": self.top_p, "random_seed": self.seed,
                   "stop_words_str": [self.stop] if isinstance(self.stop, str) else self.stop}

@@ -24,7 +24,8 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.pipeline.cache_stats, lambda: self.in_flight)
+        self.metrics = ServerMetrics(self.pipeline.cache_stats, lambda: self.in_flight,
+                                     self.model_name)
 
     @property
     def concurrency_limit(self) -> int:

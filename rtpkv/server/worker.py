@@ -6,11 +6,16 @@ gets from the worker's render routes (vLLM's `/v1/completions/render` and
 hashes them by block the way the replicas' KV events do. SGLang's router reads `/model_info`
 and `/server_info` (or their older `/get_` names) when it registers a worker. A render here
 tokenizes exactly as a generation request does (`Pipeline.prompt_token_ids` / `chat_prompt`),
-so the ids a router hashes are the ids whose blocks the replica caches.
+so the ids a router hashes are the ids whose blocks the replica caches. Rendering takes the
+generation routes' path (vllm-router's `kv_aware` renders every request it routes): off the
+event loop, long texts on the pipeline's private tokenizer copy, a text too long for
+max_seq_len refused untokenized, and at most CONCURRENCY_LIMIT prompts a request (the most one
+generation request can be admitted with).
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -38,25 +43,34 @@ def add_worker_routes(app: FastAPI, state: "ServerState",
             raise ApiError(404, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
                            f"model {name!r} does not exist; this server serves {model!r}", "model")
 
-    def tokenized(fn: Callable[[], list[int]]) -> list[int]:
+    def tokenized(fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except Exception as exc:
             raise api_error(exc) from exc
+
+    def check_prompts(count: int) -> None:
+        limit = state.concurrency_limit
+        if count > limit:
+            raise ApiError(400, ErrorCode.ERROR_INPUT_FORMAT_ERROR,
+                           f"prompt has {count} entries; a request takes 1 to "
+                           f"CONCURRENCY_LIMIT={limit}", "prompt")
 
     @app.post("/v1/completions/render")
     async def completions_render(request: Request) -> list[dict[str, Any]]:
         req = openai.parse(openai.CompletionRequest, await json_body(request))
         check_model(req.model)
         prompts = req.prompt if req.batch else [req.prompt]
-        return [_generate_request(model, tokenized(lambda p=p: pipeline.prompt_token_ids(p)),
-                                  req.max_tokens) for p in prompts]
+        check_prompts(len(prompts))
+        ids = await asyncio.to_thread(
+            tokenized, lambda: [pipeline.prompt_token_ids(p) for p in prompts])
+        return [_generate_request(model, i, req.max_tokens) for i in ids]
 
     @app.post("/v1/chat/completions/render")
     async def chat_render(request: Request) -> dict[str, Any]:
         req = openai.parse(openai.ChatCompletionRequest, await json_body(request))
         check_model(req.model)
-        ids = tokenized(lambda: pipeline.chat_prompt(req.messages))
+        ids = await asyncio.to_thread(tokenized, lambda: pipeline.chat_prompt(req.messages))
         return _generate_request(model, ids, req.max_new_tokens())
 
     def model_info() -> dict[str, Any]:

@@ -209,10 +209,12 @@ def test_events_carry_the_groups_fields(checkpoints, make_pipeline):
     assert sorted(per_group) == [0, 1, 2, 3] and all(len(v) == 7 for v in per_group.values())
     assert {(e["kv_cache_spec_kind"], e["kv_cache_spec_sliding_window"]) for e in stored} == {
         (FULL_ATTENTION, None), (SLIDING_WINDOW, W)}
-    publisher = KVEventPublisher.__new__(KVEventPublisher)
-    publisher.root_key, publisher.block_size = pipe.engine.cache.index.root, B
-    publisher.group_roots = pipe.engine.events.group_roots
-    firsts = [publisher.to_wire(v[0]) for v in per_group.values()]
+    publisher = KVEventPublisher(pipe.engine.events, B, pipe.engine.cache.index.root,
+                                 "inproc://kv-groups-events")
+    try:
+        firsts = [publisher.to_wire(v[0]) for v in per_group.values()]
+    finally:
+        publisher.stop()
     assert all(f["parent_block_hash"] is None for f in firsts)
     assert [f["group_idx"] for f in firsts] == [0, 1, 2, 3]
     for layout in ("map", "array"):

@@ -46,6 +46,26 @@ def test_without_a_priority_the_same_flood_evicts_the_prefix(make_pipeline):
     assert run(pipe, SYSTEM + [7, 8], max_new_tokens=4).aux_info["reuse_len"] < 40
 
 
+def test_a_request_without_a_config_neither_drops_nor_extends_a_hold(make_pipeline):
+    """The last release decides, among requests that give a retention config; one that gives
+    none (most of them) leaves a hold that has not run out as it is, for what is left of it."""
+    pipe = make_pipeline(reuse_cache=True, seq_size_per_block=4, kv_cache_max_tokens=128)
+    now = [0.0]
+    pipe.engine.cache.pool.clock = lambda: now[0]
+    held = {"token_range_retention_configs": [{"token_start": 0, "token_end": 40,
+                                               "priority": 90, "duration_ms": 100_000}]}
+    run(pipe, SYSTEM + [5, 6], max_new_tokens=2, kv_cache_retention_config=held)
+    now[0] = 60.0
+    assert run(pipe, SYSTEM + [9], max_new_tokens=2).aux_info["reuse_len"] == 40
+    assert pipe.cache_stats()["blocks_cached_by_priority"][90] == 10   # not dropped
+    now[0] = 101.0
+    assert 90 not in pipe.cache_stats()["blocks_cached_by_priority"]   # nor extended
+    run(pipe, SYSTEM + [5, 6], max_new_tokens=2, kv_cache_retention_config=held)
+    low = {"token_range_retention_configs": [{"token_start": 0, "priority": 20}]}
+    run(pipe, SYSTEM + [9], max_new_tokens=2, kv_cache_retention_config=low)
+    assert pipe.cache_stats()["blocks_cached_by_priority"][20] >= 10   # a config decides
+
+
 def test_token_positions_count_the_task_prompt(make_pipeline):
     tasks = [{"task_id": "t", "prompt": " ".join(["hello"] * 12)}]
     pipe = make_pipeline(reuse_cache=True, seq_size_per_block=4, tasks=tasks)
@@ -89,7 +109,8 @@ def test_kv_cache_events_replay_into_what_the_replica_holds(make_pipeline):
                          kv_cache_event_buffer_max_size=100_000)
     run(pipe, SYSTEM + [5, 6], max_new_tokens=4, kv_cache_retention_config=HIGH)
     _flood(pipe, 10, seed=3)
-    run(pipe, SYSTEM + [9], max_new_tokens=2)   # last writer: the prefix drops back to 35
+    run(pipe, SYSTEM + [9], max_new_tokens=2,   # last writer: the prefix drops back to 35
+        kv_cache_retention_config={"token_range_retention_configs": [{"token_start": 0}]})
     held: dict[str, int] = {}
     last_id = 0
     for event in pipe.kv_cache_events(timeout=1.0):

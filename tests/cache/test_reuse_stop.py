@@ -102,3 +102,24 @@ def test_tier_disabled_when_the_request_turned_the_holding_tier_off(make_pipelin
     assert stop(pipe, A, enable_memory_cache=False) == ("tier_disabled", 0, 0)
     reason, _, reused = stop(pipe, A)
     assert reused == 16 and reason == "prompt_end"
+
+
+def test_a_follow_up_in_the_last_turns_partly_filled_block_is_a_partial_block(make_pipeline):
+    """Partial reuse off: a chat follow-up whose next tokens sit in the previous turn's partly
+    filled last block (freed at its end) is told partial_block, with the tokens partial reuse
+    takes on the same turns, not not_cached."""
+    turn = BASE[:9]                                   # 9 + 2 generated: 10 computed, a tail of 2
+    kept = make_pipeline(**ON, enable_partial_reuse=True)
+    plain = make_pipeline(**ON)
+    for pipe in (kept, plain):
+        first = run(pipe, turn, max_new_tokens=2, top_k=1, ignore_eos=True)
+        follow = turn + first.output_ids + [900, 901, 902]
+        aux = run(pipe, follow, max_new_tokens=2).aux_info
+        if pipe is kept:
+            taken = aux["partial_reuse_len"]
+            assert taken == 2 and aux["reuse_len"] == 8 + 2
+        else:
+            assert (aux["reuse_stop"], aux["reuse_stop_tokens"], aux["reuse_len"]) == \
+                ("partial_block", taken, 8)
+    # another tenant's follow-up with the same tokens is told nothing of it
+    assert stop(plain, follow, cache_salt="b")[0] == "not_cached"

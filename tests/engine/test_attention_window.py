@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 import transformers
-from conftest import idle_in_use, load, run
+from conftest import idle_in_use, load, needs_c_kernels, run
 
 from rtpkv.errors import CapacityError, ConfigError
 from rtpkv.model_factory.tiny import build_tiny_checkpoint
@@ -18,7 +18,8 @@ WINDOWED = {
     "mistral": dict(architecture="MistralForCausalLM", sliding_window=W, tie_word_embeddings=True),
     "qwen2": dict(architecture="Qwen2ForCausalLM", sliding_window=W),
 }
-BACKENDS = ["torch", "cpu-paged", "flash-attn"]   # flash-attn: the CPU stand-in (conftest)
+# flash-attn: the CPU stand-in (conftest)
+BACKENDS = ["torch", pytest.param("cpu-paged", marks=needs_c_kernels), "flash-attn"]
 
 
 @pytest.fixture(scope="module")

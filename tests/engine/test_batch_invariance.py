@@ -2,7 +2,10 @@
 forward, nor on where its prefill chunk starts. So prefix reuse, chunked prefill and batching
 give bit-identical greedy tokens and logits, in bfloat16 as in float32, with int8 weights
 (WEIGHT_TYPE=INT8 and W8A8_INT8) and with the int8 KV cache (KV_CACHE_DTYPE=int8) in both, for
-Llama and for Qwen3 (whose q/k norm runs on strided views of the fused qkv output)."""
+Llama, for Qwen3 (whose q/k norm runs on strided views of the fused qkv output) and for the
+mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral: tokens grouped by expert, each token's
+experts added in a fixed order; where the experts run on the C linear kernels, in one C call
+per layer)."""
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ MODES = {"bfloat16": dict(dtype="bfloat16"), "float32": dict(dtype="float32"),
          "int8": dict(weight_type="INT8"), "w8a8": dict(weight_type="W8A8_INT8"),
          "int8-kv": dict(dtype="float32", kv_cache_dtype="int8"),
          "bf16-int8-kv": dict(dtype="bfloat16", int8_kv_cache=True)}
-ARCHS = ["llama", "qwen3"]
+ARCHS = ["llama", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"]
 
 
 def _prompts(n=4, length=21, seed=5):

@@ -5,7 +5,10 @@ positional batch), and a consumer rebuilds exactly the replica's cached set."""
 from __future__ import annotations
 
 import random
+import socket
+import struct
 import threading
+import time
 
 import msgpack
 import pytest
@@ -15,7 +18,8 @@ from rtpkv.config import Settings
 from rtpkv.errors import ConfigError
 from rtpkv.fleet.publisher import END_SEQ
 from rtpkv.fleet.view import ReplicaView
-from rtpkv.fleet.wire import wire_hash
+from rtpkv.cache.manager import tenant_label
+from rtpkv.fleet.wire import salted_token_ids, wire_hash
 from rtpkv.model_factory import ModelConfig, ModelFactory
 from rtpkv.pipeline import Pipeline
 from server_helpers import free_port, wait_until
@@ -114,9 +118,13 @@ def test_cache_salt_keeps_tenants_apart_in_the_events(model):
         run(pipeline, prompt)
         run(pipeline, prompt, cache_salt="tenant-a")
         assert wait_until(lambda: view.poll(0.05) >= 0 and len(view.blocks["GPU"]) == 4, 10)
-        # the same tokens under two salts: two distinct chains of two blocks each
+        # the same tokens under two salts: two distinct chains of two blocks each; the salted
+        # chain's first block is announced with its ids folded by the salt's digest, so a
+        # router that hashes the plain prompt finds only the unsalted chain
         firsts = [h for h in view.blocks["GPU"] if view.tokens[h] == prompt[:B]]
-        assert len(firsts) == 2
+        folded = salted_token_ids(tenant_label(b"tenant-a"), prompt[:B])
+        assert len(firsts) == 1 and min(folded) >= 2**30
+        assert [h for h in view.blocks["GPU"] if view.tokens[h] == folded]
         view.close()
 
 
@@ -147,7 +155,7 @@ def test_the_array_layout_is_what_llm_d_decodes(model):
     """KV_EVENTS_LAYOUT=array: each event an array, its tag first and vLLM's fields at the
     positions llm-d's vllm_adapter.go reads them (1 hashes, 2 parent, 3 token_ids, 4 block size,
     6 medium, 8 extra_keys); hashes packed as 8-byte ints (it refuses shorter ones); the salt
-    as the request gave it; ReplicaView reads this layout too."""
+    as its digest, the salted block's ids folded with it; ReplicaView reads this layout too."""
     pub, rep = endpoints()
     sub = subscriber(b"")
     with Pipeline(model, reuse_cache=True, seq_size_per_block=B, kv_events_endpoint=pub,
@@ -165,8 +173,11 @@ def test_the_array_layout_is_what_llm_d_decodes(model):
         first_salted = next(i for i, e in enumerate(stored) if e[8] is not None)
         plain, salted = stored[:first_salted], stored[first_salted:]   # the runs in order
         assert [t for e in plain for t in e[3]] == prompt[:2 * B] and plain[0][2] is None
-        assert [t for e in salted for t in e[3]] == prompt[:2 * B]
-        assert salted[0][8] == [["tenant-ä"]] + [None] * (len(salted[0][1]) - 1)
+        label = tenant_label("tenant-ä".encode())   # the salt's digest, never the salt
+        assert [t for e in salted for t in e[3]] == \
+            salted_token_ids(label, prompt[:B]) + prompt[B:2 * B]
+        assert salted[0][8] == [[label]] + [None] * (len(salted[0][1]) - 1)
+        assert "tenant-ä".encode() not in b"".join(raw)
         plain_hashes = [h for e in plain for h in e[1]]
         salted_hashes = [h for e in salted for h in e[1]]
         assert not set(plain_hashes) & set(salted_hashes)
@@ -329,3 +340,127 @@ def test_an_endpoint_in_use_is_refused_by_name_and_the_engine_stops(model):
     with Pipeline(model, reuse_cache=True, kv_events_endpoint=pub,
                   kv_events_replay_endpoint=rep) as again:
         assert again.kv_event_publisher.replay_endpoint == rep
+
+
+def published_blocks(sub: zmq.Socket, tokens: list[int], timeout_s: float = 10.0) -> bool:
+    """Whether `sub` receives a BlockStored of `tokens` (as its first block) in time."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        if not sub.poll(int(left * 1000)):
+            break
+        _, _, payload = sub.recv_multipart()
+        if any(e.get("type") == "BlockStored" and e["token_ids"][:B] == tokens[:B]
+               for e in msgpack.unpackb(payload, raw=False)[1]):
+            return True
+    return False
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed during the handshake")
+        data += chunk
+    return data
+
+
+def zmtp_subscriber(endpoint: str) -> socket.socket:
+    """A raw ZMTP 3.0 SUB peer past its handshake, to send frames libzmq would not (a
+    libzmq SUB holding a 4 MiB subscription crashes its own process when it closes)."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(b"\xff" + bytes(8) + b"\x7f")
+    _recv_exactly(sock, 10)
+    sock.sendall(b"\x03\x00" + b"NULL".ljust(20, b"\x00") + bytes(32))
+    _recv_exactly(sock, 54)
+    ready = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 3) + b"SUB"
+    sock.sendall(b"\x04" + bytes([len(ready)]) + ready)
+    _, size = _recv_exactly(sock, 2)
+    _recv_exactly(sock, size)
+    return sock
+
+
+def closed_by_peer(sock: socket.socket, frame: bytes, timeout_s: float = 10.0) -> bool:
+    """Send `frame`; whether the other side then closes the connection."""
+    sock.settimeout(timeout_s)
+    try:
+        sock.sendall(frame)
+        while sock.recv(65536):
+            pass
+        return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+    finally:
+        sock.close()
+
+
+def test_a_subscription_longer_than_the_topic_never_reaches_the_publisher(model, caplog):
+    """A frame header declaring a 16 GiB subscription, and a 4 MiB subscription sent whole:
+    their peers are disconnected at the header (ZMQ_MAXMSGSIZE), nothing allocated for them;
+    a short subscription that is no prefix of the topic is dropped (logged once); a
+    subscriber of the topic beside them gets every event."""
+    pub, rep = endpoints()
+    with Pipeline(model, reuse_cache=True, seq_size_per_block=B, kv_events_endpoint=pub,
+                  kv_events_replay_endpoint=rep, kv_events_topic="kv@") as pipeline:
+        declared = zmtp_subscriber(pub)
+        assert closed_by_peer(declared, b"\x02" + struct.pack(">Q", 16 << 30) + b"\x01kv@"), \
+            "a 16 GiB subscription header kept its connection"
+        huge = b"\x01kv@" + b"x" * (4 << 20)
+        assert closed_by_peer(zmtp_subscriber(pub), b"\x02" + struct.pack(">Q", len(huge)) + huge)
+        stray = subscriber(b"kv@" + b"y" * 16)
+        stray.connect(pub)
+        good = subscriber(b"kv@")
+        good.connect(pub)
+        assert wait_until(lambda: good.poll(200), 10)    # subscribed: a heartbeat came
+        prompt = list(range(120, 129))
+        run(pipeline, prompt)
+        assert published_blocks(good, prompt)
+        assert not stray.poll(100)
+        assert wait_until(lambda: "no prefix of the topic" in caplog.text, 5)
+        stray.close()
+        good.close()
+
+
+def test_a_replay_flood_delays_the_events_by_a_turn_and_logs_a_line(model, caplog):
+    """Malformed one-frame requests sent as fast as the socket takes them: an event the engine
+    makes during the flood is published while the flood goes on, a valid request sent after
+    the flood is answered, and the malformed requests are logged once, not once each."""
+    pub, rep = endpoints()
+    ctx = zmq.Context.instance()
+    sub = subscriber(b"")
+    with Pipeline(model, reuse_cache=True, seq_size_per_block=B, kv_events_endpoint=pub,
+                  kv_events_replay_endpoint=rep) as pipeline:
+        sub.connect(pub)
+        assert wait_until(lambda: sub.poll(200), 10)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(rep)
+        sent, stop = [0], threading.Event()
+
+        def flood() -> None:   # the socket blocks at its high-water mark: paced by the reader
+            while not stop.is_set() and sent[0] < 5_000_000:
+                dealer.send(b"x")
+                sent[0] += 1
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+
+        flooder = threading.Thread(target=flood)
+        flooder.start()
+        try:
+            assert wait_until(lambda: sent[0] > 20_000, 30)
+            prompt = list(range(140, 149))
+            run(pipeline, prompt)
+            assert published_blocks(sub, prompt), "no event during the flood"
+            assert flooder.is_alive(), "the flood ended before the event was published"
+        finally:
+            stop.set()
+            flooder.join(60)
+        assert dealer.poll(60000), "no answer to the valid request after the flood"
+        frames = dealer.recv_multipart()
+        assert frames[:2] == [b"", b""] and int.from_bytes(frames[2], "big") == 0
+        dealer.close()
+    sub.close()
+    lines = [r for r in caplog.records if "malformed replay request" in r.getMessage()]
+    assert 1 <= len(lines) <= 2 and sent[0] > 20_000, (len(lines), sent[0])

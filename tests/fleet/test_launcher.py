@@ -50,6 +50,15 @@ def test_router_args_are_appended_unchanged(tmp_path):
         assert argv[-2:] == extra, (router, policy, argv)
 
 
+@pytest.mark.parametrize("router, policy", [("vllm", "consistent_hash"), ("sglang", "manual")])
+def test_session_keyed_policies_need_only_the_worker_urls(tmp_path, router, policy):
+    argv = fleet_with_two(tmp_path).router_command(router, policy)
+    assert ("--policy", policy) in list(zip(argv, argv[1:]))
+    assert "--kv-event-source" not in argv
+    assert argv[argv.index("--worker-urls") + 1:][:2] == ["http://127.0.0.1:9000",
+                                                          "http://127.0.0.1:9001"]
+
+
 @pytest.mark.parametrize("router, policy", [("sglang", "kv_aware"), ("nginx", "round_robin")])
 def test_an_unknown_router_or_policy_names_the_accepted_ones(tmp_path, router, policy):
     with pytest.raises(ValueError, match="accepted: vllm: round_robin, cache_aware, kv_aware"):
@@ -61,3 +70,47 @@ def test_counts_are_checked(tmp_path):
         Fleet("/models/m", 0, log_dir=str(tmp_path))
     with pytest.raises(ValueError, match="threads_per_replica=0: at least 1"):
         Fleet("/models/m", 1, threads_per_replica=0, log_dir=str(tmp_path))
+
+
+def test_the_banner_names_the_model_requests_must_give(tmp_path):
+    fleet = fleet_with_two(tmp_path)
+    text = fleet.describe("vllm", "kv_aware")
+    assert "replica 1: http://127.0.0.1:9001" in text
+    assert "model: m " in text and "router (vllm, kv_aware): http://127.0.0.1:9200" in text
+
+
+def readme_fleet_curl() -> tuple[dict[str, str], dict]:
+    """The headers and JSON body of the manual's "Many replicas" curl (docs/USAGE.md), as
+    written."""
+    import json
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "docs" / "USAGE.md").read_text()
+    section = readme[readme.index("## Many replicas"):]
+    command = re.search(r"^curl localhost:30000/v1/completions.*?(?<!\\)$", section,
+                        re.M | re.S).group(0).replace("\\\n", " ")
+    words = shlex.split(command)
+    headers = dict(words[i + 1].split(": ", 1) for i, w in enumerate(words) if w == "-H")
+    return headers, json.loads(words[words.index("-d") + 1])
+
+
+def test_the_readme_curl_names_the_demo_model_and_its_content_type(monkeypatch, tmp_path):
+    """vllm-router answers 415 without the content type and 404 for another model name:
+    the manual's curl sends both as `rtpkv fleet` (the demo model) serves them."""
+    import argparse
+
+    from rtpkv.fleet import launcher
+
+    headers, body = readme_fleet_curl()
+    assert headers.get("Content-Type") == "application/json"
+    monkeypatch.setattr("rtpkv.model_factory.tiny.model_or_demo",
+                        lambda model: model or "/cache/demo-0123")
+    parser = argparse.ArgumentParser()
+    launcher.add_parser(parser.add_subparsers(), [])
+    fleet = launcher.fleet_from_args(parser.parse_args(["fleet", "--log-dir", str(tmp_path)]))
+    assert fleet.served_model_name == body["model"] == "demo"
+    named = launcher.fleet_from_args(parser.parse_args(
+        ["fleet", "--model", "/models/m", "--log-dir", str(tmp_path)]))
+    assert named.served_model_name == "m"

@@ -4,6 +4,7 @@ tier, a router that starts late, a replica that dies, and outputs equal to one r
 
 from __future__ import annotations
 
+import json
 import random
 import socket
 import time
@@ -172,6 +173,37 @@ def test_kv_aware_session_affinity_keeps_a_conversation_where_it_began(fleet):
     assert who == other and cached(res) >= 4 * B, (other, who, res["usage"])
     who, res = served_by(fleet, fleet.router_url, shared[1] + " next turn", headers=session)
     assert who == home, (home, who, res["usage"])   # (its prefix may come from the Redis tier)
+
+
+def test_kv_aware_never_credits_a_salted_tenants_blocks_to_plain_text(fleet):
+    """Tenant A's salted request leaves its blocks on one replica (its first block announced
+    with folded ids and the salt's digest); the other replica holds the text's first words,
+    unsalted. The same text without a salt, through the router, goes where its plain prefix
+    is, never to A's replica: before the fold it went to A's replica every time."""
+    fleet.start_router("vllm", "kv_aware")
+    for holder in (0, 1):
+        other = 1 - holder
+        words = text(950 + holder).split()
+        complete(fleet.replicas[holder].url, " ".join(words) + " first",
+                 cache_salt=f"tenant-a-{holder}")
+        complete(fleet.replicas[other].url, " ".join(words[:40]) + " elsewhere")
+        time.sleep(EVENT_DELAY_S)
+        for turn in range(2):
+            who, res = served_by(fleet, fleet.router_url, " ".join(words) + f" plain {turn}")
+            assert who == other, (holder, who, res["usage"])
+
+
+def test_the_readme_curl_works_through_the_router(fleet):
+    """The manual's "Many replicas" curl (docs/USAGE.md) as written (its headers and body; the model name is
+    the one this fleet serves, as `rtpkv fleet` prints it)."""
+    from test_launcher import readme_fleet_curl
+
+    fleet.start_router("vllm", "kv_aware")
+    headers, body = readme_fleet_curl()
+    res = httpx.post(fleet.router_url + "/v1/completions", headers=headers, timeout=60,
+                     content=json.dumps({**body, "model": fleet.served_model_name}))
+    assert res.status_code == 200, res.text
+    assert res.json()["usage"]["completion_tokens"] == body["max_tokens"]
 
 
 class DiskFleet(Fleet):

@@ -11,6 +11,10 @@ from rtpkv.kernels import fp32_linear
 from rtpkv.kernels.cpu_build import cpu_flags
 from rtpkv.kernels.linear import InferenceLinear, linear_path
 
+from conftest import needs_c_kernels
+
+pytestmark = needs_c_kernels  # these tests ask for the C kernels by name
+
 # (in, out, bias): a layer of the tests' models, channels that are not whole panels, inputs
 # over one K block of 1024 (the partial sums), a single output
 SHAPES = [(64, 192, False), (100, 37, True), (2100, 70, True), (1408, 512, False), (64, 1, True)]

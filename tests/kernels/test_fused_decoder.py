@@ -16,6 +16,10 @@ from rtpkv.kernels.kv_quant import quantize_rows
 from rtpkv.model_factory.plan import LOCAL_ROPE, model_plan
 from rtpkv.model_factory.tiny import build_tiny_checkpoint
 
+from conftest import needs_c_kernels
+
+pytestmark = needs_c_kernels  # these tests ask for the C kernels by name
+
 
 BLOCK, NUM_BLOCKS = 4, 24
 TABLES = [[3, 9, 14], [1, 4, 7, 8], [5, 2, 11], [6, 10, 12, 13]]

@@ -12,6 +12,10 @@ from rtpkv.kernels.activation import silu_and_mul
 from rtpkv.kernels.norm import rms_norm, rms_norm_reference
 from rtpkv.kernels.rope import apply_rope_, rope_table
 
+from conftest import needs_c_kernels
+
+pytestmark = needs_c_kernels  # these tests ask for the C kernels by name
+
 CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16]
 

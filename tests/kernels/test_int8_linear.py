@@ -15,6 +15,7 @@ from rtpkv.errors import ConfigError
 from rtpkv.kernels import int8_linear
 from rtpkv.kernels.int8_linear import GROUP_SIZE, PANEL_MIN_ROWS, Int8Linear, dequantize, quantize
 from rtpkv.kernels.linear import PROBE_ROWS, invariant_min_rows
+from conftest import needs_c_kernels
 
 CPU = torch.device("cpu")
 # (out, in, bias, group): tails of every kind: out not a multiple of 8, in not a multiple of the
@@ -27,6 +28,7 @@ def _linear(out_features, in_features, bias, seed=0):
     return nn.Linear(in_features, out_features, bias=bias)
 
 
+@needs_c_kernels
 def test_the_int8_library_builds_here():
     assert int8_linear.library() is not None
 
@@ -49,7 +51,7 @@ def test_kernel_matches_the_dequantized_matmul(shape, rows):
     out_features, in_features, bias, group = shape
     layer = Int8Linear(_linear(out_features, in_features, bias), group)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1))
-    weight = layer.dequantized()
+    weight = layer.float_weight()
     q, scale = quantize(_linear(out_features, in_features, bias).weight, group)
     assert torch.equal(weight, dequantize(q, scale, group))
     bias = None if layer.bias is None else layer.bias.double()
@@ -57,6 +59,7 @@ def test_kernel_matches_the_dequantized_matmul(shape, rows):
     torch.testing.assert_close(layer(x).double(), want, atol=1e-5, rtol=1e-5)
 
 
+@needs_c_kernels
 @pytest.mark.parametrize("shape", SHAPES)
 def test_every_row_count_gives_the_same_bits_without_padding(shape):
     out_features, in_features, bias, group = shape
@@ -66,6 +69,7 @@ def test_every_row_count_gives_the_same_bits_without_padding(shape):
     assert min(PROBE_ROWS) < PANEL_MIN_ROWS <= max(PROBE_ROWS)
 
 
+@needs_c_kernels
 def test_few_row_and_panel_paths_give_the_same_bits():
     layer = Int8Linear(_linear(72, 96, True), GROUP_SIZE)
     x = torch.randn(3 * PANEL_MIN_ROWS, 96, generator=torch.Generator().manual_seed(2))

@@ -65,7 +65,7 @@ def test_bf16_weights_give_the_float32_kernels_bits_over_the_rounded_weights():
             ours = Bf16Linear(layer)
             assert torch.equal(ours(x), InferenceLinear(rounded, "avx2")(x)), (k, n, m)
             torch.testing.assert_close(ours(x), ours._torch(x), atol=1e-4, rtol=1e-4)
-            assert torch.equal(ours.widened(), rounded.weight)
+            assert torch.equal(ours.float_weight(), rounded.weight)
         padded = -(-n // 16) * 16   # whole panels of 16 channels
         assert ours.nbytes == 2 * k * padded + 4 * padded   # bf16 weights, float32 bias
 

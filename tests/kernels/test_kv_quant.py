@@ -11,6 +11,10 @@ from rtpkv.kernels import attention_backend, fused_ops
 from rtpkv.kernels.kv_quant import (QMAX, SCALE_BYTES, dequantize_rows, quantize_rows, row_width,
                                     write_kv_int8)
 
+from conftest import needs_c_kernels
+
+pytestmark = needs_c_kernels  # these tests ask for the C kernels by name
+
 CPU = torch.device("cpu")
 H, KVH, B, NUM_BLOCKS = 4, 2, 8, 24
 TABLES = [[7, 3, 11, 0, 19, 5, 2, 16], [4, 6, 8, 9, 1], [12, 13, 14, 15]]

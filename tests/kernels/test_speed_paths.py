@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from attention_batches import attention_batch
-from conftest import run
+from conftest import needs_c_kernels, run
 
 from rtpkv.kernels import AttentionBatch, TorchAttention, attention_backend, cpu_attention
 from rtpkv.kernels import cpu_build, fp32_linear
@@ -33,6 +33,7 @@ def _attend(backend, batch, q, k, v, dtype):
     return backend.forward(q, k, v, caches[0], caches[1], backend.build(batch), D ** -0.5)
 
 
+@needs_c_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_kernel_matches_torch_backend(dtype):
     batch = _mixed_batch()
@@ -45,6 +46,7 @@ def test_paged_kernel_matches_torch_backend(dtype):
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@needs_c_kernels
 def test_paged_kernel_output_of_a_token_does_not_depend_on_its_batch():
     batch = _mixed_batch()
     T = len(batch.positions)
@@ -68,6 +70,7 @@ def _greedy(make_pipeline, **options):
     return [run(pipe, p, max_new_tokens=12, return_logits=True) for p in prompts]
 
 
+@needs_c_kernels
 def test_pipeline_tokens_with_kernel_and_with_torch_fallback(make_pipeline, monkeypatch):
     monkeypatch.setenv("RTPKV_ATTENTION", "cpu-paged")
     kernel = _greedy(make_pipeline)
@@ -92,7 +95,8 @@ def test_pipeline_tokens_with_onednn_on_and_off(make_pipeline, monkeypatch):
         torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("path", ["native", "onednn", "fp32-compute", "avx2"])
+@pytest.mark.parametrize("path", ["native", "onednn", "fp32-compute",
+                                  pytest.param("avx2", marks=needs_c_kernels)])
 def test_inference_linear_matches_f_linear_and_is_row_invariant(path):
     dtype = torch.bfloat16 if path == "fp32-compute" else torch.float32
     g = torch.Generator().manual_seed(0)

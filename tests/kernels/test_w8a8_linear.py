@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from conftest import load, run
+from conftest import load, needs_c_kernels, run
 from torch import nn
 
 from rtpkv.kernels import w8a8_linear
@@ -34,6 +34,7 @@ def _x(rows, in_features, seed=1):
     return x
 
 
+@needs_c_kernels
 def test_the_w8a8_library_builds_here():
     assert w8a8_linear.library() is not None
 
@@ -112,6 +113,7 @@ def test_without_the_library_the_reference_runs(monkeypatch):
     assert torch.equal(layer(x), with_kernel)
 
 
+@needs_c_kernels
 def test_w8a8_model_loads_quantized_with_its_own_fingerprint(llama_path, caplog, monkeypatch):
     monkeypatch.setenv("RTPKV_LINEAR", "avx2")
     with caplog.at_level(logging.INFO, logger="rtpkv"):

@@ -11,7 +11,11 @@ do it on one prompt position). With the int8
 KV cache (KV_CACHE_DTYPE=int8) it is transformers with a cache that stores every new K and V as
 `dequantize_rows(quantize_rows(x))`, the values the paged kernel reads; the tolerance is the same,
 but a K/V value whose float32 rounding differs by an ulp at a rounding boundary of the
-quantization could move by one step (the tests pass without allowance for that)."""
+quantization could move by one step (the tests pass without allowance for that).
+
+Mixtures of experts: transformers holds each layer's experts as stacked 3D weights, not linear
+layers; in the int8 modes each expert's matrices are quantized as a linear layer's are (W8A8:
+`W8A8Experts` computes them as the kernel does). The router stays float32 on both sides."""
 
 import pytest
 import torch
@@ -54,6 +58,33 @@ class Int8KVCache(DynamicCache):
                               *args, **kwargs)
 
 
+class W8A8Experts(nn.Module):
+    """transformers' experts (stacked weights, its loop over experts) computing each expert's
+    projections as the W8A8 kernel does."""
+
+    def __init__(self, experts: nn.Module):
+        super().__init__()
+        self.gate_up = [quantize(w) for w in experts.gate_up_proj]
+        self.down = [quantize(w) for w in experts.down_proj]
+        self.act = experts.act_fn
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x)
+        for expert, (gate_up, down) in enumerate(zip(self.gate_up, self.down)):
+            token, choice = torch.where(top_k_index == expert)
+            if len(token):
+                gate, up = reference(x[token], *gate_up, None).chunk(2, dim=-1)
+                h = reference(self.act(gate) * up, *down, None)
+                out.index_add_(0, token, (h * top_k_weights[token, choice, None]).to(x.dtype))
+        return out
+
+
+def _experts(hf):
+    """(parent, name, experts) of every mixture-of-experts layer's stacked experts."""
+    return [(parent, name, child) for parent in list(hf.modules())
+            for name, child in parent.named_children() if hasattr(child, "gate_up_proj")]
+
+
 def _cache(mode):
     """The cache transformers runs `mode` with (its `cache` argument; `past_key_values` is the
     deprecated name)."""
@@ -69,11 +100,16 @@ def _hf(path, mode="float32"):
             if isinstance(module, nn.Linear):
                 module.weight = nn.Parameter(dequantize(*quantize(module.weight)),
                                              requires_grad=False)
+        for _, _, experts in _experts(hf):
+            for stacked in (experts.gate_up_proj, experts.down_proj):
+                stacked.data = torch.stack([dequantize(*quantize(w)) for w in stacked])
     if mode == "w8a8":
         for parent in list(hf.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
                     setattr(parent, name, W8A8Reference(child))
+        for parent, name, experts in _experts(hf):
+            setattr(parent, name, W8A8Experts(experts))
     return hf
 
 

@@ -218,7 +218,7 @@ def test_non_streaming_text_is_the_full_decode(byte_run_output, client):
     pipe, full = byte_run_output
     config = {"max_new_tokens": 4, "ignore_eos": True}
     deltas = [r.generate_texts[0] for r in pipe("hi", return_incremental=True, **config)]
-    assert deltas[1] == "é" and "".join(deltas) != full  # a stream keeps what it showed
+    assert "".join(deltas) == full and "é" not in deltas  # the run was held, never shown
     last = list(pipe("hi", **config))[-1]
     assert last.generate_texts[0] == full == pipe.tokenizer.decode(last.output_ids,
                                                                    skip_special_tokens=True)
@@ -226,6 +226,40 @@ def test_non_streaming_text_is_the_full_decode(byte_run_output, client):
     res = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4,
                                                "ignore_eos": True})
     assert res.json()["choices"][0]["text"] == full
+
+
+def test_a_native_stream_never_takes_back_a_byte_run_it_showed(byte_run_output, client):
+    """`POST /` streaming (`yield_generator`) cumulative texts over byte runs that decode ("é") until a stray
+    byte makes the whole run U+FFFD: every update is a prefix of the next, the last is the
+    full decode."""
+    pipe, _ = byte_run_output
+    body = {"prompt": "hi", "max_new_tokens": 10, "ignore_eos": True, "yield_generator": True}
+    with client.stream("POST", "/", json=body) as res:
+        texts = [orjson.loads(line[5:])["response"] for line in res.iter_lines()
+                 if line.startswith("data:{")]
+    last = list(pipe("hi", max_new_tokens=10, ignore_eos=True))[-1]
+    full = pipe.tokenizer.decode(last.output_ids, skip_special_tokens=True)
+    assert len(texts) == 10 and texts[-1] == full and "\ufffd" in full
+    for shown, later in zip(texts, texts[1:]):
+        assert later.startswith(shown), (shown, later)
+
+
+def test_a_byte_run_is_shown_once_it_ends_or_is_known_invalid(make_pipeline):
+    """Held while it may still decode (at most HOLD_TOKENS pieces); a run that ends decodes
+    as the full decode does; an invalid run shows U+FFFD per byte as it grows."""
+    from rtpkv.text_stream import TextStream
+
+    tok = make_pipeline().tokenizer
+    ids = [tok.convert_tokens_to_ids(t) for t in
+           ("▁hi", "<0xC3>", "<0xA9>", "▁a", "<0x95>", "<0x95>", "<0xC3>", "<0xA9>", "▁b")]
+    stream = TextStream(tok, [])
+    shown = [stream.visible(ids[:n], n == len(ids)) for n in range(1, len(ids) + 1)]
+    assert shown[1] == shown[2] == shown[0]                       # "é" held
+    assert shown[3] == tok.decode(ids[:4], skip_special_tokens=True)   # it ended: "é a"
+    assert shown[4].endswith("\ufffd") and shown[5].endswith("\ufffd" * 2)  # known invalid
+    assert shown[-1] == tok.decode(ids, skip_special_tokens=True)
+    for a, b in zip(shown, shown[1:]):
+        assert b.startswith(a)
 
 
 def test_a_poisoned_temperature_over_http_is_answered(client):
@@ -346,3 +380,62 @@ def test_a_submission_whose_caller_is_cancelled_is_closed_when_it_returns(edge_s
     (req,) = stream.requests
     assert req.cancelled and req.done.wait(5)
     assert req.num_output < 500
+
+
+@pytest.fixture(scope="module")
+def render_server(llama_path):
+    """The default body limit (16 MB): an 8 MB body is read and parsed."""
+    model = load(llama_path, kv_cache_max_tokens=8192, concurrency_limit=8)
+    pipe = Pipeline(model, model.tokenizer)
+    with ServerThread(create_app(pipe, "tiny")) as server:
+        yield server, pipe
+    pipe.stop()
+
+
+def test_large_render_and_chat_bodies_never_stall_health_or_a_stream(render_server):
+    """Beside a live stream: an 8 MB render body, 2,000 prompts of 4,000 characters to
+    render, an 8 MB chat message to render and to generate from. Each is refused by name
+    (too long for max_seq_len, untokenized; more prompts than CONCURRENCY_LIMIT) while
+    /health answers within 0.5 s throughout and the stream runs to its end."""
+    server, pipe = render_server
+    big = "word " * (8 * 2**20 // 5)
+    bodies = [("/v1/completions/render", {"prompt": big}, "characters"),
+              ("/v1/completions/render", {"prompt": ["x" * 4000] * 2000}, "CONCURRENCY_LIMIT"),
+              ("/v1/chat/completions/render",
+               {"messages": [{"role": "user", "content": big}]}, "characters"),
+              ("/v1/chat/completions",
+               {"messages": [{"role": "user", "content": big}], "max_tokens": 2}, "characters")]
+    done, worst, stream = threading.Event(), [0.0], {}
+
+    def watch() -> None:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            while not done.is_set():
+                began = time.monotonic()
+                assert c.get("/health").status_code == 200
+                worst[0] = max(worst[0], time.monotonic() - began)
+                time.sleep(0.02)
+
+    def run_stream() -> None:
+        body = {"prompt": "hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            with c.stream("POST", "/v1/completions", json=body) as res:
+                stream["lines"] = [line for line in res.iter_lines() if line]
+
+    watcher, streamer = threading.Thread(target=watch), threading.Thread(target=run_stream)
+    watcher.start()
+    streamer.start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            for route, body, said in bodies:
+                res = c.post(route, content=orjson.dumps({"model": "tiny", **body}),
+                             headers={"content-type": "application/json"})
+                assert res.status_code == 400, (route, res.status_code, res.text[:300])
+                assert said in res.json()["error"]["message"], res.text[:300]
+        streamer.join(120)
+    finally:
+        done.set()
+        watcher.join(30)
+    last = orjson.loads(stream["lines"][-2].removeprefix("data: "))
+    assert stream["lines"][-1] == "data: [DONE]"
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert worst[0] < 0.5, f"/health took {worst[0]:.2f} s"

@@ -89,8 +89,10 @@ class KVTier(ABC):
     events: Optional["KVEventBuffer"] = None
 
     def announce(self) -> None:
-        """Report through `events`, as stored, the blocks this tier held before it was handed
-        its events (a disk tier's records found at start); the default holds none then."""
+        """Report through `events`, as stored and parents first, the blocks this tier holds
+        now: at start a disk tier's records found there, later everything, for a consumer that
+        subscribed after the blocks arrived. The default (a tier that cannot list what it
+        holds) reports nothing."""
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -126,6 +128,11 @@ class KVTier(ABC):
     @abstractmethod
     def drop(self, key: bytes) -> None:
         """Forget the block stored under `key` (nothing happens when there is none)."""
+
+    def residency_stats(self) -> Optional[dict[str, Any]]:
+        """The tier's residency histograms (rtpkv.cache.residency), or None where it cannot see
+        its evictions (a remote store that expires keys itself)."""
+        return None
 
     @abstractmethod
     def stats(self) -> dict[str, Any]:

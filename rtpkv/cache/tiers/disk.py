@@ -49,7 +49,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from rtpkv.cache.block import DEFAULT_PRIORITY
+from rtpkv.cache.block import DEFAULT_PRIORITY, parents_first
 from rtpkv.cache.tiers.base import BlockMeta, KVTier, TierLayout
 from rtpkv.cache.tiers.order import EvictionOrder
 from rtpkv.cache.tiers.record import (LENGTH_PREFIX, MAX_HEADER_BYTES, CorruptRecord, ForeignRecord,
@@ -198,6 +198,10 @@ class DiskTier(KVTier):
         self._forget(key)
         self._path(key).unlink(missing_ok=True)
 
+    def residency_stats(self) -> Optional[dict[str, Any]]:
+        with self._lock:
+            return self._order.residency.stats()
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             c = self.counters
@@ -244,9 +248,9 @@ class DiskTier(KVTier):
 
     # ------------------------------------------------------------------ writing
     def announce(self) -> None:
-        """The records indexed at start, as stored events (parents before children), each
-        while it is still indexed: a router learns what a restarted replica holds on disk. A
-        record gone or changed since start is left to the next lookup."""
+        """The records indexed now, as stored events (parents before children), each while it
+        is still indexed: a router learns what a restarted replica holds on disk. A record gone
+        or changed since it was indexed is left to the next lookup."""
         if self.events is None:
             return
         with self._lock:
@@ -257,7 +261,7 @@ class DiskTier(KVTier):
                 metas[key] = self._read_header(self._path(key))[0].meta
             except (OSError, CorruptRecord, ForeignRecord):
                 continue
-        for meta in _parents_first(metas):
+        for meta in parents_first(metas.values()):
             with self._lock:
                 if meta.key in self._sizes:
                     self.events.stored([meta.key], meta.parent_key, [meta.tokens], meta.priority,
@@ -447,6 +451,7 @@ class DiskTier(KVTier):
             self._order.remove(keep)
         while self._bytes > self.capacity_bytes and len(self._order):
             key = self._order.victim()
+            self._order.evicted(key)
             self._bytes -= self._sizes.pop(key)
             self._order.remove(key)
             self.counters["evictions"] += 1
@@ -496,17 +501,3 @@ class DiskTier(KVTier):
 
     def _path(self, key: bytes) -> Path:
         return self.directory / (key.hex() + SUFFIX)
-
-
-def _parents_first(metas: dict[bytes, BlockMeta]) -> list[BlockMeta]:
-    """`metas` ordered so that a block whose parent is among them comes after it."""
-    ordered: list[BlockMeta] = []
-    placed: set[bytes] = set()
-    for key in metas:
-        path = []
-        while key in metas and key not in placed:
-            placed.add(key)
-            path.append(metas[key])
-            key = metas[key].parent_key
-        ordered.extend(reversed(path))
-    return ordered

@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from rtpkv.cache.block import parents_first
 from rtpkv.cache.tiers.base import BlockMeta, KVTier, TierLayout
 from rtpkv.cache.tiers.order import EvictionOrder
 
@@ -111,10 +112,23 @@ class HostTier(KVTier):
                 self.events.stored([meta.key], meta.parent_key, [meta.tokens], meta.priority,
                                    tier=self.name, extra=meta.extra)
 
+    def announce(self) -> None:
+        """Every block held now, as stored events, parents first."""
+        if self.events is None:
+            return
+        with self._lock:
+            for meta in parents_first(slot.meta for slot in self._slots.values()):
+                self.events.stored([meta.key], meta.parent_key, [meta.tokens], meta.priority,
+                                   tier=self.name, extra=meta.extra)
+
     def drop(self, key: bytes) -> None:
         with self._lock:
             if key in self._slots:
                 self._remove(key)
+
+    def residency_stats(self) -> Optional[dict[str, Any]]:
+        with self._lock:
+            return self._order.residency.stats()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -187,6 +201,7 @@ class HostTier(KVTier):
 
     def _evict_one(self) -> None:
         key = self._order.victim()
+        self._order.evicted(key)
         slot = self._slots[key]
         if self.on_evict is not None:
             self._wait(slot)

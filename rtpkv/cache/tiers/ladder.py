@@ -175,6 +175,11 @@ class TierLadder:
                 tier.store(meta, payload)
 
     # ------------------------------------------------------------------ visibility
+    def residency(self) -> dict[str, Any]:
+        """Residency histograms per tier that keeps them."""
+        return {tier.name: stats for tier in self.tiers
+                if (stats := tier.residency_stats()) is not None}
+
     def stats(self) -> dict[str, Any]:
         """Each tier's own counters, with the ladder's: `<name>_lookups` (requests asked),
         `<name>_offloaded_blocks` and `<name>_onboarded_blocks` where the tier keeps none."""

@@ -1,0 +1,168 @@
+"""One stream's decode speed of a mixture of experts shaped like Qwen3-30B-A3B, scaled down to fit
+a small machine, against a dense Qwen3 with as many active parameters per token (its MLP as wide
+as the experts a token runs), and against llama.cpp on GGUF conversions of the same checkpoints.
+
+    python benchmarks/moe.py [--runs 3] [--weight-type auto] [--threads 2] [--tiny]
+                             [--llama-cpp VENV/bin/python --gguf MOE.gguf,DENSE.gguf]
+
+Qwen3-30B-A3B: hidden 2048, 48 layers, 32 query and 4 KV heads of 128, 128 experts of 768 of
+which 8 run per token, vocabulary 151,936. Scaled: hidden 512, 8 layers, 8 query and 1 KV heads
+of 64, 128 experts of 192, top 8 (the same sparsity: 1/16 of the expert weights read per
+token), vocabulary 8,000; random weights, float32 safetensors (about 1.3 GB). The dense model
+has the same attention, embeddings and LM head and an MLP of 8 x 192 = 1,536: the same
+parameters per token but the router's (1.6%). `--tiny` runs both at a toy size to show the
+script works (its figures mean nothing).
+
+Workload: one 128-token prompt alone, 64 new tokens, greedy, EOS ignored; decode tok/s is the
+tokens after the first over the time after the first (benchmarks/token_timing.py). Both Qwen3
+models run their layers one by one from Python (kernels/fused_decoder.py takes neither q/k norms
+nor experts); a dense Llama of the same shape (no q/k norms) runs as in service, on the fused C
+decoder, to show what that path is worth beside them. The ratio column is to the dense Qwen3.
+The checkpoints are built once into the user cache; their paths are
+printed, for llama.cpp's converter (docs/BENCHMARKS.md, "Running a peer engine"): `--gguf`
+takes the mixture's file first, then the dense one's. Runs alternate between the engines;
+figures are medians.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from common import bench_parser, random_ids, setup_threads, table
+from token_timing import token_timing
+
+PROMPT, NEW = 128, 64
+
+MOE_SHAPE = dict(architecture="Qwen3MoeForCausalLM", vocab_size=8000, hidden_size=512,
+                 intermediate_size=1536, num_layers=8, num_heads=8, num_kv_heads=1,
+                 max_position_embeddings=4096, tokenizer_vocab_size=2000,
+                 moe=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=192,
+                          norm_topk_prob=True))
+TINY_MOE_SHAPE = dict(MOE_SHAPE, vocab_size=1024, hidden_size=64, intermediate_size=64,
+                      num_layers=2, num_heads=4, num_kv_heads=1, tokenizer_vocab_size=600,
+                      moe=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                               norm_topk_prob=True))
+
+
+def dense_shape(moe_shape: dict[str, Any]) -> dict[str, Any]:
+    """The dense Qwen3 with the mixture's parameters per token: its MLP as wide as the experts
+    a token runs."""
+    moe = moe_shape["moe"]
+    shape = {k: v for k, v in moe_shape.items() if k != "moe"}
+    return dict(shape, architecture="Qwen3ForCausalLM",
+                intermediate_size=moe["num_experts_per_tok"] * moe["moe_intermediate_size"])
+
+
+def shapes(moe_shape: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The checkpoints of a sitting, by engine label: the mixture, the dense Qwen3, the dense
+    Llama of the same shape."""
+    dense = dense_shape(moe_shape)
+    return {"mixture Qwen3-MoE": moe_shape, "dense Qwen3": dense,
+            "dense Llama": dict(dense, architecture="LlamaForCausalLM")}
+
+
+def parameters(spec) -> tuple[int, int]:
+    """(total, active per token) parameters of a model: a token runs top-k of the experts."""
+    hidden, layers = spec.hidden_size, spec.num_layers
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    attention = hidden * (2 * q + 2 * kv) + 2 * spec.head_dim + 2 * hidden
+    embeddings = spec.vocab_size * hidden * (1 if spec.tie_word_embeddings else 2) + hidden
+    if spec.moe is None:
+        mlp = 3 * hidden * spec.intermediate_size
+        return (embeddings + layers * (attention + mlp),) * 2
+    expert = 3 * hidden * spec.moe.expert_intermediate_size
+    router = spec.moe.num_experts * hidden
+    total = embeddings + layers * (attention + router + spec.moe.num_experts * expert)
+    active = embeddings + layers * (attention + router + spec.moe.experts_per_token * expert)
+    return total, active
+
+
+def decode_speed(pipe, prompt: list[int]) -> dict[str, float]:
+    """Workload figures of one request: each token's arrival after submission."""
+    t0 = time.perf_counter()
+    times, seen = [], 0
+    for res in pipe(prompt, top_k=1, ignore_eos=True, max_new_tokens=NEW):
+        while seen < len(res.output_ids):
+            times.append(time.perf_counter() - t0)
+            seen += 1
+    return token_timing(times)
+
+
+def main() -> None:
+    parser = bench_parser(__doc__, block=None)
+    parser.add_argument("--weight-type", default="auto", help="WEIGHT_TYPE: auto, int8 or "
+                                                              "w8a8_int8 (float32 weights: auto)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true", help="toy shapes: proves the script runs")
+    parser.add_argument("--llama-cpp", help="python of a venv with llama-cpp-python installed")
+    parser.add_argument("--gguf", default="", help="the mixture's GGUF, then the dense one's, "
+                                                    "comma-separated")
+    args = parser.parse_args()
+    setup_threads(args.threads)
+
+    from rtpkv.model_factory import ModelConfig, ModelFactory
+    from rtpkv.model_factory.tiny import cached_tiny_checkpoint
+    from rtpkv.pipeline import Pipeline
+
+    sitting = shapes(TINY_MOE_SHAPE if args.tiny else MOE_SHAPE)
+    paths = {name: cached_tiny_checkpoint("moe-bench", show_progress=False, **shape)
+             for name, shape in sitting.items()}
+    options = dict(dtype="float32", kv_cache_mem_mb=512, reuse_cache=False)
+    if args.weight_type != "auto":
+        options["weight_type"] = args.weight_type.upper()
+    engines: dict[str, Any] = {}
+    rows_info: dict[str, tuple[int, int, str]] = {}
+    for name, path in paths.items():
+        model = ModelFactory.from_huggingface(path, ModelConfig(**options), show_progress=False)
+        engines[name] = Pipeline(model, model.tokenizer)
+        path_name = "fused decoder" if model.module.fused is not None else "layers one by one"
+        if any(getattr(layer.mlp, "kernel", None) for layer in model.module.model.layers):
+            path_name += ", experts in one C call"
+        rows_info[name] = (*parameters(model.spec), path_name)
+        print(f"{name} checkpoint: {path}")
+    spec = engines["mixture Qwen3-MoE"].model.spec
+    print(f"mixture: {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_heads} query "
+          f"and {spec.num_kv_heads} KV heads of {spec.head_dim}, {spec.moe.num_experts} experts "
+          f"of {spec.moe.expert_intermediate_size}, top {spec.moe.experts_per_token}, vocabulary "
+          f"{spec.vocab_size}; dense: MLP {sitting['dense Qwen3']['intermediate_size']}; "
+          f"{options.get('weight_type', 'float32')} weights, {args.threads} threads")
+    peers: dict[str, Any] = {}
+    if args.llama_cpp:
+        from peers import PeerWorker
+
+        for name, gguf in zip(("mixture Qwen3-MoE", "dense Qwen3"), args.gguf.split(",")):
+            label = f"llama.cpp {name} ({Path(gguf).name})"
+            peers[label] = PeerWorker(args.llama_cpp, "peers_llamacpp.py",
+                                      [gguf, str(args.threads)], {}, ("d",))
+            rows_info[label] = (*rows_info[name][:2], "llama.cpp")
+    prompt = random_ids(PROMPT, seed=11, vocab=spec.vocab_size)
+    for pipe in engines.values():   # warm-up: kernels built, GEMM probes run
+        decode_speed(pipe, prompt[:16])
+    results: dict[str, list[dict[str, float]]] = {label: [] for label in [*engines, *peers]}
+    labels = list(results)
+    for run in range(args.runs):
+        for label in (labels if run % 2 == 0 else labels[::-1]):
+            if label in engines:
+                results[label].append(decode_speed(engines[label], prompt))
+            else:
+                results[label].append(peers[label].run("d", {"prompt": prompt, "new": NEW}))
+    for pipe in engines.values():
+        pipe.stop()
+    for peer in peers.values():
+        peer.close()
+    dense = statistics.median(r["decode_tok_s"] for r in results["dense Qwen3"])
+    rows = []
+    for label, runs in results.items():
+        speed = statistics.median(r["decode_tok_s"] for r in runs)
+        total, active, path_name = rows_info[label]
+        rows.append([label, path_name, f"{total / 1e6:.1f}M", f"{active / 1e6:.1f}M", speed,
+                     statistics.median(r["itl_p50"] for r in runs), speed / dense])
+    print(table(["engine", "path", "parameters", "active", "decode tok/s", "ITL p50 ms",
+                 "x dense Qwen3"], rows))
+
+
+if __name__ == "__main__":
+    main()

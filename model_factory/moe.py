@@ -1,0 +1,174 @@
+"""Mixture-of-experts MLP layers (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral): the
+facts read from config.json (`MoeSpec`), the names of published checkpoints mapped onto the
+module's (`checkpoint_name`), and the layer itself (`SparseMoe`).
+
+Routing is computed as transformers computes it, because another expert choice is another
+answer: the router's logits, a float32 softmax, torch.topk (its tie-breaking), the optional
+renormalisation of the top-k weights, and the weights cast to the activations' dtype before they
+scale an expert's output (Qwen) or the output scaled in float32 and cast after (Mixtral).
+
+Tokens are grouped by expert: each expert chosen by any token of the forward runs one GEMM pair
+over all of its tokens, so its weights are read once per forward however many tokens chose it.
+A token's output is its experts' scaled outputs added one by one, in ascending expert order,
+onto zeros (transformers' order too): the order depends on the token's own choice only, and
+every kernel on the way computes a row from that row alone (the linear layers are
+batch-invariant, kernels/linear.py; the shared expert's gate is `_sigmoid`), so a token's
+output does not depend on which other tokens share the forward (reuse on == off, alone ==
+batched, bit for bit). Where every expert runs on the C linear kernels (avx2, int8, w8a8), the
+experts run in one C call (kernels/moe_experts.py) that gives the torch loop's bits.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rtpkv.errors import ConfigError
+from rtpkv.kernels.moe_experts import ExpertKernel
+
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+
+# Mixtral's published names -> the module's (Qwen's, which the module uses as they are)
+_MIXTRAL_NAMES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."),
+                  (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
+                  (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj."),
+                  (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."))
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """What a mixture-of-experts checkpoint adds to a dense one."""
+
+    num_experts: int
+    experts_per_token: int
+    expert_intermediate_size: int
+    normalize_top_k: bool                # renormalise the chosen experts' weights to sum to 1
+    scale_in_float32: bool               # Mixtral: outputs scaled by float32 weights, then cast
+    shared_expert_intermediate_size: int  # Qwen2-MoE's always-on expert; 0: none
+    sparse_layers: tuple[int, ...]       # the layers whose MLP is the mixture
+
+    @classmethod
+    def from_config(cls, architecture: str, cfg: dict[str, Any],
+                    source: str = "config.json") -> Optional["MoeSpec"]:
+        """The MoE facts of `cfg`, or None for a dense architecture."""
+        if architecture not in MOE_ARCHITECTURES:
+            return None
+        layers = int(cfg["num_hidden_layers"])
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        per_token = int(cfg.get("num_experts_per_tok") or 0)
+        if experts < 1:
+            raise ConfigError(f"{source}: num_experts={experts} is invalid: a mixture of experts "
+                              "needs at least 1 expert")
+        if not 1 <= per_token <= experts:
+            raise ConfigError(f"{source}: num_experts_per_tok={per_token} is invalid: accepted "
+                              f"range is 1..{experts} (num_experts)")
+        if architecture == "MixtralForCausalLM":
+            return cls(experts, per_token, int(cfg["intermediate_size"]), True, True, 0,
+                       tuple(range(layers)))
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        if step < 1:
+            raise ConfigError(f"{source}: decoder_sparse_step={step} is invalid: accepted "
+                              "values are 1 and above")
+        dense = set(cfg.get("mlp_only_layers") or ())
+        sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        shared = (int(cfg.get("shared_expert_intermediate_size") or 0)
+                  if architecture == "Qwen2MoeForCausalLM" else 0)
+        return cls(experts, per_token, int(cfg["moe_intermediate_size"]),
+                   bool(cfg.get("norm_topk_prob", False)), False, shared, sparse)
+
+
+def checkpoint_name(architecture: str, name: str) -> str:
+    """The module's name for checkpoint tensor `name` (Mixtral's block_sparse_moe and w1/w2/w3
+    become mlp and gate/down/up; every other name is the module's already)."""
+    if architecture == "MixtralForCausalLM":
+        for pattern, replacement in _MIXTRAL_NAMES:
+            name = pattern.sub(replacement, name)
+    return name
+
+
+class SparseMoe(nn.Module):
+    """The mixture-of-experts MLP of one layer: a router (`gate`), `experts` (gated MLPs made by
+    `make_mlp(intermediate_size)`, as published: one module per expert) and, for Qwen2-MoE, a
+    `shared_expert` every token runs, scaled by sigmoid(`shared_expert_gate`)."""
+
+    def __init__(self, hidden_size: int, moe: MoeSpec, make_mlp: Callable[[int], nn.Module]):
+        super().__init__()
+        self.top_k = moe.experts_per_token
+        self.normalize_top_k = moe.normalize_top_k
+        self.scale_in_float32 = moe.scale_in_float32
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.experts = nn.ModuleList(make_mlp(moe.expert_intermediate_size)
+                                     for _ in range(moe.num_experts))
+        self.shared_expert: Optional[nn.Module] = None
+        self.kernel: Optional[ExpertKernel] = None   # the experts as one C call, where they can be
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = make_mlp(moe.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def convert(self, convert: Callable[[nn.Linear], nn.Module],
+                convert_router: Callable[[nn.Linear], nn.Module]) -> None:
+        """After loading: every expert's (and the shared expert's and its gate's) linear layers
+        through `convert` (the model's GEMM path or int8 quantization), the router through
+        `convert_router` (the float path: the choice of experts stays that of the float
+        weights); then the experts' C call where they all run on the C kernels."""
+        for expert in self.experts:
+            expert.convert(convert)
+        self.kernel = ExpertKernel.build(self.experts)
+        if self.shared_expert is not None:
+            self.shared_expert.convert(convert)
+            self.shared_expert_gate = convert(self.shared_expert_gate)
+        self.gate = convert_router(self.gate)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, experts), each (tokens, top_k): transformers' routing, row by row."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.scale_in_float32 else weights.to(x.dtype)), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        flat = experts.flatten()
+        # (token, choice) pairs sorted by expert, tokens ascending within an expert
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts))
+        pair_weights = weights.flatten()[order]
+        tokens = order // self.top_k
+        if self.kernel is not None and x.dtype == torch.float32:
+            out = self.kernel(x, counts, tokens, pair_weights)
+        else:
+            out = self._experts(x, counts.tolist(), tokens, pair_weights)
+        if self.shared_expert is not None:
+            out = out + _sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def _experts(self, x: torch.Tensor, counts: list[int], tokens: torch.Tensor,
+                 pair_weights: torch.Tensor) -> torch.Tensor:
+        """The experts in torch: what the C call computes (kernels/moe_experts.py)."""
+        out = torch.zeros_like(x)
+        start = 0
+        for index, count in enumerate(counts):
+            if not count:
+                continue
+            rows = tokens[start:start + count]
+            scaled = self.experts[index](x[rows]) * pair_weights[start:start + count, None]
+            out.index_add_(0, rows, scaled.to(x.dtype))
+            start += count
+        return out
+
+
+def _sigmoid(column: torch.Tensor) -> torch.Tensor:
+    """The logistic function of a (tokens, 1) column, value by value in double precision and
+    rounded to the column's dtype: torch.sigmoid gives other bits for the values its vectorized
+    loop leaves to its scalar tail, so a token's gate would depend on the token count. One value
+    per token: the Python loop costs microseconds."""
+    values = [1.0 / (1.0 + math.exp(-v)) if v >= 0 else math.exp(v) / (1.0 + math.exp(v))
+              for v in column.flatten().tolist()]
+    return torch.tensor(values, dtype=column.dtype, device=column.device).view_as(column)

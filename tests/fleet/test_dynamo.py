@@ -1,0 +1,241 @@
+"""Two `rtpkv dynamo-worker`s behind NVIDIA Dynamo's frontend and KV router (ai-dynamo,
+file discovery, everything on loopback), started once for the module: a prefix (salted or not)
+goes to the worker that holds it, not with the overlap credit at 0; a task prompt pinned before
+the router subscribed is credited; greedy outputs equal one pipeline's; a client that leaves
+cancels its request; a refused field is named; a killed worker gets no more requests."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from rtpkv.fleet.launcher import Fleet
+from server_helpers import wait_until
+
+B = 16
+EVENT_DELAY_S = 1.5   # a worker's events reach the router within milliseconds; this is slack
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
+         "november oscar papa quebec romeo sierra tango uniform victor whiskey xray").split()
+TASK_PROMPT = " ".join(random.Random(77).choice(WORDS) for _ in range(90))
+
+
+def free_base(span: int) -> int:
+    """A port p with p .. p+span-1 all free on loopback."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - span)
+        socks = []
+        try:
+            for port in range(base, base + span):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free run of ports")
+
+
+def text(seed: int, words: int = 80) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+class TaskFleet(Fleet):
+    """Worker 1 starts with TASK_PROMPT pinned (its blocks published before Dynamo's relay
+    subscribes)."""
+
+    def replica_env(self, index: int) -> dict[str, str]:
+        env = super().replica_env(index)
+        if index == 1:
+            env["MULTI_TASK_PROMPT_STR"] = json.dumps([{"task_id": "t", "prompt": TASK_PROMPT}])
+        return env
+
+
+@pytest.fixture(scope="module")
+def fleet(checkpoints, tmp_path_factory):
+    base = free_base(10)
+    f = TaskFleet(checkpoints("qwen2"), 2, replica_port=base, events_port=base + 2,
+                  router_port=base + 6, block_size=B,
+                  env={"KV_CACHE_MAX_TOKENS": "8192", "CONCURRENCY_LIMIT": "8",
+                       "RTPKV_CACHE_DIR": str(tmp_path_factory.mktemp("cards"))},
+                  log_dir=str(tmp_path_factory.mktemp("dynamo")), time_limit_s=900,
+                  served_model_name="qwen2", dynamo=True)
+    try:
+        f.start_replicas()
+        f.start_router("dynamo", "kv")
+        yield f
+    finally:
+        f.stop()
+
+
+def complete(url: str, prompt: str, **extra: Any) -> dict[str, Any]:
+    body = {"model": "qwen2", "prompt": prompt, "max_tokens": 6, "temperature": 0, **extra}
+    res = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert res.status_code == 200, res.text
+    return res.json()
+
+
+def cached(res: dict[str, Any]) -> int:
+    return res["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def queries(fleet: Fleet) -> list[int]:
+    """Prompt tokens each worker has looked up (its rtpkv routes): which one served."""
+    return [httpx.get(r.url + "/cache_status", timeout=10).json()["queries"]
+            for r in fleet.replicas]
+
+
+def served_by(fleet: Fleet, prompt: str, **extra: Any) -> tuple[int, dict[str, Any]]:
+    before = queries(fleet)
+    res = complete(fleet.router_url, prompt, **extra)
+    after = queries(fleet)
+    grew = [i for i, (a, b) in enumerate(zip(before, after)) if b > a]
+    assert len(grew) == 1, (before, after)
+    return grew[0], res
+
+
+def test_a_repeated_long_prefix_goes_to_the_worker_that_holds_it(fleet):
+    for holder in (0, 1):
+        shared = text(100 + holder)
+        complete(fleet.replicas[holder].url, shared + " first")   # straight to the worker
+        time.sleep(EVENT_DELAY_S)
+        for turn in range(2):
+            who, res = served_by(fleet, shared + f" turn {turn}")
+            assert who == holder and cached(res) >= 4 * B, (holder, who, res["usage"])
+
+
+def test_a_salted_prefix_goes_to_the_worker_that_holds_it_under_that_salt(fleet):
+    """The events tag the salt as Dynamo's relay reads it, so the router hashes the request's
+    cache_salt into the same blocks."""
+    for holder in (0, 1):
+        shared = text(150 + holder)
+        complete(fleet.replicas[holder].url, shared + " first", cache_salt="tenant-a")
+        time.sleep(EVENT_DELAY_S)
+        who, res = served_by(fleet, shared + " next", nvext={"cache_salt": "tenant-a"})
+        assert who == holder and cached(res) >= 4 * B, (holder, who, res["usage"])
+
+
+def test_a_worker_started_with_a_task_prompt_is_credited_for_it(fleet):
+    """The task's blocks were pinned (and published) before the relay subscribed: only the
+    announcement made when it subscribed tells the router."""
+    for seed in range(3):
+        who, res = served_by(fleet, TASK_PROMPT + " " + text(200 + seed, 8))
+        assert who == 1 and cached(res) >= 4 * B, (who, res["usage"])
+
+
+def test_greedy_outputs_through_dynamo_equal_one_pipeline_alone(fleet):
+    for seed in range(300, 304):
+        prompt = text(seed, 30)
+        alone = complete(fleet.replicas[0].url, prompt, reuse_cache=False)
+        routed = complete(fleet.router_url, prompt)
+        assert routed["choices"][0]["text"] == alone["choices"][0]["text"]
+    chat = {"model": "qwen2", "messages": [{"role": "user", "content": text(310, 30)}],
+            "max_tokens": 6, "temperature": 0}
+    answers = [httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).json()
+               for url in (fleet.replicas[1].url, fleet.router_url)]
+    assert (answers[0]["choices"][0]["message"]["content"]
+            == answers[1]["choices"][0]["message"]["content"])
+
+
+def test_a_client_that_goes_away_cancels_its_request_in_the_engine(fleet):
+    """The stream is closed after its first chunk: the worker stops the request long before
+    its max_tokens (each engine step makes at most one of its tokens)."""
+    max_tokens = 800
+    before = [httpx.get(r.url + "/worker_status", timeout=10).json()["iterate_count"]
+              for r in fleet.replicas]
+    body = {"model": "qwen2", "prompt": text(700, 30), "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", fleet.router_url + "/v1/completions", json=body,
+                      timeout=60) as res:
+        assert res.status_code == 200, res.read()
+        assert any(line.startswith("data:") for line in res.iter_lines())
+
+    def idle() -> bool:
+        return all(httpx.get(r.url + "/cache_status", timeout=10).json()["requests_running"]
+                   == 0 for r in fleet.replicas)
+    assert wait_until(idle, 30, 0.1)
+    after = [httpx.get(r.url + "/worker_status", timeout=10).json()["iterate_count"]
+             for r in fleet.replicas]
+    steps = sum(a - b for a, b in zip(after, before))
+    assert 0 < steps < max_tokens // 2, steps
+
+
+def test_what_rtpkv_cannot_honour_is_refused_by_name_through_the_frontend(fleet):
+    res = httpx.post(fleet.router_url + "/v1/completions", timeout=60, json={
+        "model": "qwen2", "prompt": text(800, 20), "max_tokens": 4, "presence_penalty": 0.5})
+    assert res.status_code >= 400 and "presence_penalty=0.5" in res.text, res.text
+    assert complete(fleet.router_url, text(801, 20))["choices"][0]["text"] is not None
+
+
+def test_with_the_overlap_credit_at_0_the_holder_is_not_preferred(fleet):
+    """Credit 0: cached blocks count for nothing, so a prefix held by one worker does not pull
+    its requests there (with equal loads the router's tie-break decides)."""
+    fleet.start_router("dynamo", "kv", dynamo_policy={"overlap_score_credit": 0.0})
+    sent = to_holder = 0
+    for holder in (0, 1):
+        shared = text(400 + holder)
+        complete(fleet.replicas[holder].url, shared + " first")
+        time.sleep(EVENT_DELAY_S)
+        for turn in range(6):
+            who, _ = served_by(fleet, shared + f" turn {turn}")
+            sent, to_holder = sent + 1, to_holder + (who == holder)
+    assert to_holder < sent
+    fleet.start_router("dynamo", "kv")   # the default credit for the tests after this one
+
+
+def test_a_llama_chat_through_the_frontend_is_rendered_as_rtpkv_renders_it(checkpoints,
+                                                                           tmp_path):
+    """A tokenizer that adds a BOS (Llama's): the card's template starts with it, so the
+    frontend's ids and greedy reply equal rtpkv's own. (A plain completion reaches the worker
+    without the BOS: the frontend adds none to a prompt.)"""
+    base = free_base(6)
+    with Fleet(checkpoints("llama"), 1, replica_port=base, events_port=base + 1,
+               router_port=base + 4, block_size=B, log_dir=str(tmp_path), time_limit_s=300,
+               served_model_name="llama", dynamo=True,
+               env={"RTPKV_CACHE_DIR": str(tmp_path / "cards")}) as llama:
+        llama.start_replicas()
+        llama.start_router("dynamo", "kv")
+        messages = [{"role": "user", "content": text(900, 20)}]
+        worker = llama.replicas[0].url
+        ids = httpx.post(worker + "/v1/chat/completions/render", timeout=30,
+                         json={"messages": messages}).json()["token_ids"]
+        body = {"model": "llama", "messages": messages, "max_tokens": 6, "temperature": 0}
+        routed, alone = (httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            **body, **extra}).json() for url, extra in ((llama.router_url, {}),
+                                                        (worker, {"reuse_cache": False})))
+        assert routed["usage"]["prompt_tokens"] == len(ids)
+        # a byte-fallback token cut short of its character decodes to U+FFFD: the two
+        # detokenizers may print one per byte or one per sequence; the rest is the same text
+        replies = [r["choices"][0]["message"]["content"].replace("\ufffd", "")
+                   for r in (routed, alone)]
+        assert replies[0] == replies[1] and replies[0]
+
+
+def test_a_killed_worker_stops_receiving_requests(fleet):
+    """Last in the module: it leaves one worker."""
+    fleet.kill_replica(1)
+    survivor = fleet.replicas[0].url
+
+    def routed_around() -> bool:   # the frontend drops the dead worker's registration
+        return all(httpx.post(fleet.router_url + "/v1/completions", timeout=60,
+                              json={"model": "qwen2", "prompt": text(500 + i), "max_tokens": 2}
+                              ).status_code == 200 for i in range(2))
+    assert wait_until(routed_around, 60, 1.0)
+    before = httpx.get(survivor + "/cache_status", timeout=10).json()["queries"]
+    prompts = [text(600 + i) for i in range(6)]
+    for prompt in prompts:
+        complete(fleet.router_url, prompt)
+    after = httpx.get(survivor + "/cache_status", timeout=10).json()["queries"]
+    sent = sum(len(r["token_ids"]) for r in httpx.post(
+        survivor + "/v1/completions/render", json={"prompt": prompts}, timeout=30).json())
+    assert after - before == sent   # every one of them was served by the survivor

@@ -1,0 +1,156 @@
+"""The mixture-of-experts layer (model_factory/moe.py) on its own: what it reads from a config,
+the names it maps, routing ties broken as transformers breaks them, and a token's output the
+same bits whichever tokens share the forward. Parity with transformers end to end is in
+test_model_parity.py, reuse and batching through pipelines in engine/test_batch_invariance.py."""
+
+import pytest
+import torch
+import transformers
+
+from conftest import load, needs_c_kernels
+from rtpkv.errors import ConfigError
+from rtpkv.model_factory.moe import MoeSpec, SparseMoe, checkpoint_name
+from rtpkv.model_factory.spec import ModelSpec
+
+QWEN_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4,
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 32, "decoder_sparse_step": 2,
+            "mlp_only_layers": [3]}
+
+
+def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
+    moe = ModelSpec.from_config(QWEN_MOE).moe
+    assert moe.sparse_layers == (1, 5)   # every second layer, but layer 3 is dense
+    assert (moe.num_experts, moe.experts_per_token, moe.expert_intermediate_size,
+            moe.shared_expert_intermediate_size, moe.normalize_top_k) == (8, 2, 16, 32, False)
+    mixtral = ModelSpec.from_config({**QWEN_MOE, "architectures": ["MixtralForCausalLM"],
+                                     "num_experts": None, "num_local_experts": 4}).moe
+    assert mixtral.sparse_layers == tuple(range(6)) and mixtral.normalize_top_k
+    assert mixtral.expert_intermediate_size == 64 and not mixtral.shared_expert_intermediate_size
+    assert ModelSpec.from_config({**QWEN_MOE, "architectures": ["Qwen2ForCausalLM"]}).moe is None
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("num_experts_per_tok", 9, r"num_experts_per_tok=9 is invalid: accepted range is 1\.\.8"),
+    ("num_experts_per_tok", 0, r"num_experts_per_tok=0 is invalid"),
+    ("num_experts", 0, r"num_experts=0 is invalid"),
+    ("decoder_sparse_step", -1, r"decoder_sparse_step=-1 is invalid"),
+])
+def test_bad_expert_counts_are_refused_by_name(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelSpec.from_config({**QWEN_MOE, field: value})
+
+
+def test_mixtral_names_map_onto_the_modules():
+    name = "model.layers.3.block_sparse_moe.experts.12.w{}.weight"
+    assert [checkpoint_name("MixtralForCausalLM", name.format(i)) for i in (1, 2, 3)] == [
+        f"model.layers.3.mlp.experts.12.{p}_proj.weight" for p in ("gate", "down", "up")]
+    assert (checkpoint_name("MixtralForCausalLM", "model.layers.0.block_sparse_moe.gate.weight")
+            == "model.layers.0.mlp.gate.weight")
+    kept = "model.layers.0.mlp.experts.1.w1.weight"   # not Mixtral: as it is
+    assert checkpoint_name("Qwen3MoeForCausalLM", kept) == kept
+
+
+def test_routing_ties_are_broken_as_transformers_breaks_them():
+    """Experts with identical router rows tie on every token: torch.topk's choice, which
+    transformers makes, is the one taken."""
+    config = transformers.Qwen3MoeConfig(hidden_size=32, num_experts=6, num_experts_per_tok=3,
+                                         moe_intermediate_size=16, norm_topk_prob=True)
+    router = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter(config)
+    weight = torch.randn(6, 32)
+    weight[4] = weight[1]
+    weight[5] = weight[2] = weight[0]
+    router.weight.data = weight
+    spec = ModelSpec.from_config({**QWEN_MOE, "architectures": ["Qwen3MoeForCausalLM"],
+                                  "hidden_size": 32, "num_experts": 6, "num_experts_per_tok": 3,
+                                  "norm_topk_prob": True})
+    layer = SparseMoe(32, spec.moe, lambda size: torch.nn.Identity())
+    layer.gate.weight.data = weight
+    x = torch.randn(50, 32)
+    _, their_weights, their_experts = router(x)
+    weights, experts = layer.route(x)
+    assert torch.equal(experts, their_experts)
+    torch.testing.assert_close(weights, their_weights, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("options", [{}, {"weight_type": "INT8"}, {"weight_type": "W8A8_INT8"},
+                                     {"weight_type": "BF16"}, {"dtype": "bfloat16"}])
+def test_a_tokens_output_does_not_depend_on_the_others(checkpoints, arch, options):
+    """Each token alone, and in a forward of 70 tokens in another order, gives the same bits."""
+    module = load(checkpoints(arch), **options).module
+    layer = next(layer.mlp for layer in module.model.layers if isinstance(layer.mlp, SparseMoe))
+    dtype = module.model.embed_tokens.weight.dtype
+    x = torch.randn(70, module.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = x.to(dtype)
+    with torch.inference_mode():
+        together = layer(x)
+        order = torch.randperm(70, generator=torch.Generator().manual_seed(1))
+        shuffled = layer(x[order])
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(70)])
+    assert len(set(layer.route(x)[1].flatten().tolist())) == len(layer.experts)   # all used
+    assert torch.equal(together, alone)
+    assert torch.equal(together[order], shuffled)
+
+
+@needs_c_kernels
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("options", [{}, {"weight_type": "INT8"}, {"weight_type": "W8A8_INT8"},
+                                     {"weight_type": "BF16"}])
+def test_the_experts_c_call_gives_the_bits_of_the_torch_loop(checkpoints, monkeypatch, arch,
+                                                             options):
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
+    module = load(checkpoints(arch), **options).module
+    layers = [layer.mlp for layer in module.model.layers if isinstance(layer.mlp, SparseMoe)]
+    assert all(layer.kernel is not None for layer in layers)
+    x = torch.randn(45, module.spec.hidden_size, generator=torch.Generator().manual_seed(2))
+    for layer in layers:
+        with torch.inference_mode():
+            fused = layer(x)
+            kernel, layer.kernel = layer.kernel, None
+            loop = layer(x)
+            layer.kernel = kernel
+        assert torch.equal(fused, loop)
+
+
+@pytest.mark.parametrize("env,options", [({"RTPKV_LINEAR": "onednn"}, {}),
+                                         ({}, {"dtype": "bfloat16"})])
+def test_experts_off_the_c_kernels_run_in_torch(checkpoints, monkeypatch, env, options):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    module = load(checkpoints("mixtral"), **options).module
+    assert all(layer.mlp.kernel is None for layer in module.model.layers)
+
+
+def test_a_sharded_checkpoint_loads_as_the_whole_one(checkpoints, tmp_path):
+    """Mixtral's experts spread over many safetensors shards give the same logits."""
+    import shutil
+
+    path = checkpoints("mixtral")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf.save_pretrained(tmp_path, max_shard_size="200KB")
+    for name in path.iterdir():
+        if name.name.startswith("tokenizer"):
+            shutil.copy(name, tmp_path / name.name)
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 3
+    ids = [5, 9, 14, 3, 22, 8, 40]
+    logits = []
+    for directory in (path, tmp_path):
+        module = load(directory).module
+        with torch.inference_mode():
+            logits.append(module.logits(_prefill(module, ids)))
+    assert torch.equal(*logits)
+
+
+def _prefill(module, ids):
+    """The final hidden states of `ids` from an empty cache of one block."""
+    from rtpkv.kernels import AttentionBatch
+
+    n, spec = len(ids), module.spec
+    caches = [(torch.zeros(spec.num_kv_heads * n, spec.head_dim),
+               torch.zeros(spec.num_kv_heads * n, spec.head_dim)) for _ in range(spec.num_layers)]
+    batch = AttentionBatch(positions=list(range(n)), row_seq=[0] * n, block_tables=[[0]],
+                           query_start=[0], query_len=[n], context_len=[n], block_size=n,
+                           num_blocks=1, kv_heads=spec.num_kv_heads)
+    return module(torch.tensor(ids), torch.arange(n), caches, module.attention_metadata(batch))
