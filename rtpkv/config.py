@@ -232,7 +232,6 @@ class RuntimeConfig(BaseModel):
     kv_events_buffer_steps: int = Field(10000, ge=1, le=1000000)  # batches kept for replay
     kv_events_layout: str = "map"   # "map" (vllm-router) or "array" (llm-d): rtpkv.fleet.wire
     kv_events_mediums: str = "disk"   # how host memory and disk are named: rtpkv.fleet.wire
-    kv_events_salt_prefix: str = Field("", max_length=64)   # before a salt in extra_keys
 
     @field_validator("reuse_cache", "enable_partial_reuse", "enable_memory_cache",
                      "enable_memory_cache_disk", "write_cache_sync", "enable_remote_cache",

@@ -13,9 +13,9 @@ This module is that worker, on Dynamo's Python backend API (`dynamo.common.backe
 - The relay subscribes only after `start()`, so what was published before (the task prompts'
   pinned blocks, a disk tier's records found at a restart) would be lost: each time a consumer
   subscribes, the pool's and the tiers' current contents are announced again.
-- A salted first block carries its salt tagged as Dynamo's relay expects it
-  (KV_EVENTS_SALT_PREFIX, `dynamo-cache-salt:` unless set), so tenants' prefixes are routed
-  like any other.
+- A salted chain's first block goes out with folded ids and the salt's digest (never the
+  salt, rtpkv.fleet.wire), so the router credits no tenant's blocks to another's text; a
+  salted request is routed by load.
 - Host-memory and disk blocks are published under the tier names Dynamo maps
   (KV_EVENTS_MEDIUMS=tiers unless set), so its router weighs them with its host and disk
   hit weights rather than as device blocks.
@@ -65,7 +65,6 @@ DEFAULT_NAMESPACE = "dynamo"
 # Dynamo's relay reads an extra key with this prefix as the block's cache salt (and hashes
 # the block as its router hashes a request with that `cache_salt`); any other string is
 # metadata of another kind, and a salted prefix would never match.
-DYNAMO_SALT_PREFIX = "dynamo-cache-salt:"
 
 
 class RequestRefused(ValueError):
@@ -286,8 +285,6 @@ def _engine_class() -> type:
                 "kv_events_endpoint": f"tcp://127.0.0.1:{free_port()}"}
             if "KV_EVENTS_MEDIUMS" not in os.environ:   # the names Dynamo maps to its tiers
                 options["kv_events_mediums"] = "tiers"
-            if "KV_EVENTS_SALT_PREFIX" not in os.environ:   # how Dynamo's relay knows a salt
-                options["kv_events_salt_prefix"] = DYNAMO_SALT_PREFIX
             pipeline = Pipeline(loaded, loaded.tokenizer, **options)
             if Settings.from_env().warm_up:
                 log.info("warm-up done in %.1f s", warm_up(pipeline))

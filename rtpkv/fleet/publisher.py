@@ -78,10 +78,9 @@ class KVEventPublisher:
     def __init__(self, events: KVEventBuffer, block_size: int, root_key: bytes, endpoint: str,
                  replay_endpoint: Optional[str] = None, topic: str = "",
                  buffer_steps: int = 10000, hwm: int = 100000, layout: str = "map",
-                 mediums: str = "disk", salt_prefix: str = ""):
+                 mediums: str = "disk"):
         self.layout = layout
         self.mediums = wire.MEDIUM_NAMES[mediums]
-        self.salt_prefix = salt_prefix   # tags a salt for a consumer that wants it tagged
         self.block_size = block_size
         self.root_key = root_key
         self.group_roots = events.group_roots   # KV cache groups' roots: first blocks too
@@ -132,7 +131,7 @@ class KVEventPublisher:
         return cls(events, block_size, root_key, config.kv_events_endpoint,
                    config.kv_events_replay_endpoint, config.kv_events_topic,
                    config.kv_events_buffer_steps, layout=config.kv_events_layout,
-                   mediums=config.kv_events_mediums, salt_prefix=config.kv_events_salt_prefix)
+                   mediums=config.kv_events_mediums)
 
     def add_subscribe_listener(self, listener: Callable[[], None]) -> None:
         """Call `listener` (on the publisher's thread: it must only hand off) each time a
@@ -158,8 +157,7 @@ class KVEventPublisher:
                 [wire.wire_hash(bytes.fromhex(h)) for h in event["block_hashes"]],
                 None if first else wire.wire_hash(parent),
                 [t for block in blocks for t in block], self.block_size, medium,
-                [[self.salt_prefix + label]] + [None] * (len(blocks) - 1) if label else None,
-                group)
+                [[label]] + [None] * (len(blocks) - 1) if label else None, group)
         if event["type"] == "removed":
             return wire.block_removed([wire.wire_hash(bytes.fromhex(h))
                                        for h in event["block_hashes"]], medium,

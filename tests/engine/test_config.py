@@ -66,6 +66,7 @@ NON_DEFAULT = {
     "kv_events_topic": ("kv@", "kv@"),
     "kv_events_buffer_steps": ("500", 500),
     "kv_events_layout": ("Array", "array"),
+    "kv_events_mediums": ("STORAGE", "storage"),
 }
 
 
