@@ -8,6 +8,7 @@ from conftest import GEMMA_WINDOW as W, idle_in_use, run
 
 from rtpkv.cache.groups import FULL_ATTENTION, SLIDING_WINDOW, KVGroup, kv_groups
 from rtpkv.cache.manager import RELEASED
+from rtpkv.cache.prefix_index import KeyChain
 
 B = 8
 
@@ -134,8 +135,6 @@ def test_reuse_is_what_every_group_serves(checkpoints, make_pipeline):
         history = history + a.output_ids + _prompt(7, seed=turn)
     assert len(history) > 3 * W
     cache = reused.engine.cache
-    from rtpkv.cache.prefix_index import KeyChain
-
     chains = [KeyChain(cache.index, history, b"", 0, root=root) for root in cache.roots]
     assert len({c.key(0) for c in chains}) == len(cache.groups)
 
@@ -149,7 +148,7 @@ def test_reuse_stops_where_a_sliding_group_lost_its_window(checkpoints, make_pip
     ids = _prompt(100, seed=11)
     run(pipe, ids, max_new_tokens=2)
     cache = pipe.engine.cache
-    chain = KeyChainFor(cache, ids, group=1)
+    chain = KeyChain(cache.index, ids, b"", 0, root=cache.roots[1])   # a sliding group's
     victim = cache.pool.cached(chain.key(10))   # inside the last window of 99 tokens
     assert victim is not None and victim.ref_count == 0
     cache.pool.policy.remove(victim)
@@ -161,12 +160,6 @@ def test_reuse_stops_where_a_sliding_group_lost_its_window(checkpoints, make_pip
     assert again.aux_info["reuse_stop"] == "window"
     assert again.output_ids == ref.output_ids
     torch.testing.assert_close(again.logits, ref.logits, atol=1e-4, rtol=0)
-
-
-def KeyChainFor(cache, ids, group):
-    from rtpkv.cache.prefix_index import KeyChain
-
-    return KeyChain(cache.index, ids, b"", 0, root=cache.roots[group])
 
 
 def test_task_prompts_pin_every_group(checkpoints, make_pipeline):
