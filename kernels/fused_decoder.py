@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from array import array
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
@@ -30,9 +30,19 @@ from rtpkv.kernels.fused_ops import ptr
 from rtpkv.kernels import fused_ops, weight_types
 from rtpkv.kernels.int8_linear import Int8Linear, QuantizedLinear
 
-if TYPE_CHECKING:
-    from rtpkv.model_factory.llama import CausalLM
-    from rtpkv.model_factory.plan import ModelPlan
+
+class DecoderModel(Protocol):
+    """What the fused decoder reads of a model (model_factory's CausalLM is one): its spec and
+    layer plan, the backbone's embedding, layers and final norm (`model`), the LM head, the RoPE
+    table and the attention backend. The kernels name this shape, not the model's class."""
+
+    spec: Any
+    plan: Any   # a model_factory/plan.py ModelPlan (data the kernels read; not imported here)
+    model: torch.nn.Module
+    lm_head: torch.nn.Module
+    cos: torch.Tensor
+    sin: torch.Tensor
+    attention: Any
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -87,7 +97,7 @@ def _library() -> Optional[ctypes.CDLL]:
                          "w8a8_linear", "paged_attention")
 
 
-def runs_plan(plan: "ModelPlan", head_dim: int) -> bool:
+def runs_plan(plan: Any, head_dim: int) -> bool:
     """Whether decoder.c computes `plan`: every layer the same Llama layer (two plain RMSNorms
     of one epsilon, SwiGLU, the 1/sqrt(head_dim) scale, no soft-cap, no q/k norm, one RoPE table
     and one window), no embedding scale, no final soft-cap. Any other plan is refused whole:
@@ -112,7 +122,7 @@ class FusedDecoder:
     """The decoder layers of `module` as one C call; holds the weights' addresses, so it lives
     as long as the module and its KV pool."""
 
-    def __init__(self, module: "CausalLM", lib: ctypes.CDLL):
+    def __init__(self, module: "DecoderModel", lib: ctypes.CDLL):
         spec, backbone = module.spec, module.model
         self.lib = lib
         self.module = module
@@ -147,7 +157,7 @@ class FusedDecoder:
         self.seconds: Optional[torch.Tensor] = None
 
     @classmethod
-    def build(cls, module: "CausalLM") -> Optional["FusedDecoder"]:
+    def build(cls, module: "DecoderModel") -> Optional["FusedDecoder"]:
         """The fused decoder of `module`, or None where it does not run end to end on the C
         kernels (then its layers run one by one)."""
         spec, backbone = module.spec, module.model
