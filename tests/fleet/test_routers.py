@@ -194,8 +194,8 @@ def test_kv_aware_never_credits_a_salted_tenants_blocks_to_plain_text(fleet):
 
 
 def test_the_readme_curl_works_through_the_router(fleet):
-    """The manual's "Many replicas" curl (docs/USAGE.md) as written (its headers and body; the model name is
-    the one this fleet serves, as `rtpkv fleet` prints it)."""
+    """The manual's "Many replicas" curl (docs/USAGE.md) as written (its headers and body; the
+    model name is the one this fleet serves, as `rtpkv fleet` prints it)."""
     from test_launcher import readme_fleet_curl
 
     fleet.start_router("vllm", "kv_aware")
@@ -203,7 +203,8 @@ def test_the_readme_curl_works_through_the_router(fleet):
     res = httpx.post(fleet.router_url + "/v1/completions", headers=headers, timeout=60,
                      content=json.dumps({**body, "model": fleet.served_model_name}))
     assert res.status_code == 200, res.text
-    assert res.json()["usage"]["completion_tokens"] == body["max_tokens"]
+    # the random test model may end on its EOS before max_tokens (the curl sends no ignore_eos)
+    assert 0 < res.json()["usage"]["completion_tokens"] <= body["max_tokens"]
 
 
 class DiskFleet(Fleet):
