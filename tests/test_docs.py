@@ -45,3 +45,14 @@ def test_readme_keeps_the_ci_lines_and_explains_torch_builds():
 def test_readme_is_short():
     """The README says what rtpkv is and how to start; the manual lives in docs/USAGE.md."""
     assert len((ROOT / "README.md").read_bytes()) < 12 * 1024
+
+
+def test_design_layout_names_every_module():
+    """docs/DESIGN.md's layout lists every module of the package by its file name."""
+    design = (ROOT / "docs" / "DESIGN.md").read_text(encoding="utf-8")
+    layout = design[design.index("## Layout"):]
+    layout = layout[:layout.index("\n## ", 10)]
+    files = [p for folder in ("rtpkv", "model_factory", "tasks", "kernels")
+             for pattern in ("*.py", "*.c", "*.h") for p in (ROOT / folder).rglob(pattern)
+             if p.name != "__init__.py" or folder == "kernels"]
+    assert [str(p.relative_to(ROOT)) for p in files if p.name not in layout] == []
