@@ -42,8 +42,9 @@ def _eager_logits(module, memory, ids, positions, tables):
         context_len=[p + 1 for p in positions], block_size=BLOCK, num_blocks=memory.num_blocks,
         kv_heads=memory.kv.shape[2])
     meta = module.attention_metadata(batch)
-    return module.forward_logits(ids, positions, memory.layer_caches(), meta,
-                                 list(range(len(ids))))
+    with torch.inference_mode():   # as the engine runs it (torch's RoPE writes views in place)
+        return module.forward_logits(ids, positions, memory.layer_caches(), meta,
+                                     list(range(len(ids))))
 
 
 def test_buckets_are_powers_of_two_up_to_the_largest_batch():
@@ -88,7 +89,8 @@ def test_replays_write_the_eager_rows_and_give_the_eager_logits(model):
         eager = _eager_logits(module, memory, ids, positions, tables)
         after_eager = memory.kv.clone()
         memory.kv.copy_(before)
-        graphed = graphs.run(ids, positions, tables)
+        with torch.inference_mode():   # as ModelRunner calls it
+            graphed = graphs.run(ids, positions, tables)
         assert torch.equal(graphed, eager)
         assert torch.equal(memory.kv, after_eager)
     assert not torch.equal(memory.kv, start)

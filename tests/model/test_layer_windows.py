@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import transformers
-from conftest import GEMMA_WINDOW as W, idle_in_use, load, run
+from conftest import GEMMA_WINDOW as W, idle_in_use, load, needs_c_kernels, run
 
 from rtpkv.model_factory.tiny import build_tiny_checkpoint
 
@@ -16,8 +16,8 @@ LENGTHS = (W // 2, W, 3 * W)
 NEW = 24   # decodes: the shortest prompt's queries pass the window too
 # Gemma 2 soft-caps attention logits, which only the torch backend does;
 # flash-attn: the CPU stand-in (conftest)
-CASES = [("gemma2", "torch"), ("gemma3", "torch"), ("gemma3", "cpu-paged"),
-         ("gemma3", "flash-attn")]
+CASES = [("gemma2", "torch"), ("gemma3", "torch"),
+         pytest.param("gemma3", "cpu-paged", marks=needs_c_kernels), ("gemma3", "flash-attn")]
 
 
 def _use(backend, monkeypatch, request):
@@ -119,6 +119,7 @@ def test_reuse_across_windows_equals_recomputation(checkpoints, make_pipeline, m
     assert idle_in_use(reused) == 0
 
 
+@needs_c_kernels   # reads the CPU paged kernel's per-layer metadata
 def test_max_attention_window_caps_every_layer(checkpoints, make_pipeline):
     """MAX_ATTENTION_WINDOW under a Gemma model's own windows: every layer attends at most
     that many tokens (the sliding layers' smaller window stays), and the cache releases the
