@@ -48,13 +48,13 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
 
-class _Linear(ctypes.Structure):
+class LinearArgs(ctypes.Structure):
     _fields_ = [("weight", _P), ("scale", _P), ("bias", _P)]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear), ("k_cache", _P), ("v_cache", _P)]
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", LinearArgs), ("o", LinearArgs),
+                ("gate_up", LinearArgs), ("down", LinearArgs), ("k_cache", _P), ("v_cache", _P)]
 
 
 class _Model(ctypes.Structure):
@@ -62,7 +62,7 @@ class _Model(ctypes.Structure):
                 ("head_dim", _I), ("inter", _I), ("eps", ctypes.c_float),
                 ("linear_kind", _I), ("int8_group", _I), ("panel_rows", _I),
                 ("cos", _P), ("sin", _P), ("final_norm", _P), ("embedding", _P),
-                ("lm_head", _Linear), ("vocab", _I)]
+                ("lm_head", LinearArgs), ("vocab", _I)]
 
 
 class _Step(ctypes.Structure):
@@ -82,9 +82,9 @@ class _Burst(ctypes.Structure):
 # prefill chunk's would hold megabytes for good, and costs little to allocate beside its compute
 KEPT_ROWS = 64
 
-# the linear layers' path -> (LINEAR_* of csrc/decoder.c, the fewest rows of its prefill tiles)
-_LINEAR_KINDS = {"avx2": (0, 0), **{t.layer.path: (t.kernel_kind, t.panel_rows)
-                                    for t in weight_types.REGISTRY.values()}}
+# the linear layers' path -> (LINEAR_* of csrc/kernels.h, the fewest rows of its prefill tiles)
+LINEAR_KINDS = {"avx2": (0, 0), **{t.layer.path: (t.kernel_kind, t.panel_rows)
+                                   for t in weight_types.REGISTRY.values()}}
 
 _SIGNATURES: Signatures = {
     "rtpkv_decoder_forward": ([ctypes.POINTER(_Model), ctypes.POINTER(_Step)], None),
@@ -112,10 +112,10 @@ def runs_plan(plan: Any, head_dim: int) -> bool:
             and plan.embedding_scale is None and plan.final_softcap is None)
 
 
-def _linear(layer: torch.nn.Module) -> _Linear:
+def linear_args(layer: torch.nn.Module) -> LinearArgs:
     if isinstance(layer, QuantizedLinear):
-        return _Linear(layer.q.data_ptr(), ptr(layer.scale), ptr(layer.bias))
-    return _Linear(layer.packed.data_ptr(), None, ptr(layer.bias))
+        return LinearArgs(layer.q.data_ptr(), ptr(layer.scale), ptr(layer.bias))
+    return LinearArgs(layer.packed.data_ptr(), None, ptr(layer.bias))
 
 
 class FusedDecoder:
@@ -138,14 +138,14 @@ class FusedDecoder:
         self.scratch_starts = [sum(widths[:i]) for i in range(len(widths))]
         self.scratch_width = sum(widths)
         first = backbone.layers[0].mlp.gate_up
-        kind, panel_rows = _LINEAR_KINDS[first.path]
+        kind, panel_rows = LINEAR_KINDS[first.path]
         self.model = _Model(
             len(backbone.layers), self.hidden, self.heads, self.kv_heads, self.head_dim,
             inter, spec.rms_norm_eps, kind,
             first.group_size if isinstance(first, Int8Linear) else 0,   # LINEAR_INT8's only
             panel_rows,
             module.cos.data_ptr(), module.sin.data_ptr(), backbone.norm.weight.data_ptr(),
-            backbone.embed_tokens.weight.data_ptr(), _linear(module.lm_head), self.vocab)
+            backbone.embed_tokens.weight.data_ptr(), linear_args(module.lm_head), self.vocab)
         # the last layer table made, with the addresses of the K/V caches it points into
         self._table: Optional[tuple[tuple[int, ...], ctypes.Array]] = None
         # each thread's float32 buffer for `logits` (residual, final hidden and scratch rows),
@@ -172,7 +172,7 @@ class FusedDecoder:
             and weight.is_contiguous()
             and isinstance(module.attention, CpuPagedAttention)
             and runs_plan(module.plan, spec.head_dim)
-            and len({m.path for m in linears}) == 1 and linears[0].path in _LINEAR_KINDS
+            and len({m.path for m in linears}) == 1 and linears[0].path in LINEAR_KINDS
             and spec.head_dim % fused_ops.ROPE_MULTIPLE == 0
             and spec.hidden_size % fused_ops.ROW_MULTIPLE == 0
             and spec.intermediate_size % fused_ops.ROW_MULTIPLE == 0)
@@ -195,8 +195,8 @@ class FusedDecoder:
                 attn, mlp = layer.self_attn, layer.mlp
                 entry.input_norm = layer.input_layernorm.weight.data_ptr()
                 entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-                entry.qkv, entry.o = _linear(attn.qkv), _linear(attn.o_proj)
-                entry.gate_up, entry.down = _linear(mlp.gate_up), _linear(mlp.down_proj)
+                entry.qkv, entry.o = linear_args(attn.qkv), linear_args(attn.o_proj)
+                entry.gate_up, entry.down = linear_args(mlp.gate_up), linear_args(mlp.down_proj)
                 entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
             cached = self._table = (key, table)
         return cached[1]

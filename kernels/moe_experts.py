@@ -15,7 +15,7 @@ from torch import nn
 
 from rtpkv.kernels import fused_ops
 from rtpkv.kernels.cpu_build import Signatures, bound_library
-from rtpkv.kernels.fused_decoder import _LINEAR_KINDS, _Linear, _linear
+from rtpkv.kernels.fused_decoder import LINEAR_KINDS, LinearArgs, linear_args
 from rtpkv.kernels.int8_linear import Int8Linear
 
 _P = ctypes.c_void_p
@@ -23,7 +23,7 @@ _I = ctypes.c_int64
 
 
 class _Expert(ctypes.Structure):
-    _fields_ = [("gate_up", _Linear), ("down", _Linear)]
+    _fields_ = [("gate_up", LinearArgs), ("down", LinearArgs)]
 
 
 class _Experts(ctypes.Structure):
@@ -49,8 +49,8 @@ class ExpertKernel:
         self.lib = lib
         self.hidden, self.inter = first.in_features, first.out_features // 2
         self.table = (_Expert * len(experts))(
-            *(_Expert(_linear(e.gate_up), _linear(e.down_proj)) for e in experts))
-        kind, panel_rows = _LINEAR_KINDS[first.path]
+            *(_Expert(linear_args(e.gate_up), linear_args(e.down_proj)) for e in experts))
+        kind, panel_rows = LINEAR_KINDS[first.path]
         self.layer = _Experts(len(experts), self.hidden, self.inter, kind,
                               first.group_size if isinstance(first, Int8Linear) else 0,
                               panel_rows, self.table)
@@ -62,7 +62,7 @@ class ExpertKernel:
         SiLU-and-mul does not take, or no compiler."""
         linears = [m for e in experts for m in (e.gate_up, e.down_proj)]
         first = linears[0]
-        if (len({m.path for m in linears}) != 1 or first.path not in _LINEAR_KINDS
+        if (len({m.path for m in linears}) != 1 or first.path not in LINEAR_KINDS
                 or (first.out_features // 2) % fused_ops.ROW_MULTIPLE):
             return None
         lib = _library()

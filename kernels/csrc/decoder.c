@@ -22,14 +22,6 @@
 #include "kernels.h"
 #include "paged_attention.h"
 
-
-typedef struct {                   /* a linear layer as its kernel holds it */
-    const void *weight;            /* float32 panels (fp32_linear) or int8 blocks (int8_linear,
-                                      w8a8_linear) */
-    const float *scale;            /* int8 scales; NULL for float32 */
-    const float *bias;             /* NULL without */
-} linear_layer;
-
 typedef struct {                   /* one decoder layer, fixed at load */
     const float *input_norm, *post_norm;
     linear_layer qkv, o, gate_up, down;
@@ -82,7 +74,6 @@ typedef struct {                   /* several decode steps of one row per sequen
 } decoder_burst;
 
 enum { SECONDS_LINEAR, SECONDS_ATTENTION, SECONDS_ELEMENTWISE };   /* benchmarks/decode_step.py */
-enum { LINEAR_FP32, LINEAR_INT8, LINEAR_W8A8, LINEAR_BF16 };                     /* kernels/fused_decoder.py */
 
 static inline double clock_now(void) {
     struct timespec t;
@@ -98,26 +89,9 @@ static inline void lap(decoder_step *s, int part, double *last) {
     *last = now;
 }
 
-static void linear(const decoder_model *m, const linear_layer *l, const float *x, int64_t T,
-                   int64_t K, int64_t N, float *y) {
-    switch (m->linear_kind) {
-    case LINEAR_INT8:
-        rtpkv_int8_linear(x, T, K, (const int8_t *)l->weight, l->scale, N, m->int8_group, l->bias,
-                          y, m->panel_rows);
-        break;
-    case LINEAR_W8A8:
-        rtpkv_w8a8_linear(x, T, K, (const int8_t *)l->weight, l->scale, N, l->bias, y,
-                          m->panel_rows);
-        break;
-    case LINEAR_FP32:
-        rtpkv_fp32_linear(x, T, K, (const float *)l->weight, N, l->bias, y);
-        break;
-    case LINEAR_BF16:
-        rtpkv_bf16w_linear(x, T, K, (const uint16_t *)l->weight, N, l->bias, y);
-        break;
-    default:
-        abort();   /* kernels/fused_decoder.py sets one of LINEAR_* */
-    }
+static inline void linear(const decoder_model *m, const linear_layer *l, const float *x,
+                          int64_t T, int64_t K, int64_t N, float *y) {
+    rtpkv_linear(m->linear_kind, l, x, T, K, N, y, m->int8_group, m->panel_rows);
 }
 
 /* The new tokens' K and V (rows of the qkv output) into the pool, q into its own rows; into an

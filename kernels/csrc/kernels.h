@@ -5,6 +5,7 @@
 #define RTPKV_KERNELS_H
 
 #include <stdint.h>
+#include <stdlib.h>
 
 /* fused_ops.c */
 void rtpkv_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows,
@@ -26,5 +27,42 @@ void rtpkv_int8_linear(const float *x, int64_t m, int64_t k, const int8_t *q, co
                        int64_t n, int64_t group, const float *bias, float *y, int64_t panel_rows);
 void rtpkv_w8a8_linear(const float *x, int64_t m, int64_t k, const int8_t *qw, const float *sw,
                        int64_t n, const float *bias, float *y, int64_t many_rows_from);
+
+/* A linear layer as its kernel holds it (kernels/fused_decoder.py's _Linear), and the kernel of
+ * each weight type (LINEAR_*: kernels/weight_types.py's kernel_kind): the one dispatch the
+ * decoder (decoder.c) and a mixture's experts (moe_experts.c) share. */
+typedef struct {
+    const void *weight;            /* float32 or bf16 panels (fp32_linear), int8 blocks (int8_linear,
+                                      w8a8_linear) */
+    const float *scale;            /* int8 scales; NULL for float32 and bf16 */
+    const float *bias;             /* NULL without */
+} linear_layer;
+
+enum { LINEAR_FP32, LINEAR_INT8, LINEAR_W8A8, LINEAR_BF16 };
+
+/* y = x W^T + b for T rows of K inputs and N outputs, on the kernel of `kind`; `int8_group` is
+ * LINEAR_INT8's group size, `panel_rows` the fewest rows the int8 kernels' prefill tiles take. */
+static inline void rtpkv_linear(int64_t kind, const linear_layer *l, const float *x, int64_t T,
+                                int64_t K, int64_t N, float *y, int64_t int8_group,
+                                int64_t panel_rows) {
+    switch (kind) {
+    case LINEAR_INT8:
+        rtpkv_int8_linear(x, T, K, (const int8_t *)l->weight, l->scale, N, int8_group, l->bias, y,
+                          panel_rows);
+        break;
+    case LINEAR_W8A8:
+        rtpkv_w8a8_linear(x, T, K, (const int8_t *)l->weight, l->scale, N, l->bias, y,
+                          panel_rows);
+        break;
+    case LINEAR_FP32:
+        rtpkv_fp32_linear(x, T, K, (const float *)l->weight, N, l->bias, y);
+        break;
+    case LINEAR_BF16:
+        rtpkv_bf16w_linear(x, T, K, (const uint16_t *)l->weight, N, l->bias, y);
+        break;
+    default:
+        abort();   /* the Python side sets one of LINEAR_* */
+    }
+}
 
 #endif

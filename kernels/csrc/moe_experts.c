@@ -15,12 +15,6 @@
 
 #include "kernels.h"
 
-typedef struct {                   /* a linear layer as its kernel holds it (as in decoder.c) */
-    const void *weight;
-    const float *scale;            /* int8 scales; NULL for float32 */
-    const float *bias;             /* NULL without */
-} linear_layer;
-
 typedef struct {
     linear_layer gate_up, down;
 } expert_layer;
@@ -33,28 +27,10 @@ typedef struct {                   /* a layer's experts, fixed at load */
     const expert_layer *experts;   /* (num_experts,) */
 } moe_experts;
 
-enum { LINEAR_FP32, LINEAR_INT8, LINEAR_W8A8, LINEAR_BF16 };   /* as decoder.c's */
 
-static void linear(const moe_experts *m, const linear_layer *l, const float *x, int64_t T,
-                   int64_t K, int64_t N, float *y) {
-    switch (m->linear_kind) {
-    case LINEAR_INT8:
-        rtpkv_int8_linear(x, T, K, (const int8_t *)l->weight, l->scale, N, m->int8_group, l->bias,
-                          y, m->panel_rows);
-        break;
-    case LINEAR_W8A8:
-        rtpkv_w8a8_linear(x, T, K, (const int8_t *)l->weight, l->scale, N, l->bias, y,
-                          m->panel_rows);
-        break;
-    case LINEAR_FP32:
-        rtpkv_fp32_linear(x, T, K, (const float *)l->weight, N, l->bias, y);
-        break;
-    case LINEAR_BF16:
-        rtpkv_bf16w_linear(x, T, K, (const uint16_t *)l->weight, N, l->bias, y);
-        break;
-    default:
-        abort();   /* kernels/moe_experts.py sets one of LINEAR_* */
-    }
+static inline void linear(const moe_experts *m, const linear_layer *l, const float *x,
+                          int64_t T, int64_t K, int64_t N, float *y) {
+    rtpkv_linear(m->linear_kind, l, x, T, K, N, y, m->int8_group, m->panel_rows);
 }
 
 /* x: (T, hidden); counts: (num_experts,) tokens per expert; tokens, weights: the (token,
