@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from rtpkv.kernels import int8_linear, w8a8_linear
 from rtpkv.kernels.bf16_linear import Bf16Linear
@@ -40,9 +39,6 @@ class WeightType:
         """What the model's fingerprint adds: blocks computed with other weights than the
         float ones must never be shared with another setting's."""
         return f"|{self.name}-g{layer.group_size}"
-
-    def convert(self, linear: nn.Linear) -> QuantizedLinear:
-        return self.layer(linear)
 
 
 REGISTRY: dict[str, WeightType] = {t.name: t for t in (

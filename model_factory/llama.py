@@ -227,7 +227,7 @@ class CausalLM(nn.Module):
                 return InferenceLinear(layer, self.linear_path)
             if not shared:
                 freed += sum(p.numel() * p.element_size() for p in layer.parameters())
-            return kind.convert(layer)
+            return kind.layer(layer)
 
         router_path = linear_path(weight.dtype, weight.device, linear)
         for layer in self.model.layers:

@@ -238,6 +238,19 @@ def make_pipeline(llama_path):
         pipe.stop()
 
 
+def use_attention(backend: str, monkeypatch, request) -> None:
+    """RTPKV_ATTENTION=backend for this test; "flash-attn" runs the CPU stand-in."""
+    if backend == "flash-attn":
+        request.getfixturevalue("flash_attn_standin")
+    monkeypatch.setenv("RTPKV_ATTENTION", backend)
+
+
+def random_prompt(n: int, seed: int = 0) -> list[int]:
+    """n token ids in [3, 600), seeded: ids every test checkpoint's vocabulary holds."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 600, (n,), generator=g).tolist()
+
+
 def run(pipe: Pipeline, prompt, **config: Any):
     """Run to completion; returns the last response."""
     config.setdefault("top_k", 1)

@@ -30,6 +30,7 @@ log = logging.getLogger("rtpkv")
 
 GENERATION_ROUTES = ("/", "/v1/chat/completions", "/v1/completions", "/v1/messages")
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"
+POLLED = ["GET", "POST"]   # the routes FlexLB polls take either (a POST body holds its params)
 MAX_JSON_DEPTH = 64  # far above any real request (chat content parts nest 5 deep)
 LARGE_BODY_BYTES = 64 * 1024   # bodies past this are parsed and checked off the event loop
 
@@ -268,10 +269,8 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
             await request.body() else None
         return flexlb.poll_params(request.query_params, body)
 
-    @app.get("/cache_status")
-    @app.post("/cache_status")
-    @app.get("/rtp_llm/cache_status")
-    @app.post("/rtp_llm/cache_status")
+    @app.api_route("/cache_status", methods=POLLED)
+    @app.api_route("/rtp_llm/cache_status", methods=POLLED)
     async def cache_status(request: Request) -> dict[str, Any]:
         """rtpkv's cache stats, and FlexLB's CacheStatus fields (rtpkv.server.flexlb)."""
         params = await _poll_params(request)
@@ -280,10 +279,8 @@ def create_app(pipeline: Pipeline, model_name: str, stop_pipeline_on_shutdown: b
         return {**stats, "requests_in_flight": state.in_flight,
                 "task_ids": pipeline.tasks.ids(), **polled}
 
-    @app.get("/worker_status")
-    @app.post("/worker_status")
-    @app.get("/rtp_llm/worker_status")
-    @app.post("/rtp_llm/worker_status")
+    @app.api_route("/worker_status", methods=POLLED)
+    @app.api_route("/rtp_llm/worker_status", methods=POLLED)
     async def worker_status(request: Request) -> dict[str, Any]:
         """FlexLB's WorkerStatusResponse (rtpkv.server.flexlb)."""
         params = await _poll_params(request)

@@ -2,13 +2,12 @@
 tokens (equal to transformers), release the blocks that fell out of the window, admit by the
 window's blocks, and keep prefix reuse exact."""
 
-import json
 import threading
 
 import pytest
 import torch
 import transformers
-from conftest import idle_in_use, load, needs_c_kernels, run
+from conftest import idle_in_use, load, needs_c_kernels, random_prompt, run, use_attention
 
 from rtpkv.errors import CapacityError, ConfigError
 from rtpkv.model_factory.tiny import build_tiny_checkpoint
@@ -34,17 +33,6 @@ def windowed(tmp_path_factory):
     return get
 
 
-def _use(backend, monkeypatch, request):
-    if backend == "flash-attn":
-        request.getfixturevalue("flash_attn_standin")
-    monkeypatch.setenv("RTPKV_ATTENTION", backend)
-
-
-def _prompt(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 600, (n,), generator=g).tolist()
-
-
 def _hf_generate(path, ids, new):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     x = torch.tensor([ids])
@@ -59,14 +47,14 @@ def test_windowed_models_match_transformers(windowed, make_pipeline, monkeypatch
                                             request):
     """Prompts of 1x, 2x and 5x the window, prefilled in chunks of 48 (band masks across
     chunk boundaries) and in one chunk, then 24 decodes: tokens and every step's logits."""
-    _use(backend, monkeypatch, request)
+    use_attention(backend, monkeypatch, request)
     path = windowed(arch)
     chunked = make_pipeline(path, seq_size_per_block=16, max_num_batched_tokens=48)
     whole = make_pipeline(path, seq_size_per_block=16)
     assert chunked.cache_stats()["attention_window"] == W
     assert chunked.model.config.max_seq_len == 1024  # no longer capped at the window
     for factor in (1, 2, 5):
-        ids = _prompt(W * factor, seed=factor)
+        ids = random_prompt(W * factor, seed=factor)
         tokens, logits = _hf_generate(path, ids, 24)
         for pipe in (chunked, whole):
             res = run(pipe, ids, max_new_tokens=24, return_logits=True)
@@ -78,12 +66,12 @@ def test_windowed_models_match_transformers(windowed, make_pipeline, monkeypatch
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_max_attention_window_changes_outputs_only_past_the_window(make_pipeline, monkeypatch,
                                                                    backend, request):
-    _use(backend, monkeypatch, request)
+    use_attention(backend, monkeypatch, request)
     full = make_pipeline(seq_size_per_block=8)
     windowed = make_pipeline(seq_size_per_block=8, max_attention_window=32,
                              max_num_batched_tokens=20)
     assert full.cache_stats()["attention_window"] is None
-    ids = _prompt(20)
+    ids = random_prompt(20)
     a = run(full, ids, max_new_tokens=40, return_logits=True)
     b = run(windowed, ids, max_new_tokens=40, return_logits=True)
     # the query of output step k sits at position 19 + k: it sees the whole sequence up to 31
@@ -143,7 +131,7 @@ def test_long_generation_holds_only_the_windows_blocks(make_pipeline, reuse):
     pipe = make_pipeline(seq_size_per_block=4, max_attention_window=16, reuse_cache=reuse,
                          max_num_batched_tokens=8)
     full = make_pipeline(seq_size_per_block=4, reuse_cache=reuse, max_num_batched_tokens=8)
-    ids = _prompt(10)
+    ids = random_prompt(10)
     most, res = _most_held(pipe, ids, 100)
     assert most == 16 // 4 + 1
     assert idle_in_use(pipe) == 0
@@ -162,10 +150,10 @@ def test_capacity_counts_the_window_not_the_length(make_pipeline):
     16-token window (at most cdiv(16 + 8 - 1, 4) + 1 = 7 blocks each) at once."""
     small = dict(seq_size_per_block=4, kv_cache_max_tokens=64, max_num_batched_tokens=8)
     with pytest.raises(CapacityError, match="needs 53 KV blocks"):
-        make_pipeline(**small)(_prompt(10), max_new_tokens=200)
+        make_pipeline(**small)(random_prompt(10), max_new_tokens=200)
     pipe = make_pipeline(max_attention_window=16, **small)
     ref = make_pipeline(max_attention_window=16, seq_size_per_block=4, max_num_batched_tokens=8)
-    prompts = [_prompt(10, seed=s) for s in (1, 2)]
+    prompts = [random_prompt(10, seed=s) for s in (1, 2)]
     results = [None, None]
 
     def worker(i):
@@ -183,7 +171,7 @@ def test_capacity_counts_the_window_not_the_length(make_pipeline):
     tiny = make_pipeline(max_attention_window=16, seq_size_per_block=4, kv_cache_max_tokens=16,
                          max_num_batched_tokens=8)
     with pytest.raises(CapacityError, match="needs 7 KV blocks .*attention window 16"):
-        tiny(_prompt(10), max_new_tokens=200)
+        tiny(random_prompt(10), max_new_tokens=200)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -191,11 +179,11 @@ def test_reuse_under_a_window_equals_recomputation(windowed, make_pipeline, monk
                                                   request):
     """Prompt repeated and prompt extended (a conversation) on Mistral with its 64-token window:
     every reused prefix is reported exactly and gives recomputation's tokens and logits."""
-    _use(backend, monkeypatch, request)
+    use_attention(backend, monkeypatch, request)
     path = windowed("mistral")
     reused = make_pipeline(path, seq_size_per_block=16, reuse_cache=True, max_num_batched_tokens=48)
     plain = make_pipeline(path, seq_size_per_block=16, max_num_batched_tokens=48)
-    history = _prompt(150, seed=7)
+    history = random_prompt(150, seed=7)
     for turn in range(3):
         for _ in range(2):   # the same prompt twice, then extended
             a = run(reused, history, max_new_tokens=20, return_logits=True)
@@ -206,7 +194,7 @@ def test_reuse_under_a_window_equals_recomputation(windowed, make_pipeline, monk
                 assert torch.equal(a.logits, b.logits)
             reused.check_integrity()
         assert a.aux_info["reuse_len"] == (len(history) - 1) // 16 * 16
-        history = history + a.output_ids + _prompt(30, seed=turn)
+        history = history + a.output_ids + random_prompt(30, seed=turn)
     assert idle_in_use(reused) == 0
 
 
@@ -216,9 +204,9 @@ def test_reuse_stops_where_an_out_of_window_block_was_evicted(windowed, make_pip
     path = windowed("mistral")
     pipe = make_pipeline(path, seq_size_per_block=16, reuse_cache=True, kv_cache_max_tokens=16 * 14)
     plain = make_pipeline(path, seq_size_per_block=16)
-    ids = _prompt(150, seed=9)
+    ids = random_prompt(150, seed=9)
     run(pipe, ids, max_new_tokens=4)
-    run(pipe, _prompt(150, seed=10), max_new_tokens=4)   # evicts the oldest cached blocks
+    run(pipe, random_prompt(150, seed=10), max_new_tokens=4)   # evicts the oldest cached blocks
     again = run(pipe, ids, max_new_tokens=8, return_logits=True)
     ref = run(plain, ids, max_new_tokens=8, return_logits=True)
     assert again.aux_info["reuse_len"] < (150 - 1) // 16 * 16

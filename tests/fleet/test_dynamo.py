@@ -8,46 +8,23 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import time
 from typing import Any
 
 import httpx
 import pytest
 
+from fleet_helpers import B, EVENT_DELAY_S, WORDS, cached, complete, free_base, text
+from fleet_helpers import served_by as served_at
 from rtpkv.fleet.launcher import Fleet
 from server_helpers import wait_until
 
-B = 16
-EVENT_DELAY_S = 1.5   # a worker's events reach the router within milliseconds; this is slack
-WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
-         "november oscar papa quebec romeo sierra tango uniform victor whiskey xray").split()
 TASK_PROMPT = " ".join(random.Random(77).choice(WORDS) for _ in range(90))
 
 
-def free_base(span: int) -> int:
-    """A port p with p .. p+span-1 all free on loopback."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - span)
-        socks = []
-        try:
-            for port in range(base, base + span):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no free run of ports")
-
-
-def text(seed: int, words: int = 80) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(words))
+def served_by(fleet: Fleet, prompt: str, **extra: Any) -> tuple[int, dict[str, Any]]:
+    """The worker Dynamo's frontend sent `prompt` to, and the answer."""
+    return served_at(fleet, fleet.router_url, prompt, **extra)
 
 
 class TaskFleet(Fleet):
@@ -76,32 +53,6 @@ def fleet(checkpoints, tmp_path_factory):
         yield f
     finally:
         f.stop()
-
-
-def complete(url: str, prompt: str, **extra: Any) -> dict[str, Any]:
-    body = {"model": "qwen2", "prompt": prompt, "max_tokens": 6, "temperature": 0, **extra}
-    res = httpx.post(url + "/v1/completions", json=body, timeout=60)
-    assert res.status_code == 200, res.text
-    return res.json()
-
-
-def cached(res: dict[str, Any]) -> int:
-    return res["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def queries(fleet: Fleet) -> list[int]:
-    """Prompt tokens each worker has looked up (its rtpkv routes): which one served."""
-    return [httpx.get(r.url + "/cache_status", timeout=10).json()["queries"]
-            for r in fleet.replicas]
-
-
-def served_by(fleet: Fleet, prompt: str, **extra: Any) -> tuple[int, dict[str, Any]]:
-    before = queries(fleet)
-    res = complete(fleet.router_url, prompt, **extra)
-    after = queries(fleet)
-    grew = [i for i, (a, b) in enumerate(zip(before, after)) if b > a]
-    assert len(grew) == 1, (before, after)
-    return grew[0], res
 
 
 def test_a_repeated_long_prefix_goes_to_the_worker_that_holds_it(fleet):

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 import transformers
-from conftest import GEMMA_WINDOW as W, idle_in_use, load, needs_c_kernels, run
+from conftest import (GEMMA_WINDOW as W, idle_in_use, load, needs_c_kernels, random_prompt, run,
+                      use_attention)
 
 from rtpkv.model_factory.tiny import build_tiny_checkpoint
 
@@ -18,17 +19,6 @@ NEW = 24   # decodes: the shortest prompt's queries pass the window too
 # flash-attn: the CPU stand-in (conftest)
 CASES = [("gemma2", "torch"), ("gemma3", "torch"),
          pytest.param("gemma3", "cpu-paged", marks=needs_c_kernels), ("gemma3", "flash-attn")]
-
-
-def _use(backend, monkeypatch, request):
-    if backend == "flash-attn":
-        request.getfixturevalue("flash_attn_standin")
-    monkeypatch.setenv("RTPKV_ATTENTION", backend)
-
-
-def _prompt(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 600, (n,), generator=g).tolist()
 
 
 def _hf_generate(hf, ids, new=NEW):
@@ -62,7 +52,7 @@ def test_layer_windows_match_transformers(checkpoints, make_pipeline, monkeypatc
                                           backend):
     """Prefilled in chunks of 40 (windows across chunk boundaries) and whole, alone and the
     three prompts batched."""
-    _use(backend, monkeypatch, request)
+    use_attention(backend, monkeypatch, request)
     path = checkpoints(arch)
     hf = _hf(path)
     chunked = make_pipeline(path, seq_size_per_block=8, max_num_batched_tokens=40)
@@ -71,7 +61,7 @@ def test_layer_windows_match_transformers(checkpoints, make_pipeline, monkeypatc
     windows = {layer.attention.window for layer in chunked.model.module.plan.layers}
     assert windows == {None, W}
     assert chunked.cache_stats()["attention_window"] is None   # full layers keep every block
-    prompts = [_prompt(n, seed=n) for n in LENGTHS]
+    prompts = [random_prompt(n, seed=n) for n in LENGTHS]
     expected = [_hf_generate(hf, ids) for ids in prompts]
     for pipe in (chunked, whole):
         for ids, (tokens, logits) in zip(prompts, expected):
@@ -91,12 +81,12 @@ def test_reuse_across_windows_equals_recomputation(checkpoints, make_pipeline, m
     """A conversation that grows past 3x the window, each turn twice, with reuse and without:
     the same tokens and logits (bit for bit on the batch-invariant CPU kernel), each turn
     reusing every full block of the last; then the turns batched."""
-    _use(backend, monkeypatch, request)
+    use_attention(backend, monkeypatch, request)
     path = checkpoints(arch)
     reused = make_pipeline(path, seq_size_per_block=8, reuse_cache=True,
                            max_num_batched_tokens=40)
     plain = make_pipeline(path, seq_size_per_block=8, max_num_batched_tokens=40)
-    history, turns = _prompt(W // 2 + 3, seed=5), []
+    history, turns = random_prompt(W // 2 + 3, seed=5), []
     for turn in range(3):
         for again in range(2):
             a = run(reused, history, max_new_tokens=12, return_logits=True)
@@ -109,7 +99,7 @@ def test_reuse_across_windows_equals_recomputation(checkpoints, make_pipeline, m
                 assert a.aux_info["reuse_len"] == (len(history) - 1) // 8 * 8
             reused.check_integrity()
         turns.append(history)
-        history = history + a.output_ids + _prompt(W + 5, seed=turn)
+        history = history + a.output_ids + random_prompt(W + 5, seed=turn)
     assert len(history) > 3 * W
     together = _run_together(reused, turns + [history], max_new_tokens=12, return_logits=True)
     alone = [run(plain, ids, max_new_tokens=12, return_logits=True) for ids in turns + [history]]
@@ -137,7 +127,7 @@ def test_max_attention_window_caps_every_layer(checkpoints, make_pipeline):
     kinds = [layer.attention.window for layer in module.plan.layers]
     assert [m.window for m in metas] == [W if k == W else 2 * W for k in kinds]
     assert len({id(m) for m in metas}) == 2   # one build per distinct window
-    res = run(pipe, _prompt(3 * W, seed=1), max_new_tokens=8)
+    res = run(pipe, random_prompt(3 * W, seed=1), max_new_tokens=8)
     assert res.finished and idle_in_use(pipe) == 0
 
 
@@ -153,7 +143,7 @@ def test_qwen2_with_full_and_sliding_layers_matches_transformers_past_the_window
     model = load(path)
     assert model.spec.layer_windows == (None, W) and model.config.max_seq_len == 1024
     pipe = make_pipeline(path, seq_size_per_block=8, max_num_batched_tokens=40)
-    ids = _prompt(3 * W, seed=3)
+    ids = random_prompt(3 * W, seed=3)
     tokens, logits = _hf_generate(_hf(path), ids)
     res = run(pipe, ids, max_new_tokens=NEW, return_logits=True)
     assert res.output_ids == tokens
@@ -211,7 +201,7 @@ def test_unsupported_gemma_configs_are_refused_by_field(change, message):
 @pytest.mark.parametrize("backend", ["cpu-paged", "flash-attn"])
 def test_softcapped_attention_on_another_backend_is_refused_by_name(checkpoints, monkeypatch,
                                                                    request, backend):
-    _use(backend, monkeypatch, request)
+    use_attention(backend, monkeypatch, request)
     with pytest.raises(ValueError, match=rf"RTPKV_ATTENTION={backend} does not soft-cap "
                                          r"attention logits \(attn_logit_softcapping"):
         load(checkpoints("gemma2"))
