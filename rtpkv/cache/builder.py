@@ -17,7 +17,7 @@ import os
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from rtpkv.cache.events import KVEventBuffer
-from rtpkv.cache.groups import KVGroup, kv_groups, slots
+from rtpkv.cache.groups import KVGroup, kv_groups, model_root_name, slots
 from rtpkv.cache.kv_memory import KVMemory
 from rtpkv.cache.manager import KVCacheManager
 from rtpkv.cache.prefix_index import PrefixIndex
@@ -40,17 +40,14 @@ def build_cache(model: "Model", config: "RuntimeConfig",
     """The cache the configuration asks for: the pool sized by `pool_blocks`, the KV memory,
     the event buffer, the tiers and the tenants' quotas."""
     spec, B = model.spec, config.seq_size_per_block
-    tiers = build_tiers(config, model, B)
-    groups = kv_groups(spec.layer_windows, window,
-                       split=not tiers and not config.enable_partial_reuse)
-    if len(set(spec.layer_windows)) > 1 and len(groups) == 1:
-        log.info("KV cache groups off (tiers or partial reuse are on): one block table "
-                 "keeps every layer's blocks, each layer attending over its own window")
+    groups = kv_groups(spec.layer_windows, window)
+    tiers = build_tiers(config, model, B, slots(groups))
     num_blocks = pool_blocks(model, config, groups)
     with serial_torch():
         memory = KVMemory(slots(groups), num_blocks, B, spec.num_kv_heads, spec.head_dim,
                           model.kv_dtype, model.device)
-    cache = KVCacheManager(num_blocks, B, PrefixIndex(model.fingerprint, B), memory=memory,
+    index = PrefixIndex(model_root_name(model.fingerprint, spec.layer_windows, window), B)
+    cache = KVCacheManager(num_blocks, B, index, memory=memory,
                            reuse_enabled=config.reuse_cache,
                            partial_reuse=config.enable_partial_reuse,
                            events=KVEventBuffer(config.kv_cache_event_buffer_max_size),
