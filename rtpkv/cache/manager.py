@@ -32,9 +32,10 @@ one table per group of layers over the one pool. Group 0 (full attention where t
 any) is the request's `block_table`, `block_keys` and `key_chain`; every other group's are a
 `GroupTable` in `seq.group_tables`, which the manager reaches through a `GroupView` (the
 request with that group's three fields), so every rule below runs per group with the group's
-window and key root. The prefix hit is the longest prefix every group can serve (`lookup`:
-full groups every block of it, sliding groups the blocks covering the window of the first
-query after it), computed in one place.
+window and key root. The prefix hit is the longest prefix every group can serve (full groups
+every block of it, sliding groups the blocks covering the window of the first query after it):
+`lookup` finds it on the device, and `admit` extends it from the device and the tiers together
+(`_group_onboard`), where each group's block is a tier record of its own key.
 
 Partial-block reuse (`partial_reuse`, off by default: rtp-llm's reuse length is a multiple of
 the block size): where the chain of whole blocks ends, a device block computed right after the
