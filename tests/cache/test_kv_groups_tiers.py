@@ -1,11 +1,12 @@
 """KV cache groups through the tiers (host memory, disk, Redis), the connector and partial
 reuse, on the Gemma-3-shaped tiny model (a full group and three sliding ones): every group's
-blocks of a prefix come back together, the outputs are those of a run without reuse, alone and
-batched, a damaged or missing record of any group is a miss, and the pool holds fewer blocks
+blocks of a prefix come back together, the outputs are those of a run without reuse (itself
+checked against transformers), alone and batched, a damaged or missing record of any group is a miss, and the pool holds fewer blocks
 than one table holding every layer's. Also: the model's key root names its windows."""
 
 import pytest
 import torch
+import transformers
 from conftest import GEMMA_WINDOW as W, idle_in_use, random_prompt, run
 
 from cache_sequence import Seq
@@ -63,11 +64,32 @@ def gemma3(checkpoints):
     return checkpoints("gemma3")
 
 
+@pytest.fixture(scope="module")
+def hf_expected(gemma3):
+    """transformers' greedy tokens and logits (float32) for A and C."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(gemma3, dtype=torch.float32).eval()
+    expected = {}
+    for ids in (A, C):
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                              max_new_tokens=NEW, min_new_tokens=NEW, output_logits=True,
+                              return_dict_in_generate=True)
+        expected[tuple(ids)] = (out.sequences[0, len(ids):].tolist(), torch.cat(out.logits))
+    return expected
+
+
 @pytest.fixture
-def plain(gemma3, make_pipeline):
-    """The reference: the same model without reuse, A and C computed."""
+def plain(gemma3, make_pipeline, hf_expected):
+    """The reference: the same model without reuse, A and C computed (transformers' outputs)."""
     pipe = make_pipeline(gemma3, seq_size_per_block=B)
-    return {tuple(ids): run(pipe, ids, max_new_tokens=NEW, return_logits=True) for ids in (A, C)}
+    results = {tuple(ids): run(pipe, ids, max_new_tokens=NEW, return_logits=True)
+               for ids in (A, C)}
+    for ids, res in results.items():
+        tokens, logits = hf_expected[ids]
+        assert res.output_ids == tokens
+        torch.testing.assert_close(res.logits, logits, atol=1e-4, rtol=0)
+    return results
 
 
 def _remote(url):
