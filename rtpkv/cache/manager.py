@@ -559,18 +559,27 @@ class KVCacheManager(CacheDiagnostics):
             asked.append(start)
 
         def served(H: int) -> int:
-            """The longest hit up to H every group holds (asking a sliding group's tiers for
-            the blocks before where they were asked from, as the hit shortens)."""
+            """The longest hit up to H every group holds: full groups bound it by their run
+            from h, then it shortens until each sliding group holds its window (its tiers
+            asked for the blocks before where they were asked from, as the hit shortens)."""
+            for (group, _), g_held in zip(views, held):
+                if group.window is None:
+                    end = h
+                    while end < H and end in g_held:
+                        end += 1
+                    H = end
+            sliding = [(k, group, view) for k, (group, view) in enumerate(views)
+                       if group.window is not None]
             for H in range(H, h, -1):
-                for k, (group, view) in enumerate(views):
+                for k, group, view in sliding:
                     first = self._needed_from(group, h, H)
-                    if group.window is not None and first < asked[k]:
+                    if first < asked[k]:
                         for i, source in self._tier_blocks(view, group.index, first,
                                                            asked[k]).items():
                             held[k].setdefault(i, source)
                         asked[k] = first
-                if all(i in g_held for (g, _), g_held in zip(views, held)
-                       for i in range(self._needed_from(g, h, H), H)):
+                if all(i in held[k] for k, group, _ in sliding
+                       for i in range(self._needed_from(group, h, H), H)):
                     return H
             return h
 
