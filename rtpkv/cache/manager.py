@@ -32,9 +32,10 @@ one table per group of layers over the one pool. Group 0 (full attention where t
 any) is the request's `block_table`, `block_keys` and `key_chain`; every other group's are a
 `GroupTable` in `seq.group_tables`, which the manager reaches through a `GroupView` (the
 request with that group's three fields), so every rule below runs per group with the group's
-window and key root. The prefix hit is the longest prefix every group can serve (`lookup`:
-full groups every block of it, sliding groups the blocks covering the window of the first
-query after it), computed in one place.
+window and key root. The prefix hit is the longest prefix every group can serve (full groups
+every block of it, sliding groups the blocks covering the window of the first query after it):
+`lookup` finds it on the device, and `admit` extends it from the device and the tiers together
+(`_group_onboard`), where each group's block is a tier record of its own key.
 
 Partial-block reuse (`partial_reuse`, off by default: rtp-llm's reuse length is a multiple of
 the block size): where the chain of whole blocks ends, a device block computed right after the
@@ -44,131 +45,43 @@ owns, with the source held by a reference while it is copied, so nothing can evi
 meanwhile (the copy happens in `admit`, on the engine thread, before the step's forward). A
 shared or indexed block is never written.
 
+Its other rooms: `build_cache` (builder.py) builds it from the configuration and sizes the
+pool; `tenants` (tenants.py) counts each salt's blocks and holds the quotas; what it says about
+itself, read-only (reuse stops, stats, the integrity check), is `CacheDiagnostics`
+(diagnostics.py), its base; what it needs of a request is `CacheSequence` (sequence.py).
+
 Only the engine thread calls it (under the engine lock).
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
 import time
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 from rtpkv.cache.block import DEFAULT_PRIORITY, Block
 from rtpkv.cache.block_pool import BlockPool
+from rtpkv.cache.diagnostics import CacheDiagnostics
 from rtpkv.cache.eviction import EvictionPolicy
 from rtpkv.cache.events import KVEventBuffer
 from rtpkv.cache.ghost_list import GhostTails
-from rtpkv.cache.gpu_pool import gpu_pool_blocks
-from rtpkv.cache.groups import KVGroup, group_root, kv_groups, layer_slots, slots
+from rtpkv.cache.groups import KVGroup, group_root, layer_slots
 from rtpkv.cache.kv_memory import KVMemory
 from rtpkv.cache.prefix_index import KeyChain, PrefixIndex
 from rtpkv.cache.retention import KvCacheRetentionConfig
-from rtpkv.cache.tenant_quotas import TenantQuotas
+from rtpkv.cache.sequence import (RELEASED, CacheSequence, GroupTable, GroupView,
+                                  PinnedPrefix)
+from rtpkv.cache.tenants import Quota, Tenants
 from rtpkv.cache.tiers.base import BlockMeta
-from rtpkv.cache.tiers.ladder import TierHit, TierLadder, TierPlan
-from rtpkv.errors import ConfigError
+from rtpkv.cache.tiers.ladder import TierHit, TierLadder
 
 if TYPE_CHECKING:
     from rtpkv.cache.tiers.base import KVTier
-    from rtpkv.config import RuntimeConfig
-    from rtpkv.model_factory.factory import Model
-
-log = logging.getLogger("rtpkv")
 
 _DEFAULT_RETENTION = KvCacheRetentionConfig()
 
-RELEASED = -1  # a block table entry whose block fell out of the attention window
-
-DEFAULT_CPU_MEMORY_FRACTION = 0.10   # of available host memory, when KV_CACHE_MEM_MB is unset
-
-
-class CacheSequence(Protocol):
-    """What the manager needs of a request. It writes `block_table`, `block_keys`, `key_chain`
-    and `tier_plan`; the rest it reads."""
-
-    token_ids: list[int]
-    block_table: list[int]
-    block_keys: list[bytes]      # keys of the table's full blocks, in order
-    key_chain: Optional[KeyChain]
-    tier_plan: Optional[TierPlan]
-    salt: bytes
-    num_computed: int
-    prefill_only: bool
-    prewarm: bool                # with prefill_only: nothing is pinned
-    prefix_handle: Optional["PinnedPrefix"]
-    group_tables: list["GroupTable"]   # the tables of KV cache groups 1.. (see groups.py)
-
-    @property
-    def num_prompt(self) -> int: ...
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def wants_reuse(self) -> bool: ...
-
-    @property
-    def retention(self) -> Optional[KvCacheRetentionConfig]: ...
-
-    def allows_tier(self, name: str) -> bool: ...
-
-
-@dataclass
-class GroupTable:
-    """A request's block table, keys and key chain in one KV cache group other than group 0."""
-
-    block_table: list[int] = field(default_factory=list)
-    block_keys: list[bytes] = field(default_factory=list)
-    key_chain: Optional[KeyChain] = None
-
-
-_GROUP_FIELDS = frozenset(("block_table", "block_keys", "key_chain"))
-
-
-class GroupView:
-    """A request as one KV cache group sees it: the group's table, keys and chain, the
-    request's everything else (read and written through)."""
-
-    __slots__ = ("_seq", "_table")
-
-    def __init__(self, seq: CacheSequence, table: GroupTable):
-        object.__setattr__(self, "_seq", seq)
-        object.__setattr__(self, "_table", table)
-
-    def __getattr__(self, name: str):
-        return getattr(self._table if name in _GROUP_FIELDS else self._seq, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        setattr(self._table if name in _GROUP_FIELDS else self._seq, name, value)
-
-
-@dataclass(frozen=True)
-class PinnedPrefix:
-    """An opaque handle on a pinned prompt prefix (a task prompt's full blocks), in every KV
-    cache group: `block_ids` group 0's, `group_block_ids` the other groups'."""
-
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    group_block_ids: tuple[tuple[int, ...], ...] = ()
-
-
-# Why a request's reuse stopped where it did (aux_info["reuse_stop"]), in the order checked.
-REUSE_STOPS = ("reuse_off", "prompt_end", "partial_block", "window", "tier_disabled", "evicted",
-               "not_cached")
-
-
-@dataclass(frozen=True)
-class ReuseStop:
-    """Why reuse stopped where it did. `tokens`: for partial_block, the tokens partial reuse
-    would have taken; for evicted, the prompt tokens that missed only because their blocks had
-    been evicted (ghost hits)."""
-
-    reason: str
-    tokens: int = 0
+DEVICE = "device"   # a block `_group_onboard` takes from the device pool, not a tier
+Source = Union[str, tuple["KVTier", BlockMeta]]
 
 
 @dataclass(frozen=True)
@@ -200,49 +113,11 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def tenant_label(salt: bytes) -> str:
-    """How stats name a tenant: a digest of its salt, never the salt (a tenant's secret)."""
-    return hashlib.sha256(salt).hexdigest()[:12] if salt else "(no salt)"
-
-
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _available_bytes() -> int:
-    pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(pages * DEFAULT_CPU_MEMORY_FRACTION)
-
-
-def pool_blocks(model: "Model", config: "RuntimeConfig",
-                groups: Sequence[KVGroup] = ()) -> int:
-    """Blocks in the pool, each holding `slots(groups)` layers (every layer without groups).
-    CUDA: see gpu_pool_blocks. CPU: from kv_cache_mem_mb and kv_cache_max_tokens (tokens of
-    every layer: with groups, that many tokens' blocks in each group; the smaller wins when
-    both are set), else a fixed fraction of available memory, never above what
-    concurrency_limit sequences of max_seq_len could use."""
-    spec, B = model.spec, config.seq_size_per_block
-    layers = slots(groups) if groups else spec.num_layers
-    share = max(1, len(groups))
-    per_block = KVMemory.bytes_per_block(layers, B, spec.num_kv_heads, spec.head_dim,
-                                         model.kv_dtype)
-    if model.device.type == "cuda":
-        import torch
-
-        return gpu_pool_blocks(torch.cuda.mem_get_info(model.device)[0], per_block, config,
-                               share)
-    limits = []
-    if config.kv_cache_mem_mb:
-        limits.append(int(config.kv_cache_mem_mb * 2**20) // per_block)
-    if config.kv_cache_max_tokens:
-        limits.append(config.kv_cache_max_tokens // B * share)
-    if not limits:
-        useful = config.concurrency_limit * -(-config.max_seq_len // B) * share
-        limits = [min(_available_bytes() // per_block, useful)]
-    return max(1, min(limits))
-
-
-class KVCacheManager:
+class KVCacheManager(CacheDiagnostics):
     def __init__(self, num_blocks: int, block_size: int, index: PrefixIndex, *,
                  memory: Optional[KVMemory] = None, reuse_enabled: bool = False,
                  partial_reuse: bool = False,
@@ -250,7 +125,7 @@ class KVCacheManager:
                  events: Optional[KVEventBuffer] = None,
                  tiers: Sequence["KVTier"] = (), offload_min_priority: int = DEFAULT_PRIORITY,
                  window: Optional[int] = None, ghosts: Optional[int] = None,
-                 quota: Optional[Callable[[bytes], Optional[int]]] = None,
+                 quota: Optional[Quota] = None,
                  groups: Sequence[KVGroup] = (),
                  clock: Callable[[], float] = time.monotonic):
         """`groups`: the KV cache groups (groups.py); none: one group with `window`."""
@@ -259,9 +134,6 @@ class KVCacheManager:
         if partial_reuse and memory is None:
             raise ValueError("partial reuse needs the KV memory to copy tokens in")
         groups = tuple(groups) or (KVGroup(0, window, ()),)
-        if len(groups) > 1 and (tiers or partial_reuse):
-            raise ValueError("KV cache groups serve the device pool only: no tiers, no partial "
-                             "reuse (kv_groups keeps one group for those)")
         self.block_size = block_size
         self.index = index
         self.memory = memory
@@ -272,6 +144,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, index, events, policy=policy, clock=clock,
                               on_evict=self._offload if self.ladder else None, ghosts=ghosts,
                               quota=quota)
+        self.tenants: Tenants = self.pool.tenants   # salts' counts and quotas (tenants.py)
         # the tails partial reuse would have kept, as token ids only (to explain a reuse_stop)
         self.ghost_tails = GhostTails(0 if partial_reuse else self.pool.ghosts.capacity)
         self.groups = groups
@@ -282,49 +155,7 @@ class KVCacheManager:
             events.groups = tuple({"group_idx": g.index, "kv_cache_spec_kind": g.kind,
                                    "kv_cache_spec_sliding_window": g.window} for g in groups)
             events.group_roots = frozenset(self.roots)
-        self.query_tokens = 0
-        self.hit_tokens = 0
-        self.partial_hit_tokens = 0
-        self.ghost_hit_tokens = 0
-        self.reuse_stops: Counter[str] = Counter()
-
-    @classmethod
-    def build(cls, model: "Model", config: "RuntimeConfig",
-              window: Optional[int]) -> "KVCacheManager":
-        """The cache the configuration asks for: the pool sized by `pool_blocks`, the KV memory,
-        the event buffer and the tiers."""
-        from rtpkv.cache.tiers.factory import build_tiers
-        from rtpkv.torch_threads import serial_torch
-
-        spec, B = model.spec, config.seq_size_per_block
-        tiers = build_tiers(config, model, B)
-        groups = kv_groups(spec.layer_windows, window,
-                           split=not tiers and not config.enable_partial_reuse)
-        if len(set(spec.layer_windows)) > 1 and len(groups) == 1:
-            log.info("KV cache groups off (tiers or partial reuse are on): one block table "
-                     "keeps every layer's blocks, each layer attending over its own window")
-        num_blocks = pool_blocks(model, config, groups)
-        with serial_torch():
-            memory = KVMemory(slots(groups), num_blocks, B, spec.num_kv_heads, spec.head_dim,
-                              model.kv_dtype, model.device)
-        cache = cls(num_blocks, B, PrefixIndex(model.fingerprint, B), memory=memory,
-                    reuse_enabled=config.reuse_cache,
-                    partial_reuse=config.enable_partial_reuse,
-                    events=KVEventBuffer(config.kv_cache_event_buffer_max_size),
-                    tiers=tiers,
-                    offload_min_priority=config.secondary_offload_min_priority, window=window,
-                    ghosts=config.kv_cache_ghost_blocks, quota=TenantQuotas.from_config(config),
-                    groups=groups)
-        if len(groups) > 1:
-            log.info("KV cache groups: %s (%d layers a block)", ", ".join(
-                f"{g.kind}{'' if g.window is None else f' {g.window}'} layers "
-                f"{list(g.layers)}" for g in groups), slots(groups))
-        log.info("reuse_cache: %s, partial reuse: %s", config.reuse_cache,
-                 config.enable_partial_reuse)
-        log.info("KV pool: %d blocks of %d tokens (%.1f MiB%s)", num_blocks, B,
-                 memory.nbytes / 2**20, ", int8 with a float32 scale per token and head"
-                 if memory.int8 else "")
-        return cache
+        self._init_counters()
 
     def close(self) -> None:
         """Flush and close the tiers; the cache is not used afterwards."""
@@ -454,7 +285,7 @@ class KVCacheManager:
         cap = seq.num_tokens - 1 if cap is None else cap
         limit = cap // self.block_size
         if len(self.groups) > 1:
-            return self._group_lookup(seq, limit)
+            return self._group_lookup(seq, limit, cap)
         chain = self._chain(seq)
         blocks = self.pool.blocks
         match = PrefixMatch()
@@ -485,11 +316,12 @@ class KVCacheManager:
                 blocks[match.partial.block_id].ref_count == 0
         return match
 
-    def _group_lookup(self, seq: CacheSequence, limit: int) -> PrefixMatch:
+    def _group_lookup(self, seq: CacheSequence, limit: int, cap: int) -> PrefixMatch:
         """The prefix every group serves, at most `limit` blocks: the longest chain each full
         group holds bounds it, and it shortens until every sliding group holds the blocks the
         first query after it attends (those from its window's first block on). A task's pinned
-        blocks serve as device hits; the pin's handle holds them in every group."""
+        blocks serve as device hits; the pin's handle holds them in every group. With partial
+        reuse, a partial-block hit every group serves (`_group_partials`)."""
         views = self._views(seq)
         handle = seq.prefix_handle
         pinned = ([handle.block_ids, *handle.group_block_ids] if handle is not None
@@ -513,7 +345,30 @@ class KVCacheManager:
                 match.device = entries
             else:
                 match.groups.append(entries)
+        if self.partial_reuse and reuse:
+            hits = self._group_partials(seq, [e[-1] if e else None for e in
+                                              [match.device, *match.groups]], h, cap)
+            if hits:
+                match.partial = hits[0]
+                # held while they are copied: not among the blocks an allocation may take
+                match.revived += sum(1 for hit in hits
+                                     if self.pool.blocks[hit.block_id].ref_count == 0)
         return match
+
+    def _group_partials(self, seq: CacheSequence, lasts: Sequence[Optional[int]], h: int,
+                        cap: int) -> Optional[list[PartialHit]]:
+        """A partial-block hit after `h` whole blocks in every group (`lasts`: each group's
+        block h - 1), all of the same length (the shortest group's), or None where a group has
+        none: the next query attends the partial block in every group."""
+        hits = []
+        for (group, view), last in zip(self._views(seq), lasts):
+            parent_serial = self.pool.blocks[last].serial if h else 0
+            hit = self._partial_hit(view, h, parent_serial, cap, group.index)
+            if hit is None:
+                return None
+            hits.append(hit)
+        k = min(hit.num_tokens for hit in hits)
+        return [PartialHit(hit.block_id, k) for hit in hits]
 
     def _first_needed(self, group: KVGroup, h: int) -> int:
         """The first of `h` hit blocks the query after them attends in `group` (0: full)."""
@@ -551,15 +406,15 @@ class KVCacheManager:
         return found
 
     def _partial_hit(self, seq: CacheSequence, i: int, parent_serial: int,
-                     cap: int) -> Optional[PartialHit]:
-        """The device block that continues `seq`'s chain of i blocks with the most of its
-        next tokens (up to `cap`): listed under the chain's key and extra bytes (the salt), of
-        the same lineage (`parent_serial`), token ids compared."""
+                     cap: int, group: int = 0) -> Optional[PartialHit]:
+        """The device block that continues `seq`'s chain of i blocks (in `group`: `seq` its
+        view) with the most of its next tokens (up to `cap`): listed under the chain's key and
+        extra bytes (the salt), of the same lineage (`parent_serial`), token ids compared."""
         B = self.block_size
         want = seq.token_ids[i * B:min((i + 1) * B, cap)]
         if not want:
             return None
-        chain = self._chain(seq)
+        chain = self._chain(seq, group)
         best = None
         for block_id in self.pool.children.candidates(chain.parent(i), chain.extra(i)):
             block = self.pool.blocks[block_id]
@@ -579,10 +434,10 @@ class KVCacheManager:
         return len(match.device) * self.block_size + (match.partial.num_tokens
                                                       if match.partial is not None else 0)
 
-    def _metas(self, seq: CacheSequence, start: int) -> list[BlockMeta]:
+    def _metas(self, seq: CacheSequence, start: int, group: int = 0) -> list[BlockMeta]:
         """The BlockMeta of `seq`'s full blocks from `start` on (the last token is always
-        computed): what the tiers are asked for."""
-        chain = self._chain(seq)
+        computed) in `group` (`seq` its view): what the tiers are asked for."""
+        chain = self._chain(seq, group)
         return [BlockMeta(key=chain.key(i), parent_key=chain.parent(i), tokens=chain.tokens(i),
                           extra=chain.extra(i))
                 for i in range(start, (seq.num_tokens - 1) // self.block_size)]
@@ -594,10 +449,12 @@ class KVCacheManager:
         if not self.ladder or not self.reuse_applies(seq):
             return
         start = len(self.lookup(seq).device)
-        seq.tier_plan = self.ladder.begin(self._metas(seq, start), start, seq.allows_tier)
+        for group, view in self._views(seq):   # each group's chain from the device hit
+            view.tier_plan = self.ladder.begin(self._metas(view, start, group.index), start,
+                                               seq.allows_tier)
 
     def prefetched(self, seq: CacheSequence) -> bool:
-        return self.ladder.ready(seq.tier_plan)
+        return all(self.ladder.ready(view.tier_plan) for _, view in self._views(seq))
 
     def admit(self, seq: CacheSequence, match: PrefixMatch) -> dict[str, int]:
         """Give `seq` its cached prefix: share the device hits, then walk the tiers (once per
@@ -618,6 +475,7 @@ class KVCacheManager:
             reused = {"local": len(match.device) * B}
             if self.ladder and self.reuse_applies(seq):
                 start = len(match.device)
+                self.ladder.begin_walk()
                 hits = self.ladder.walk(self._metas(seq, start), start, seq.allows_tier,
                                         seq.tier_plan)
                 for hit in hits:
@@ -639,21 +497,200 @@ class KVCacheManager:
         return reused
 
     def _group_admit(self, seq: CacheSequence, match: PrefixMatch) -> dict[str, int]:
-        """admit with KV cache groups: each group shares its entries of the match (no tiers,
-        no partial reuse: the constructor refuses them with groups)."""
+        """admit with KV cache groups: each group shares its entries of the match, then the
+        tiers extend the prefix every group serves (`_group_onboard`), then a partial-block hit
+        is copied in every group."""
+        B = self.block_size
+        views = self._views(seq)
+        partial = 0
         try:
-            for (group, view), entries in zip(self._views(seq), [match.device, *match.groups]):
+            for (group, view), entries in zip(views, [match.device, *match.groups]):
                 chain = self._chain(view, group.index)
                 for i, block_id in enumerate(entries):
                     if block_id != RELEASED:
                         self.pool.acquire(block_id)
                     view.block_table.append(block_id)
                     view.block_keys.append(chain.key(i))
+            reused = {"local": len(match.device) * B}
+            if self.ladder and self.reuse_applies(seq):
+                for name, tokens in self._group_onboard(seq, len(match.device)).items():
+                    reused[name] = reused.get(name, 0) + tokens
+            for _, view in views:
+                view.tier_plan = None
+            if self.partial_reuse and self.reuse_applies(seq):
+                partial = self._group_copy_partial(seq)
         except BaseException:
             self.free(seq)
             raise
-        seq.num_computed = len(match.device) * self.block_size
-        return {"local": seq.num_computed}
+        if partial:
+            reused["local"] += partial
+            reused["partial"] = partial
+        seq.num_computed = len(seq.block_keys) * B + partial
+        return reused
+
+    def _group_onboard(self, seq: CacheSequence, h: int) -> dict[str, int]:
+        """Extend `seq`'s hit of `h` blocks (every group's) from the device and the tiers at
+        once: to the longest prefix H where each full group holds blocks h..H-1 and each
+        sliding group the blocks of the window before H (its other entries RELEASED), each
+        block on the device or a tier. The device's blocks are taken first (a load may evict),
+        then the tiers' are loaded in chain order; one that fails (missing, corrupt, not the
+        block asked for, or gone from the device) shortens H, so a bad record costs a miss,
+        never a wrong answer. Returns the tokens each source gave past `h`."""
+        B, limit = self.block_size, (seq.num_tokens - 1) // self.block_size
+        if h >= limit:
+            return {}
+        views = self._views(seq)
+        self.ladder.begin_walk()
+        held: list[dict[int, Source]] = []
+        asked: list[int] = []     # per group: where its chain was asked of the tiers from
+        top = limit
+        for group, view in views:     # full groups first (kv_groups' order) bound the hit
+            device: dict[int, Source] = dict.fromkeys(
+                (i for i in self._group_blocks(view, group, (), limit, True) if i >= h), DEVICE)
+            if group.window is None:
+                start = h + len(device)
+                tiers = self._tier_blocks(view, group.index, start, limit)
+                top = min(top, start + len(tiers))
+            else:   # from the window before the hit on: a sliding group's older blocks need not be kept
+                start = next((i for i in range(self._needed_from(group, h, top), top)
+                              if i not in device), top)
+                tiers = self._tier_blocks(view, group.index, start, top)
+            held.append({**tiers, **device})
+            asked.append(start)
+
+        def served(H: int) -> int:
+            """The longest hit up to H every group holds: full groups bound it by their run
+            from h, then it shortens until each sliding group holds its window (its tiers
+            asked for the blocks before where they were asked from, as the hit shortens)."""
+            for (group, _), g_held in zip(views, held):
+                if group.window is None:
+                    end = h
+                    while end < H and end in g_held:
+                        end += 1
+                    H = end
+            sliding = [(k, group, view) for k, (group, view) in enumerate(views)
+                       if group.window is not None]
+            for H in range(H, h, -1):
+                for k, group, view in sliding:
+                    first = self._needed_from(group, h, H)
+                    if first < asked[k]:
+                        for i, source in self._tier_blocks(view, group.index, first,
+                                                           asked[k]).items():
+                            held[k].setdefault(i, source)
+                        asked[k] = first
+                if all(i in held[k] for k, group, _ in sliding
+                       for i in range(self._needed_from(group, h, H), H)):
+                    return H
+            return h
+
+        H, taken = served(top), [{} for _ in views]
+        while True:
+            failed = False
+            for from_tiers in (False, True):
+                for i in range(h, H):
+                    for (group, view), g_held, mine in zip(views, held, taken):
+                        source = g_held[i] if i >= self._needed_from(group, h, H) else None
+                        if source is None or i in mine or (source != DEVICE) != from_tiers:
+                            continue
+                        block_id = self._take_block(view, group.index, i, source, mine)
+                        if block_id is None:
+                            del g_held[i]
+                            failed = True
+                            break
+                        mine[i] = block_id
+                    if failed:
+                        break
+                if failed:
+                    break
+            if not failed:
+                break
+            H = served(H)
+        reused: dict[str, int] = {}
+        for (group, view), g_held, mine in zip(views, held, taken):
+            first = self._needed_from(group, h, H)
+            chain = self._chain(view, group.index)
+            for i, block_id in mine.items():
+                if i >= H:
+                    self.pool.release(block_id)   # taken for a longer hit: cached again
+            for i in range(h, H):
+                view.block_table.append(mine[i] if i >= first else RELEASED)
+                view.block_keys.append(chain.key(i))
+        for i in range(h, H):
+            names = [g_held[i][0].name for (g, _), g_held in zip(views, held)
+                     if i >= self._needed_from(g, h, H) and g_held[i] != DEVICE]
+            name = names[0] if names else "local"
+            reused[name] = reused.get(name, 0) + B
+        return reused
+
+    def _needed_from(self, group: KVGroup, h: int, H: int) -> int:
+        """The first block past a device hit of `h` blocks that a hit of H needs in `group`."""
+        return max(h, self._first_needed(group, H))
+
+    def _tier_blocks(self, view: CacheSequence, group: int, start: int,
+                     end: int) -> dict[int, Source]:
+        """The tier holding each block of `view`'s chain in `group` from `start` (before
+        `end`), as the ladder's walk finds them: contiguous from `start`."""
+        if start >= end:
+            return {}
+        metas = self._metas(view, start, group)[:end - start]
+        held: dict[int, Source] = {}
+        pos = start
+        for hit in self.ladder.walk(metas, start, view.allows_tier, view.tier_plan):
+            for meta in hit.metas:
+                held[pos] = (hit.tier, meta)
+                pos += 1
+        return held
+
+    def _take_block(self, view: CacheSequence, group: int, i: int, source: Source,
+                    mine: dict[int, int]) -> Optional[int]:
+        """Block i of `view`'s chain in `group` for its table: the device's, verified again
+        and referenced, or loaded from its tier into a fresh block (indexed with the lineage of
+        the block before it in the table); None when it cannot be had."""
+        chain = self._chain(view, group)
+        if source == DEVICE:
+            block = self.pool.cached(chain.key(i))
+            if block is None or block.tokens != chain.tokens(i) or block.extra != chain.extra(i):
+                return None
+            self.pool.acquire(block.block_id)
+            return block.block_id
+        if not self.pool.num_allocatable():
+            return None
+        tier, meta = source
+        payload = self.ladder.load(tier, meta)
+        if payload is None:
+            return None
+        prev = mine.get(i - 1)
+        if prev is None and 0 < i <= len(view.block_table):
+            prev = view.block_table[i - 1] if view.block_table[i - 1] != RELEASED else None
+        parent_serial = self.pool.blocks[prev].serial if prev is not None else 0
+        block_id = self.pool.allocate()
+        self.memory.write_block(block_id, payload)
+        self.pool.onboard(block_id, meta.key, meta.parent_key, parent_serial, meta.tokens,
+                          meta.extra, chain.tenant(i), group)
+        return block_id
+
+    def _group_copy_partial(self, seq: CacheSequence) -> int:
+        """Copy a partial-block hit into a fresh block in every group (found again: tiers may
+        have extended the chain since `lookup`). Returns its tokens."""
+        views = self._views(seq)
+        h = len(seq.block_table)
+        lasts = [view.block_table[-1] if h else None for _, view in views]
+        if RELEASED in lasts:
+            return 0
+        hits = self._group_partials(seq, lasts, h, seq.num_tokens - 1)
+        if not hits:
+            return 0
+        for hit in hits:          # the allocations below cannot evict a source
+            self.pool.acquire(hit.block_id)
+        try:
+            for (_, view), hit in zip(views, hits):
+                block_id = self.pool.allocate()
+                view.block_table.append(block_id)
+                self.memory.copy_tokens(hit.block_id, block_id, hit.num_tokens)
+        finally:
+            for hit in hits:
+                self.pool.release(hit.block_id)
+        return hits[0].num_tokens
 
     def _copy_partial(self, seq: CacheSequence) -> int:
         """Copy the partial-block hit at the end of `seq`'s table (found again: tiers may
@@ -687,61 +724,6 @@ class KVCacheManager:
             seq.block_keys.append(meta.key)
             loaded += 1
         return loaded
-
-    def record_lookup(self, seq: CacheSequence) -> ReuseStop:
-        """Count a request's first admission in the token-weighted hit statistics, and say why
-        its reuse stopped where it did."""
-        stop = self._reuse_stop(seq)
-        self.reuse_stops[stop.reason] += 1
-        if self.reuse_applies(seq):
-            self.query_tokens += seq.num_prompt
-            self.hit_tokens += seq.num_computed
-            self.partial_hit_tokens += seq.num_computed % self.block_size
-            if stop.reason == "evicted":
-                self.ghost_hit_tokens += stop.tokens
-        return stop
-
-    def _reuse_stop(self, seq: CacheSequence) -> ReuseStop:
-        """Why the reuse of `seq` (just admitted) ends at `seq.num_computed`. Everything asked
-        is `seq`'s own chain (salted keys, salt-scoped candidates), so the answer never tells
-        anything about another tenant's cache."""
-        if not self.reuse_applies(seq):
-            return ReuseStop("reuse_off")
-        B, cap, reused = self.block_size, seq.num_tokens - 1, seq.num_computed
-        i = reused // B                          # the block where reuse stopped
-        if len(self.groups) > 1 and i < cap // B and self._holds(self._chain(seq), i):
-            return ReuseStop("window")   # group 0 goes on: a sliding group lacks its window
-        if not self.partial_reuse:
-            parent_serial = self.pool.blocks[seq.block_table[i - 1]].serial if i else 0
-            hit = self._partial_hit(seq, i, parent_serial, cap)
-            chain = self._chain(seq)
-            tail = self.ghost_tails.longest(chain.parent(i), chain.extra(i), parent_serial,
-                                            seq.token_ids[i * B:min((i + 1) * B, cap)])
-            k = max(tail, hit.num_tokens if hit is not None else 0)
-            if k:
-                return ReuseStop("partial_block", k)
-        last = cap // B                          # whole blocks the prompt may reuse
-        if i >= last:
-            return ReuseStop("prompt_end" if reused == cap or not self.partial_reuse
-                             else "not_cached")
-        chain = self._chain(seq)
-        if self.window is not None and any(self._holds(chain, j) for j in range(i + 1, last)):
-            return ReuseStop("window")
-        key = chain.key(i)
-        if self.ladder.held_by_skipped(key, seq.allows_tier):
-            return ReuseStop("tier_disabled")
-        if key in self.pool.ghosts:
-            j = i
-            while j < last and (chain.key(j) in self.pool.ghosts or self._holds(chain, j)):
-                j += 1
-            return ReuseStop("evicted", j * B - reused)
-        return ReuseStop("not_cached")
-
-    def _holds(self, chain: KeyChain, i: int) -> bool:
-        """Whether the device pool holds block i of `chain` (key, tokens, extra bytes)."""
-        block = self.pool.cached(chain.key(i))
-        return block is not None and block.tokens == chain.tokens(i) \
-            and block.extra == chain.extra(i)
 
     # ------------------------------------------------------------------ growth
     def grow(self, seq: CacheSequence, num_tokens: int) -> bool:
@@ -837,24 +819,29 @@ class KVCacheManager:
             view.block_keys.clear()
 
     def _keep_tail(self, seq: CacheSequence) -> None:
-        """Keep `seq`'s partly filled last block as a partial-hit source when its computed
-        tokens follow a full block of its chain (the pool may decline a duplicate); with
-        partial reuse off, only its token ids, to explain a follow-up's reuse_stop."""
+        """Keep `seq`'s partly filled last block, in every group, as a partial-hit source when
+        its computed tokens follow a full block of its chain (the pool may decline a
+        duplicate); with partial reuse off, only group 0's token ids, to explain a follow-up's
+        reuse_stop."""
         B = self.block_size
         t, k = divmod(seq.num_computed, B)
-        table = seq.block_table
-        if not k or t >= len(table) or table[t] == RELEASED or (t and table[t - 1] == RELEASED):
+        if not k:
             return
-        parent_serial = self.pool.blocks[table[t - 1]].serial if t else 0
-        if t and not parent_serial:
-            return                           # its parent was never committed (a failed step)
-        chain = self._chain(seq)
         tokens = tuple(seq.token_ids[t * B:seq.num_computed])
-        if not self.partial_reuse:
-            self.ghost_tails.add(chain.parent(t), chain.extra(t), parent_serial, tokens)
-            return
-        self.pool.keep_tail(table[t], chain.parent(t), parent_serial, tokens, chain.extra(t),
-                            chain.tenant(t))
+        for group, view in self._views(seq):
+            table = view.block_table
+            if t >= len(table) or table[t] == RELEASED or (t and table[t - 1] == RELEASED):
+                continue
+            parent_serial = self.pool.blocks[table[t - 1]].serial if t else 0
+            if t and not parent_serial:
+                continue                     # its parent was never committed (a failed step)
+            chain = self._chain(view, group.index)
+            if not self.partial_reuse:
+                if group.index == 0:
+                    self.ghost_tails.add(chain.parent(t), chain.extra(t), parent_serial, tokens)
+                continue
+            self.pool.keep_tail(table[t], chain.parent(t), parent_serial, tokens,
+                                chain.extra(t), chain.tenant(t), group.index)
 
     def _release_entry(self, seq: CacheSequence, i: int, retention: KvCacheRetentionConfig,
                        tiers: frozenset[str]) -> None:
@@ -881,96 +868,3 @@ class KVCacheManager:
         for ids in reversed([handle.block_ids, *handle.group_block_ids]):
             for block_id in reversed(ids):
                 self.pool.unpin(block_id)
-
-    # ------------------------------------------------------------------ visibility
-    def stats(self) -> dict[str, object]:
-        """Counters and block counts. Read-only: a retention duration that ran out shows as
-        lapsed, but nothing is lapsed and no event is emitted (a /metrics scrape must not
-        change the event stream)."""
-        pool = self.pool
-        stats: dict[str, object] = {
-            "queries": self.query_tokens,
-            "hits": self.hit_tokens,
-            "hit_rate": self.hit_tokens / self.query_tokens if self.query_tokens else 0.0,
-            "blocks_total": pool.num_blocks,
-            "blocks_free": pool.num_free,
-            "blocks_cached": pool.num_cached,
-            "blocks_in_use": sum(1 for b in pool.blocks if b.ref_count),
-            "blocks_pinned": pool.num_pinned,
-            "blocks_tail": pool.num_tails,
-            "partial_hit_tokens": self.partial_hit_tokens,
-            "blocks_cached_by_priority": pool.cached_by_priority(),
-            "evictions": pool.evictions,
-            "evictions_by_priority": dict(sorted(pool.evictions_by_priority.items())),
-            "block_size": self.block_size,
-            "kv_cache_groups": [{"kind": g.kind, "window": g.window, "layers": len(g.layers)}
-                                for g in self.groups] if len(self.groups) > 1 else [],
-            "reuse_stops": {r: self.reuse_stops[r] for r in REUSE_STOPS},
-            "ghost_blocks": len(pool.ghosts),
-            "ghost_capacity": pool.ghosts.capacity,
-            "ghost_hit_tokens": self.ghost_hit_tokens,
-            "hit_rate_with_ghosts": ((self.hit_tokens + self.ghost_hit_tokens) / self.query_tokens
-                                     if self.query_tokens else 0.0),
-            "events_dropped": pool.events.dropped,
-        }
-        stats.update(self._tenant_stats())
-        stats.update(self.ladder.stats())
-        stats["residency"] = {"device": pool.residency.stats(), **self.ladder.residency()}
-        return stats
-
-    def tenant(self, salt: str) -> dict[str, object]:
-        """One tenant's cached blocks, quota and quota evictions (the operator names it by its
-        salt; stats name it by `tenant_label`)."""
-        pool, key = self.pool, salt.encode()
-        quota = pool.quota(key) if pool.quota is not None else None
-        return {"tenant": tenant_label(key), "cached_blocks": pool.tenant_blocks[key],
-                "quota_blocks": quota, "quota_evictions": pool.quota_evictions[key],
-                "over_quota": quota is not None and pool.tenant_blocks[key] > quota}
-
-    def set_tenant_quota(self, salt: str, blocks: Optional[int]) -> None:
-        """Change one tenant's quota now (None: back to CACHE_SALT_QUOTA_BLOCKS); a tenant past
-        its new bound gives way at the next eviction."""
-        if not isinstance(self.pool.quota, TenantQuotas):
-            raise ConfigError("per-tenant quotas are off: start with CACHE_SALT_QUOTA_BLOCKS or "
-                              "CACHE_SALT_QUOTAS to change them at run time")
-        self.pool.set_quota(salt.encode(), blocks)
-
-    def _tenant_stats(self) -> dict[str, object]:
-        """Per-tenant counts (cached blocks, quota, quota evictions), each tenant named by a
-        digest of its salt: counts only, never a key, a token or a salt."""
-        pool = self.pool
-        tenants = set(pool.tenant_blocks) | set(pool.quota_evictions)
-        return {
-            "tenants_over_quota": pool.num_over_quota,
-            "quota_evictions": sum(pool.quota_evictions.values()),
-            "tenants": {tenant_label(t): {
-                "blocks": pool.tenant_blocks[t],
-                "quota": pool.quota(t) if pool.quota is not None else None,
-                "quota_evictions": pool.quota_evictions[t]} for t in sorted(tenants)},
-        }
-
-    def check_integrity(self, live: Optional[Iterable[CacheSequence]] = None) -> None:
-        """Assert the pool's invariant (`BlockPool.check_integrity`), every tier's, and (given
-        the live requests) that every reference count equals its holders plus its pins and no
-        block inside a request's attention window was released."""
-        self.pool.check_integrity()
-        self.ladder.check_integrity()
-        if live is None:
-            return
-        blocks = self.pool.blocks
-        expected = [b.pin_count for b in blocks]
-        for seq in live:
-            for group, view in self._views(seq):
-                for block_id in view.block_table:
-                    if block_id != RELEASED:
-                        expected[block_id] += 1
-                if group.window is None:
-                    assert RELEASED not in view.block_table, \
-                        f"group {group.index} attends fully but released a block"
-                else:
-                    first = max(0, seq.num_computed - group.window + 1) // self.block_size
-                    assert RELEASED not in view.block_table[first:], \
-                        "a block inside the attention window was released"
-                assert len(view.block_keys) <= len(view.block_table), "keys past the table"
-        actual = [b.ref_count for b in blocks]
-        assert expected == actual, "reference counts differ from the live block tables"

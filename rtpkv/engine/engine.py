@@ -29,7 +29,8 @@ from typing import Any, Iterator, Optional
 import torch
 
 from rtpkv.cache.block import parents_first
-from rtpkv.cache.manager import KVCacheManager, PinnedPrefix
+from rtpkv.cache.builder import build_cache
+from rtpkv.cache.sequence import PinnedPrefix
 from rtpkv.config import RuntimeConfig
 from rtpkv.engine.heap_trim import HeapTrimmer, libc_malloc_trim
 from rtpkv.engine.model_runner import ModelRunner
@@ -60,7 +61,7 @@ class Engine:
         self.config = config
         self.block_size = config.seq_size_per_block
         self.window = attention_window(config, model.spec)
-        self.cache = KVCacheManager.build(model, config, self.window.tokens)
+        self.cache = build_cache(model, config, self.window.tokens)
         self.events = self.cache.events
         self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model.module, self.cache.memory, self.window.tokens,
@@ -150,15 +151,15 @@ class Engine:
             self.cache.announce_tiers()
 
     def tenant_quota(self, salt: str) -> dict[str, Any]:
-        """One tenant's cached blocks, quota and quota evictions (KVCacheManager.tenant)."""
+        """One tenant's cached blocks, quota and quota evictions (Tenants.report)."""
         with self.lock:
-            return self.cache.tenant(salt)
+            return self.cache.tenants.report(salt)
 
     def set_tenant_quota(self, salt: str, blocks: Optional[int]) -> dict[str, Any]:
         """Change one tenant's quota between steps; returns its counts after the change."""
         with self.lock:
-            self.cache.set_tenant_quota(salt, blocks)
-            return self.cache.tenant(salt)
+            self.cache.tenants.set_quota(salt, blocks)
+            return self.cache.tenants.report(salt)
 
     def reuse_applies(self, req: Request) -> bool:
         """Whether `req` looks up and registers cached blocks (REUSE_CACHE and its own
@@ -169,6 +170,16 @@ class Engine:
     def root_key(self) -> bytes:
         """The key every chain of block keys starts from (the KV events' first parent)."""
         return self.cache.index.root
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the device pool."""
+        return self.cache.num_blocks
+
+    @property
+    def cache_version(self) -> int:
+        """How often the device pool's cached set changed (index insertions and removals)."""
+        return self.cache.pool.changes
 
     @property
     def pool_tokens(self) -> int:
