@@ -65,4 +65,26 @@ static inline void rtpkv_linear(int64_t kind, const linear_layer *l, const float
     }
 }
 
+/* A mixture-of-experts layer as moe_experts.c runs it (kernels/moe_experts.py), fixed at load;
+ * the fused decoder (decoder.c) calls it for its sparse layers. */
+typedef struct {
+    linear_layer gate_up, down;
+} expert_layer;
+
+typedef struct {
+    int64_t num_experts, top_k, hidden, inter;
+    int64_t linear_kind;           /* LINEAR_*: the kernel of every expert's linear layers */
+    int64_t int8_group;            /* LINEAR_INT8's group size */
+    int64_t panel_rows;            /* the fewest rows the int8 kernels' prefill tiles take */
+    const expert_layer *experts;   /* (num_experts,) */
+    const float *router;           /* hidden -> num_experts, float32 panels (fp32_linear.c) */
+    int64_t normalize;             /* renormalise the chosen experts' weights to sum to 1 */
+    int64_t shared_inter;          /* Qwen2-MoE's shared expert's intermediate size; 0: none */
+    expert_layer shared;
+    linear_layer shared_gate;      /* hidden -> 1 */
+} moe_layer;
+
+/* moe_experts.c: out (T, hidden) = the layer's MLP output of x (T, hidden). */
+void rtpkv_moe_forward(const moe_layer *m, const float *x, int64_t T, float *out);
+
 #endif
