@@ -25,6 +25,8 @@ void rtpkv_fp32_linear(const float *x, int64_t M, int64_t K, const float *w, int
                        const float *bias, float *y);
 void rtpkv_bf16w_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
                         const float *bias, float *y);
+void rtpkv_linear_many(int64_t count, const float *const *x, const int64_t *M, int64_t K,
+                       const void *const *w, int64_t N, float *const *y, int bf16);
 void rtpkv_int8_linear(const float *x, int64_t m, int64_t k, const int8_t *q, const float *s,
                        int64_t n, int64_t group, const float *bias, float *y, int64_t panel_rows);
 void rtpkv_w8a8_linear(const float *x, int64_t m, int64_t k, const int8_t *qw, const float *sw,
