@@ -3,9 +3,10 @@ kernels end to end: float32 on the CPU, linear layers all on the avx2, the bf16-
 int8 or the w8a8 kernel, the CPU paged-attention backend (over a float32 or an int8 KV cache),
 the fused ops, each sparse layer's mixture of experts in its own C call (kernels/moe_experts.py,
 which decoder.c calls by address), and a layer plan (model_factory/plan.py) of Llama's layers,
-with or without Qwen3's q/k norms (`runs_plan`). It calls the same kernels the per-layer Python path calls, in the same order,
-so the two give the same bits (tests/kernels/test_fused_decoder.py); it only removes the Python
-between them, which dominates the small kernels of a one-token decode step. `FusedDecoder.build`
+with or without Qwen3's q/k norms (`runs_plan`). It calls the same kernels the per-layer Python
+path calls, in the same order, so the two give the same bits (tests/kernels/test_fused_decoder.py);
+it only removes the Python between them, which dominates the small kernels of a one-token decode
+step. `FusedDecoder.build`
 returns None for any other model, and CausalLM then runs its layers one by one.
 
 `logits` is the engine's call: from token ids to the LM head's logits of the rows that sample
@@ -102,8 +103,8 @@ def _library() -> Optional[ctypes.CDLL]:
 def runs_plan(plan: Any, head_dim: int) -> bool:
     """Whether decoder.c computes `plan`: every layer the same Llama layer (two plain RMSNorms
     of one epsilon, SwiGLU, the 1/sqrt(head_dim) scale, no soft-cap, one RoPE table and one
-    window; q/k norms or none), no embedding scale, no final soft-cap. Any other plan is refused whole:
-    the C code has no op for the rest (Gemma's offset and sandwich norms, GeGLU, soft-caps,
+    window; q/k norms or none), no embedding scale, no final soft-cap. Any other plan is refused
+    whole: the C code has no op for the rest (Gemma's offset and sandwich norms, GeGLU, soft-caps,
     per-layer windows and RoPE tables)."""
     first = plan.layers[0]
     attention = first.attention

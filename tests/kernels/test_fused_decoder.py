@@ -1,9 +1,9 @@
 """The fused decoder (kernels/fused_decoder.py) gives the bits of the layers run one by one:
 hidden states and the KV it writes, on a batch of decodes, a chunk after a cached prefix and a
 fresh prompt, for each architecture it takes (qkv bias, tied embeddings, GQA, a window, q/k
-norms, mixtures of experts with a dense layer between or a shared expert), in
-float32, with int8 weights (weight-only and W8A8) and with the int8 KV cache; it is not used where a layer would leave
-the C kernels."""
+norms, mixtures of experts with a dense layer between or a shared expert), in float32, with int8
+weights (weight-only and W8A8) and with the int8 KV cache; it is not used where a layer would
+leave the C kernels."""
 
 from dataclasses import replace
 
