@@ -116,6 +116,30 @@ def test_the_layers_c_call_matches_the_torch_loop(checkpoints, monkeypatch, arch
 
 
 @needs_c_kernels
+@pytest.mark.parametrize("options", [{}, {"weight_type": "BF16"}, {"weight_type": "INT8"}])
+@pytest.mark.parametrize("rows", [1, 2, 45])
+def test_the_c_experts_give_the_bits_of_the_torch_loop(tmp_path, monkeypatch, options, rows):
+    """A zero router and top_k = num_experts: every expert chosen at weight 1/4 exactly, so no
+    softmax bit nor tie can differ, and the C call's experts (on the float32 kernels all gate_up
+    projections in one parallel region, then all down projections) give the loop's bits."""
+    from rtpkv.model_factory.tiny import build_tiny_checkpoint
+
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
+    path = build_tiny_checkpoint(tmp_path, "MixtralForCausalLM", intermediate_size=64,
+                                 moe=dict(num_local_experts=4, num_experts_per_tok=4))
+    module = load(path, **options).module
+    x = torch.randn(rows, module.spec.hidden_size, generator=torch.Generator().manual_seed(5))
+    for layer in (layer.mlp for layer in module.model.layers):
+        layer.gate.packed.zero_()
+        with torch.inference_mode():
+            fused = layer(x)
+            kernel, layer.kernel = layer.kernel, None
+            loop = layer(x)
+            layer.kernel = kernel
+        assert kernel is not None and torch.equal(fused, loop)
+
+
+@needs_c_kernels
 def test_the_c_routing_breaks_ties_to_the_lower_expert(checkpoints, monkeypatch, tmp_path):
     """Experts with identical router rows tie on every token: the C call takes the lower
     indices among them (torch.topk's choice there is its sort's, unspecified), the same for a
