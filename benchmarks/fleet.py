@@ -359,7 +359,7 @@ def main() -> None:
     parser.add_argument("--max-ids", type=int, default=48,
                         help="hash ids kept per prompt (its prefix), to fit --max-seq-len")
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--kv-tokens", type=int, default=65536,
+    parser.add_argument("--kv-tokens", type=int, default=32768,
                         help="device pool per replica, tokens (small: the trace evicts)")
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--threads-per-replica", type=int, default=1)
