@@ -592,5 +592,8 @@ void rtpkv_paged_attention(const attn_args *a, const int64_t *tile_start, int64_
 
 int64_t rtpkv_tile_limit(void) { return TILE; }
 
+/* Query rows per vector of the prefill path (the ISA level this library was built for). */
+int64_t rtpkv_attention_lanes(void) { return LANES; }
+
 /* The kernel computes in groups of 8 columns. */
 int64_t rtpkv_head_dim_multiple(void) { return 8; }
