@@ -18,13 +18,17 @@
  * and finally out[d] = acc[d] * (1 / l). Keys past a query's last one only ever add exact zeros.
  *
  * Two vectorisations compute exactly that. Tiles of at least 8 query rows (prefill) put 8 query
- * rows in the lanes of a vector, so K and V are read in place as broadcasts and the softmax runs
- * on 8 rows at once (a block that every row of the tile reads whole skips the mask: its scores
- * come out of the score tile scaled, with their row maxima); smaller tiles (decodes: the G query
+ * rows in the lanes of a vector (16 where the build has AVX-512: RTPKV_ISA, kernels/cpu_build.py),
+ * so K and V are read in place as broadcasts and the softmax runs on a vector of rows at once
+ * (a block that every row of the tile reads whole skips the mask: its scores come out of the
+ * score tile scaled, with their row maxima); smaller tiles (decodes: the G query
  * heads of one token) put the head dimension in the lanes, so a key's 8 partial chains are one
  * vector of FMAs over its row, read in place, and 4 keys' vectors are reduced by the tree above
  * at once with horizontal adds (hadd adds neighbouring lanes, and a sum's bits do not depend on
- * the order of its two operands); the values' 8 columns are in the lanes.
+ * the order of its two operands; with AVX-512 two keys share a vector, one per 8-lane half);
+ * the values' columns are in the lanes. Each lane computes its own row's (or chain's, or
+ * column's) arithmetic above whatever the vector width, so every ISA level gives the same bits
+ * (tests/kernels/test_isa_levels.py).
  *
  * Work items are (kv head, tile of up to TILE consecutive tokens of one sequence): the query
  * heads of a GQA group and the tile's tokens share each block read while it is in cache.
