@@ -99,7 +99,8 @@ def _library() -> Optional[ctypes.CDLL]:
 
 def runs_plan(plan: Any, head_dim: int) -> bool:
     """Whether decoder.c computes `plan`: every layer the same Llama layer (two plain RMSNorms
-    of one epsilon, SwiGLU, the 1/sqrt(head_dim) scale, no soft-cap, no q/k norm, one RoPE table
+    of one epsilon, SwiGLU, the 1/sqrt(head_dim) scale, no soft-cap, no q/k norm, no attention
+    sinks, one RoPE table
     and one window), no embedding scale, no final soft-cap. Any other plan is refused whole:
     the C code has no op for the rest (Gemma's offset and sandwich norms, GeGLU, soft-caps,
     per-layer windows and RoPE tables)."""
@@ -108,7 +109,8 @@ def runs_plan(plan: Any, head_dim: int) -> bool:
     return (all(layer == first for layer in plan.layers) and len(plan.ropes) == 1
             and not first.sandwich and first.mlp == "silu" and not first.norm.offset
             and plan.final_norm == first.norm and attention.softcap is None
-            and not attention.qk_norm and attention.scale == head_dim ** -0.5
+            and not attention.qk_norm and not attention.sinks
+            and attention.scale == head_dim ** -0.5
             and plan.embedding_scale is None and plan.final_softcap is None)
 
 

@@ -1,6 +1,12 @@
-"""Mixture-of-experts MLP layers (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral): the
-facts read from config.json (`MoeSpec`), the names of published checkpoints mapped onto the
-module's (`checkpoint_name`), and the layer itself (`SparseMoe`).
+"""Mixture-of-experts MLP layers (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral, gpt-oss):
+the facts read from config.json (`MoeSpec`), the names of published checkpoints mapped onto the
+module's (`checkpoint_name`, `checkpoint_tensors`), and the layer itself (`SparseMoe`).
+
+gpt-oss's experts are their own kind: biased projections and the clamped SwiGLU
+((clamp(up) + 1) * g * sigmoid(alpha * g), g the gate clamped above), its router biased and its
+weights a softmax over the top-k logits only. Its checkpoint stacks each layer's experts
+(`experts.gate_up_proj`: (experts, hidden, 2 * inter), gate and up columns interleaved); they
+are split into one module per expert at load, gate and up apart.
 
 Routing is computed as transformers computes it, because another expert choice is another
 answer: the router's logits, a float32 softmax, torch.topk (its tie-breaking), the optional
@@ -23,7 +29,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +38,16 @@ from torch import nn
 from rtpkv.errors import ConfigError
 from rtpkv.kernels.moe_experts import ExpertKernel
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+GPT_OSS = "GptOssForCausalLM"
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", GPT_OSS)
+
+# the experts' activation: "silu" (SwiGLU, the C expert call's) or "clamped_swiglu" (gpt-oss)
+SILU_EXPERTS = "silu"
+CLAMPED_SWIGLU_EXPERTS = "clamped_swiglu"
+
+# gpt-oss's stacked expert tensors: (layer prefix, what) -> one tensor per expert
+_GPT_OSS_EXPERTS = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+_GPT_OSS_ROUTER = re.compile(r"^(.*\.mlp)\.router\.(weight|bias)$")
 
 # Mixtral's published names -> the module's (Qwen's, which the module uses as they are)
 _MIXTRAL_NAMES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."),
@@ -52,6 +67,12 @@ class MoeSpec:
     scale_in_float32: bool               # Mixtral: outputs scaled by float32 weights, then cast
     shared_expert_intermediate_size: int  # Qwen2-MoE's always-on expert; 0: none
     sparse_layers: tuple[int, ...]       # the layers whose MLP is the mixture
+    activation: str = SILU_EXPERTS       # the experts' (SILU_EXPERTS or CLAMPED_SWIGLU_EXPERTS)
+    swiglu_alpha: float = 1.0            # the clamped SwiGLU's sigmoid gain
+    swiglu_limit: float = 0.0            # and its clamp
+    expert_bias: bool = False            # the experts' projections have biases
+    router_bias: bool = False
+    softmax_after_top_k: bool = False    # weights: a softmax over the top-k logits only
 
     @classmethod
     def from_config(cls, architecture: str, cfg: dict[str, Any],
@@ -68,6 +89,11 @@ class MoeSpec:
         if not 1 <= per_token <= experts:
             raise ConfigError(f"{source}: num_experts_per_tok={per_token} is invalid: accepted "
                               f"range is 1..{experts} (num_experts)")
+        if architecture == GPT_OSS:
+            return cls(experts, per_token, int(cfg["intermediate_size"]), False, False, 0,
+                       tuple(range(layers)), CLAMPED_SWIGLU_EXPERTS,
+                       float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)),
+                       expert_bias=True, router_bias=True, softmax_after_top_k=True)
         if architecture == "MixtralForCausalLM":
             return cls(experts, per_token, int(cfg["intermediate_size"]), True, True, 0,
                        tuple(range(layers)))
@@ -92,6 +118,34 @@ def checkpoint_name(architecture: str, name: str) -> str:
     return name
 
 
+def checkpoint_tensors(architecture: str, tensors: Iterable[tuple[str, torch.Tensor]]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors under the module's names (`checkpoint_name`); gpt-oss's stacked
+    experts split into one projection per expert (gate and up de-interleaved, each weight
+    transposed to a linear layer's (out, in)), its `router` named `gate`."""
+    for name, tensor in tensors:
+        if architecture != GPT_OSS:
+            yield checkpoint_name(architecture, name), tensor
+            continue
+        router = _GPT_OSS_ROUTER.match(name)
+        experts = _GPT_OSS_EXPERTS.match(name)
+        if router:
+            yield f"{router[1]}.gate.{router[2]}", tensor
+        elif experts:
+            prefix, what, kind = experts[1], experts[2], "bias" if experts[3] else "weight"
+            for index, stacked in enumerate(tensor):
+                if kind == "weight":
+                    stacked = stacked.t()   # (in, out) -> (out, in)
+                base = f"{prefix}.experts.{index}"
+                if what == "down_proj":
+                    yield f"{base}.down_proj.{kind}", stacked.contiguous()
+                else:
+                    yield f"{base}.gate_proj.{kind}", stacked[::2].contiguous()
+                    yield f"{base}.up_proj.{kind}", stacked[1::2].contiguous()
+        else:
+            yield name, tensor
+
+
 class SparseMoe(nn.Module):
     """The mixture-of-experts MLP of one layer: a router (`gate`), `experts` (gated MLPs made by
     `make_mlp(intermediate_size)`, as published: one module per expert) and, for Qwen2-MoE, a
@@ -102,7 +156,9 @@ class SparseMoe(nn.Module):
         self.top_k = moe.experts_per_token
         self.normalize_top_k = moe.normalize_top_k
         self.scale_in_float32 = moe.scale_in_float32
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.softmax_after_top_k = moe.softmax_after_top_k
+        self.activation = moe.activation
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=moe.router_bias)
         self.experts = nn.ModuleList(make_mlp(moe.expert_intermediate_size)
                                      for _ in range(moe.num_experts))
         self.shared_expert: Optional[nn.Module] = None
@@ -116,10 +172,12 @@ class SparseMoe(nn.Module):
         """After loading: every expert's (and the shared expert's and its gate's) linear layers
         through `convert` (the model's GEMM path or int8 quantization), the router through
         `convert_router` (the float path: the choice of experts stays that of the float
-        weights); then the experts' C call where they all run on the C kernels."""
+        weights); then the experts' C call where they all run on the C kernels (SwiGLU
+        experts only: the call computes SiLU-and-mul)."""
         for expert in self.experts:
             expert.convert(convert)
-        self.kernel = ExpertKernel.build(self.experts)
+        if self.activation == SILU_EXPERTS:
+            self.kernel = ExpertKernel.build(self.experts)
         if self.shared_expert is not None:
             self.shared_expert.convert(convert)
             self.shared_expert_gate = convert(self.shared_expert_gate)
@@ -127,6 +185,9 @@ class SparseMoe(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts), each (tokens, top_k): transformers' routing, row by row."""
+        if self.softmax_after_top_k:   # gpt-oss: the top-k logits' softmax, in their dtype
+            logits, experts = torch.topk(self.gate(x), self.top_k, dim=-1)
+            return F.softmax(logits, dim=-1, dtype=logits.dtype), experts
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize_top_k:

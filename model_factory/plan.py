@@ -34,6 +34,9 @@ class AttentionPlan:
     softcap: Optional[float]   # scores become cap * tanh(score / cap) before the mask (Gemma 2)
     rope: str                  # which RoPE table: GLOBAL_ROPE or LOCAL_ROPE
     qk_norm: bool              # an RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    # a learned logit per query head in each softmax's denominator, which takes weight from
+    # every key without a value of its own (gpt-oss's attention sinks)
+    sinks: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,10 @@ class ModelPlan:
     def softcapped_attention(self) -> bool:
         return any(layer.attention.softcap is not None for layer in self.layers)
 
+    @property
+    def attention_sinks(self) -> bool:
+        return any(layer.attention.sinks for layer in self.layers)
+
 
 def capped_window(layer: Optional[int], limit: Optional[int]) -> Optional[int]:
     """A layer's window under the engine's (MAX_ATTENTION_WINDOW, or the window every layer
@@ -81,7 +88,7 @@ def model_plan(spec: ModelSpec) -> ModelPlan:
                 window=window, scale=scale, softcap=spec.attn_logit_softcapping,
                 rope=(LOCAL_ROPE if kind == "sliding_attention" and LOCAL_ROPE in ropes
                       else GLOBAL_ROPE),
-                qk_norm=spec.qk_norm),
+                qk_norm=spec.qk_norm, sinks=spec.attention_sinks),
             mlp=spec.hidden_activation, norm=norm, sandwich=gemma)
         for kind, window in zip(spec.layer_types, spec.layer_windows))
     return ModelPlan(layers=layers, ropes=ropes,
