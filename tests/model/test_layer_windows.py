@@ -1,5 +1,5 @@
-"""Models whose layers attend over different windows (Gemma 2, Gemma 3, Qwen2 with full and
-sliding layers) run each layer's own window: greedy tokens and every step's logits equal
+"""Models whose layers attend over different windows (Gemma 2, Gemma 3, gpt-oss with its
+attention sinks, Qwen2 with full and sliding layers) run each layer's own window: greedy tokens and every step's logits equal
 transformers' (float32) at prompts shorter than, equal to and 3x the smallest window, alone and
 batched, and prefix reuse gives recomputation's outputs."""
 
@@ -15,10 +15,11 @@ from rtpkv.model_factory.tiny import build_tiny_checkpoint
 
 LENGTHS = (W // 2, W, 3 * W)
 NEW = 24   # decodes: the shortest prompt's queries pass the window too
-# Gemma 2 soft-caps attention logits, which only the torch backend does;
-# flash-attn: the CPU stand-in (conftest)
+# Gemma 2 soft-caps attention logits, which only the torch backend does; gpt-oss's sinks are
+# added by the torch and cpu-paged backends; flash-attn: the CPU stand-in (conftest)
 CASES = [("gemma2", "torch"), ("gemma3", "torch"),
-         pytest.param("gemma3", "cpu-paged", marks=needs_c_kernels), ("gemma3", "flash-attn")]
+         pytest.param("gemma3", "cpu-paged", marks=needs_c_kernels), ("gemma3", "flash-attn"),
+         ("gpt_oss", "torch"), pytest.param("gpt_oss", "cpu-paged", marks=needs_c_kernels)]
 
 
 def _hf_generate(hf, ids, new=NEW):
@@ -196,6 +197,14 @@ def test_unsupported_gemma_configs_are_refused_by_field(change, message):
 
     with pytest.raises(ConfigError, match=message):
         ModelSpec.from_config(dict(GEMMA3_270M, **change))
+
+
+def test_attention_sinks_on_flash_attn_are_refused_by_name(checkpoints, monkeypatch, request):
+    use_attention("flash-attn", monkeypatch, request)
+    with pytest.raises(ValueError, match=r"RTPKV_ATTENTION=flash-attn does not add attention "
+                                         r"sinks \(gpt-oss's per-head softmax logits\): use "
+                                         r"cpu-paged, torch or auto"):
+        load(checkpoints("gpt_oss"))
 
 
 @pytest.mark.parametrize("backend", ["cpu-paged", "flash-attn"])

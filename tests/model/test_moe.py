@@ -9,7 +9,7 @@ import transformers
 
 from conftest import load, needs_c_kernels
 from rtpkv.errors import ConfigError
-from rtpkv.model_factory.moe import MoeSpec, SparseMoe, checkpoint_name
+from rtpkv.model_factory.moe import MoeSpec, SparseMoe, checkpoint_name, checkpoint_tensors
 from rtpkv.model_factory.spec import ModelSpec
 
 QWEN_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32,
@@ -74,7 +74,45 @@ def test_routing_ties_are_broken_as_transformers_breaks_them():
     torch.testing.assert_close(weights, their_weights, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_gpt_oss_routing_is_transformers_router():
+    """gpt-oss: a biased router, the top-k logits' softmax."""
+    config = transformers.GptOssConfig(hidden_size=32, num_local_experts=6, num_experts_per_tok=3)
+    router = transformers.models.gpt_oss.modeling_gpt_oss.GptOssTopKRouter(config)
+    router.weight.data, router.bias.data = torch.randn(6, 32), torch.randn(6)
+    spec = ModelSpec.from_config({**QWEN_MOE, "architectures": ["GptOssForCausalLM"],
+                                  "hidden_size": 32, "num_local_experts": 6, "num_experts": None,
+                                  "num_experts_per_tok": 3, "intermediate_size": 16})
+    moe = spec.moe
+    assert (moe.activation, moe.swiglu_alpha, moe.swiglu_limit) == ("clamped_swiglu", 1.702, 7.0)
+    assert moe.sparse_layers == tuple(range(6)) and moe.expert_bias and moe.router_bias
+    layer = SparseMoe(32, moe, lambda size: torch.nn.Identity())
+    layer.gate.weight.data, layer.gate.bias.data = router.weight.data, router.bias.data
+    x = torch.randn(50, 32)
+    _, their_weights, their_experts = router(x)
+    weights, experts = layer.route(x)
+    assert torch.equal(experts, their_experts)
+    torch.testing.assert_close(weights, their_weights, atol=1e-6, rtol=0)
+
+
+def test_gpt_oss_stacked_experts_split_into_linear_layers():
+    """(experts, in, out) stacks with gate and up interleaved become each expert's (out, in)
+    gate, up and down projections; the router becomes `gate`."""
+    gate_up = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4)   # inter 2
+    down = torch.arange(2 * 2 * 3, dtype=torch.float32).view(2, 2, 3)
+    split = dict(checkpoint_tensors("GptOssForCausalLM", [
+        ("model.layers.0.mlp.experts.gate_up_proj", gate_up),
+        ("model.layers.0.mlp.experts.gate_up_proj_bias", torch.tensor([[1., 2, 3, 4]] * 2)),
+        ("model.layers.0.mlp.experts.down_proj", down),
+        ("model.layers.0.mlp.router.bias", torch.zeros(2))]))
+    prefix = "model.layers.0.mlp."
+    assert torch.equal(split[prefix + "experts.1.gate_proj.weight"], gate_up[1][:, ::2].t())
+    assert torch.equal(split[prefix + "experts.1.up_proj.weight"], gate_up[1][:, 1::2].t())
+    assert split[prefix + "experts.0.up_proj.bias"].tolist() == [2, 4]
+    assert torch.equal(split[prefix + "experts.0.down_proj.weight"], down[0].t())
+    assert prefix + "gate.bias" in split
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "gpt_oss"])
 @pytest.mark.parametrize("options", [{}, {"weight_type": "INT8"}, {"weight_type": "W8A8_INT8"},
                                      {"weight_type": "BF16"}, {"dtype": "bfloat16"}])
 def test_a_tokens_output_does_not_depend_on_the_others(checkpoints, arch, options):
