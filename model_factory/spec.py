@@ -237,7 +237,11 @@ def _yarn_inv_freq(rope: dict[str, Any], dim: int, base: float, factor: float) -
             + (1.0 / pos_freqs) * extrapolation)
 
 
-def _checked_rope(rope: dict[str, Any], source: str, name: str) -> dict[str, Any]:
+def _checked_rope(rope: dict[str, Any], cfg: dict[str, Any], source: str, name: str
+                  ) -> dict[str, Any]:
+    """`rope` with its type checked and, for llama3 and YaRN, the pretraining length filled in
+    as transformers does (a top-level original_max_position_embeddings wins over the rope's for
+    a model-wide rope; else max_position_embeddings)."""
     rope = dict(rope)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     partial = rope.get("partial_rotary_factor", 1.0)
@@ -248,6 +252,12 @@ def _checked_rope(rope: dict[str, Any], source: str, name: str) -> dict[str, Any
         raise ConfigError(f"{source}: {name} type {rope_type!r} is not supported "
                           f"(supported: {', '.join(ROPE_TYPES)})")
     rope["rope_type"] = rope_type
+    if rope_type in ("llama3", "yarn"):
+        original = cfg.get("original_max_position_embeddings")
+        if original is not None and name == "rope":
+            rope["original_max_position_embeddings"] = original
+        rope.setdefault("original_max_position_embeddings",
+                        cfg.get("max_position_embeddings", 2048))
     return rope
 
 
@@ -266,18 +276,11 @@ def _rope_parameters(cfg: dict[str, Any], arch: str, source: str
             local = {}
         full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
         local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
-        return (_checked_rope(full, source, "rope_parameters.full_attention"),
-                _checked_rope(local, source, "rope_parameters.sliding_attention"))
+        return (_checked_rope(full, cfg, source, "rope_parameters.full_attention"),
+                _checked_rope(local, cfg, source, "rope_parameters.sliding_attention"))
     rope = dict(params or cfg.get("rope_scaling") or _DEFAULT_ROPES.get(arch, {}))
     rope.setdefault("rope_theta", cfg.get("rope_theta", _DEFAULT_THETAS.get(arch, 10000.0)))
-    rope = _checked_rope(rope, source, "rope")
-    if rope["rope_type"] in ("llama3", "yarn"):   # transformers: the top-level field wins
-        original = cfg.get("original_max_position_embeddings")
-        if original is not None:
-            rope["original_max_position_embeddings"] = original
-        rope.setdefault("original_max_position_embeddings",
-                        cfg.get("max_position_embeddings", 2048))
-    return rope, None
+    return _checked_rope(rope, cfg, source, "rope"), None
 
 
 # the RoPE parameters transformers' config class gives a config that has none

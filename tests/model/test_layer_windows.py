@@ -188,8 +188,8 @@ def test_a_real_gemma3_config_reads_as_transformers_reads_it():
                                      r"Gemma3ForCausalLM \(supported: gelu_pytorch_tanh\)"),
     (dict(use_bidirectional_attention=True), r"use_bidirectional_attention=true"),
     (dict(final_logit_softcapping=-1.0), r"final_logit_softcapping=-1.0 is invalid"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
-     r"rope_parameters.full_attention type 'yarn' is not supported"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0}),
+     r"rope_parameters.full_attention type 'longrope' is not supported"),
 ])
 def test_unsupported_gemma_configs_are_refused_by_field(change, message):
     from rtpkv.errors import ConfigError
