@@ -1,5 +1,5 @@
-"""The decoder-only models (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, and QWen read as
-Qwen2: model_factory/qwen.py) over a paged KV cache, built from and running their layer plan
+"""The decoder-only models (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Cohere2, and QWen
+read as Qwen2: model_factory/qwen.py) over a paged KV cache, built from and running their layer plan
 (model_factory/plan.py), and the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss),
 whose sparse layers' MLP is model_factory/moe.py's.
 
@@ -22,7 +22,7 @@ from rtpkv.kernels import (AttentionBackend, AttentionBatch, apply_rope_, attent
                            rms_norm, rope_table, silu_and_mul)
 from rtpkv.kernels import weight_types
 from rtpkv.kernels.activation import clamped_swiglu, clamped_swiglu_and_mul, gelu_tanh_and_mul
-from rtpkv.kernels.norm import rms_norm_float_weight
+from rtpkv.kernels.norm import layer_norm_no_bias, rms_norm_float_weight
 from rtpkv.kernels.fused_decoder import FusedDecoder
 from rtpkv.kernels.linear import InferenceLinear, linear_path
 from rtpkv.model_factory.moe import CLAMPED_SWIGLU_EXPERTS, SparseMoe
@@ -39,6 +39,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = plan.eps
         self.offset = plan.offset
+        self.centered = plan.centered   # Cohere's LayerNorm without bias
         self.scale: Optional[torch.Tensor] = None   # an offset norm's (1 + w) in float32
 
     def prepare(self) -> None:
@@ -48,6 +49,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """With `residual`: normalizes residual + x, stored into `residual`."""
+        if self.centered:
+            return layer_norm_no_bias(x, self.weight, self.eps, residual)
         if self.offset:
             return rms_norm_float_weight(x, self.scale, self.eps, residual)
         return rms_norm(x, self.weight, self.eps, residual)
@@ -90,7 +93,8 @@ class Attention(nn.Module):
         self.qkv = fused
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]],
                 kv: tuple[torch.Tensor, torch.Tensor], meta: Any,
                 attention: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
@@ -103,7 +107,8 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        apply_rope_(q, k, rope[0], rope[1], positions)
+        if rope is not None:   # None: a layer without positional encoding (Cohere2's full ones)
+            apply_rope_(q, k, rope[0], rope[1], positions)
         extra: dict[str, Any] = {}   # what only some backends do (attention_backend picks one)
         if self.softcap is not None:
             extra["softcap"] = self.softcap
@@ -162,7 +167,9 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Llama's two norms (`post_attention_layernorm` is its MLP's input norm), or with
     `plan.sandwich` Gemma's four (`post_attention_layernorm` on the attention output,
-    `pre_feedforward_layernorm` on the MLP input, `post_feedforward_layernorm` on its output)."""
+    `pre_feedforward_layernorm` on the MLP input, `post_feedforward_layernorm` on its output),
+    or with `plan.parallel` Cohere's one (attention and MLP both read `input_layernorm`'s
+    output; the layer's output is their sum)."""
 
     def __init__(self, spec: ModelSpec, index: int, plan: LayerPlan):
         super().__init__()
@@ -172,20 +179,24 @@ class DecoderLayer(nn.Module):
                       partial(MLP, spec, kind=spec.moe.activation, bias=spec.moe.expert_bias))
             if spec.moe is not None and index in spec.moe.sparse_layers
             else MLP(spec, kind=plan.mlp))
-        self.sandwich = plan.sandwich
+        self.sandwich, self.parallel = plan.sandwich, plan.parallel
         self.input_layernorm = RMSNorm(spec.hidden_size, plan.norm)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, plan.norm)
+        if not plan.parallel:
+            self.post_attention_layernorm = RMSNorm(spec.hidden_size, plan.norm)
         if plan.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, plan.norm)
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, plan.norm)
 
     def forward(self, residual: torch.Tensor, h: Optional[torch.Tensor], positions: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor],
-                meta: Any, attention: AttentionBackend) -> torch.Tensor:
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]],
+                kv: tuple[torch.Tensor, torch.Tensor], meta: Any,
+                attention: AttentionBackend) -> torch.Tensor:
         """The layer's output, still to be added to `residual` (the stream, to which the last
         layer's output `h` is added first, in place)."""
         x = self.input_layernorm(residual) if h is None else self.input_layernorm(h, residual)
         h = self.self_attn(x, positions, rope, kv, meta, attention)
+        if self.parallel:
+            return h + self.mlp(x)
         if not self.sandwich:
             return self.mlp(self.post_attention_layernorm(h, residual))
         x = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
@@ -320,12 +331,15 @@ class CausalLM(nn.Module):
             return self.fused.forward(residual, positions, kv_caches, meta[0])
         h = None
         for layer, kv, layer_meta in zip(self.model.layers, kv_caches, meta):
-            h = layer(residual, h, positions, self.ropes[layer.self_attn.rope], kv, layer_meta,
-                      self.attention)
+            rope = layer.self_attn.rope
+            h = layer(residual, h, positions, None if rope is None else self.ropes[rope], kv,
+                      layer_meta, self.attention)
         return self.model.norm(h, residual)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
+        if self.plan.logit_scale is not None:   # in the model's dtype, as transformers
+            logits = logits * self.plan.logit_scale
         cap = self.plan.final_softcap
         if cap is not None:   # in the model's dtype, as transformers
             logits = torch.tanh(logits / cap) * cap

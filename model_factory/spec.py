@@ -24,16 +24,21 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "QWenLMHeadModel",
+    "Cohere2ForCausalLM",
     *MOE_ARCHITECTURES,
 )
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 GPT_OSS = "GptOssForCausalLM"
+COHERE2 = "Cohere2ForCausalLM"
 # their sliding layers alternate with full ones (the first slides) where layer_types is absent
 _ALTERNATING = ("Gemma2ForCausalLM", GPT_OSS)
+# their sliding_window_pattern's default, where layer_types is absent
+_PATTERN_DEFAULTS = {"Gemma3ForCausalLM": 6, COHERE2: 4}
 # their config sets the sliding layers' window (sliding_window, with this default) whatever
 # use_sliding_window says
-_WINDOW_DEFAULTS = {"Gemma2ForCausalLM": 4096, "Gemma3ForCausalLM": 4096, GPT_OSS: 128}
+_WINDOW_DEFAULTS = {"Gemma2ForCausalLM": 4096, "Gemma3ForCausalLM": 4096, GPT_OSS: 128,
+                    COHERE2: 4096}
 
 # their sliding_window, when set, applies (to every layer) without use_sliding_window
 _ALWAYS_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM")
@@ -69,6 +74,11 @@ class ModelSpec:
     o_proj_bias: bool = False
     # gpt-oss: a learned logit per query head that joins each softmax's denominator
     attention_sinks: bool = False
+    # Cohere2: its norms are LayerNorms without bias (layer_norm_eps), attention and MLP read
+    # the same normalized input and add to the stream together, RoPE (interleaved pairs) on the
+    # sliding layers only, and the logits are scaled by logit_scale
+    cohere: bool = False
+    logit_scale: Optional[float] = None
     rope: dict[str, Any] = field(default_factory=dict)
     # Gemma 3's sliding layers' own RoPE parameters (rope_local_base_freq); None: `rope`
     local_rope: Optional[dict[str, Any]] = None
@@ -122,9 +132,10 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("layer_norm_eps", 1e-5) if arch == COHERE2
+                               else cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma or arch == COHERE2)),
             qkv_bias=(arch in ("Qwen2ForCausalLM", qwen.ARCHITECTURE)
                       or attention_bias
                       or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))),
@@ -132,6 +143,8 @@ class ModelSpec:
             o_proj_bias=(arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
                          and attention_bias),
             attention_sinks=arch == GPT_OSS,
+            cohere=arch == COHERE2,
+            logit_scale=float(cfg.get("logit_scale", 0.0625)) if arch == COHERE2 else None,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             rope=rope,
             local_rope=local_rope,
@@ -315,8 +328,8 @@ def _layer_types(cfg: dict[str, Any], arch: str, layers: int, sliding: Optional[
         if arch in _ALTERNATING:
             types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
                      for i in range(layers)]
-        elif arch == "Gemma3ForCausalLM":
-            pattern = int(cfg.get("sliding_window_pattern", 6))
+        elif arch in _PATTERN_DEFAULTS:   # one full layer every `pattern`, the last of each
+            pattern = int(cfg.get("sliding_window_pattern", _PATTERN_DEFAULTS[arch]))
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                      for i in range(layers)]
         else:   # Qwen2/3: the first max_window_layers attend fully

@@ -32,7 +32,9 @@ GEMMA_WINDOW = 32
 # pattern (shortened), q/k norm, two RoPE tables (a local base, a linearly scaled global one) and
 # a head_dim apart from hidden / heads; gpt-oss's alternating sliding and full layers with
 # attention sinks, q/k/v/o biases, YaRN RoPE (scaled past 64 positions, its ramp untruncated)
-# and its experts (biased router and projections, a SwiGLU clamp that bites at these sizes).
+# and its experts (biased router and projections, a SwiGLU clamp that bites at these sizes);
+# Cohere2's sliding layers with (interleaved) RoPE around a full layer without, its parallel
+# block, LayerNorm and logit scale.
 GPT_OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 64,
                 "rope_theta": 150000.0}
@@ -69,6 +71,9 @@ ARCHITECTURES = {
                     max_position_embeddings=256,
                     moe=dict(num_local_experts=4, num_experts_per_tok=2),
                     config_overrides=dict(swiglu_limit=1.0, rope_parameters=GPT_OSS_YARN)),
+    "cohere2": dict(architecture="Cohere2ForCausalLM", sliding_window=GEMMA_WINDOW, num_layers=3,
+                    config_overrides=dict(logit_scale=0.5, layer_types=[
+                        "sliding_attention", "full_attention", "sliding_attention"])),
 }
 
 

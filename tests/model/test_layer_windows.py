@@ -1,5 +1,5 @@
 """Models whose layers attend over different windows (Gemma 2, Gemma 3, gpt-oss with its
-attention sinks, Qwen2 with full and sliding layers) run each layer's own window: greedy tokens and every step's logits equal
+attention sinks, Cohere2, Qwen2 with full and sliding layers) run each layer's own window: greedy tokens and every step's logits equal
 transformers' (float32) at prompts shorter than, equal to and 3x the smallest window, alone and
 batched, and prefix reuse gives recomputation's outputs."""
 
@@ -19,7 +19,8 @@ NEW = 24   # decodes: the shortest prompt's queries pass the window too
 # added by the torch and cpu-paged backends; flash-attn: the CPU stand-in (conftest)
 CASES = [("gemma2", "torch"), ("gemma3", "torch"),
          pytest.param("gemma3", "cpu-paged", marks=needs_c_kernels), ("gemma3", "flash-attn"),
-         ("gpt_oss", "torch"), pytest.param("gpt_oss", "cpu-paged", marks=needs_c_kernels)]
+         ("gpt_oss", "torch"), pytest.param("gpt_oss", "cpu-paged", marks=needs_c_kernels),
+         ("cohere2", "torch"), pytest.param("cohere2", "cpu-paged", marks=needs_c_kernels)]
 
 
 def _hf_generate(hf, ids, new=NEW):
@@ -179,6 +180,28 @@ def test_a_real_gemma3_config_reads_as_transformers_reads_it():
     unpatterned = dict(GEMMA3_270M, sliding_window_pattern=3)
     del unpatterned["layer_types"]   # the pattern transformers falls back on
     assert ModelSpec.from_config(unpatterned).layer_windows == (512, 512, None) * 6
+
+
+COMMAND_R7B = {   # CohereForAI/c4ai-command-r7b-12-2024's config.json, abridged
+    "architectures": ["Cohere2ForCausalLM"], "model_type": "cohere2", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "num_hidden_layers": 32, "layer_norm_eps": 1e-05, "logit_scale": 0.25,
+    "max_position_embeddings": 132096, "rope_theta": 50000, "sliding_window": 4096,
+    "sliding_window_pattern": 4, "vocab_size": 256000, "hidden_act": "silu",
+}
+
+
+def test_a_cohere2_config_reads_as_transformers_reads_it():
+    from rtpkv.model_factory.plan import GLOBAL_ROPE, model_plan
+    from rtpkv.model_factory.spec import ModelSpec
+
+    spec = ModelSpec.from_config(COMMAND_R7B)
+    assert spec.tie_word_embeddings and spec.rms_norm_eps == 1e-5 and spec.logit_scale == 0.25
+    assert spec.layer_windows == ((4096,) * 3 + (None,)) * 8
+    plan = model_plan(spec)
+    assert [layer.attention.rope for layer in plan.layers[:4]] == [GLOBAL_ROPE] * 3 + [None]
+    assert all(layer.parallel and layer.norm.centered for layer in plan.layers)
+    assert plan.logit_scale == 0.25 and plan.ropes[GLOBAL_ROPE]["rope_theta"] == 50000
 
 
 @pytest.mark.parametrize("change,message", [
