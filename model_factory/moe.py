@@ -5,8 +5,9 @@ module's (`checkpoint_name`, `checkpoint_tensors`), and the layer itself (`Spars
 gpt-oss's experts are their own kind: biased projections and the clamped SwiGLU
 ((clamp(up) + 1) * g * sigmoid(alpha * g), g the gate clamped above), its router biased and its
 weights a softmax over the top-k logits only. Its checkpoint stacks each layer's experts
-(`experts.gate_up_proj`: (experts, hidden, 2 * inter), gate and up columns interleaved); they
-are split into one module per expert at load, gate and up apart.
+(`experts.gate_up_proj`: (experts, hidden, 2 * inter), gate and up columns interleaved, or the
+published MXFP4 form, `*_blocks` and `*_scales`); they are split into one module per expert at
+load, gate and up apart, MXFP4 dequantized to the model's dtype one expert at a time.
 
 Routing is computed as transformers computes it, because another expert choice is another
 answer: the router's logits, a float32 softmax, torch.topk (its tie-breaking), the optional
@@ -48,6 +49,10 @@ CLAMPED_SWIGLU_EXPERTS = "clamped_swiglu"
 # gpt-oss's stacked expert tensors: (layer prefix, what) -> one tensor per expert
 _GPT_OSS_EXPERTS = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 _GPT_OSS_ROUTER = re.compile(r"^(.*\.mlp)\.router\.(weight|bias)$")
+_GPT_OSS_MXFP4 = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)_(blocks|scales)$")
+# the 16 values of an FP4 (e2m1) nibble
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 # Mixtral's published names -> the module's (Qwen's, which the module uses as they are)
 _MIXTRAL_NAMES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."),
@@ -121,29 +126,67 @@ def checkpoint_name(architecture: str, name: str) -> str:
 def checkpoint_tensors(architecture: str, tensors: Iterable[tuple[str, torch.Tensor]]
                        ) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint's tensors under the module's names (`checkpoint_name`); gpt-oss's stacked
-    experts split into one projection per expert (gate and up de-interleaved, each weight
-    transposed to a linear layer's (out, in)), its `router` named `gate`."""
+    experts split into one projection per expert (gate and up de-interleaved, each weight a
+    linear layer's (out, in)), its MXFP4 ones (`*_blocks` and `*_scales`) dequantized one expert
+    at a time, its `router` named `gate`."""
+    packed: dict[tuple[str, str, str], torch.Tensor] = {}   # an MXFP4 pair's first half
     for name, tensor in tensors:
         if architecture != GPT_OSS:
             yield checkpoint_name(architecture, name), tensor
             continue
         router = _GPT_OSS_ROUTER.match(name)
         experts = _GPT_OSS_EXPERTS.match(name)
+        mxfp4 = _GPT_OSS_MXFP4.match(name)
         if router:
             yield f"{router[1]}.gate.{router[2]}", tensor
-        elif experts:
-            prefix, what, kind = experts[1], experts[2], "bias" if experts[3] else "weight"
-            for index, stacked in enumerate(tensor):
-                if kind == "weight":
-                    stacked = stacked.t()   # (in, out) -> (out, in)
-                base = f"{prefix}.experts.{index}"
-                if what == "down_proj":
-                    yield f"{base}.down_proj.{kind}", stacked.contiguous()
-                else:
-                    yield f"{base}.gate_proj.{kind}", stacked[::2].contiguous()
-                    yield f"{base}.up_proj.{kind}", stacked[1::2].contiguous()
+        elif experts and experts[3]:   # biases: (experts, out)
+            yield from _expert_tensors(experts[1], experts[2], "bias", tensor)
+        elif experts:   # (experts, in, out)
+            yield from _expert_tensors(experts[1], experts[2], "weight",
+                                       (stacked.t() for stacked in tensor))
+        elif mxfp4:
+            prefix, what, part = mxfp4[1], mxfp4[2], mxfp4[3]
+            other = packed.pop((prefix, what, "scales" if part == "blocks" else "blocks"), None)
+            if other is None:
+                packed[(prefix, what, part)] = tensor
+                continue
+            blocks, scales = (tensor, other) if part == "blocks" else (other, tensor)
+            yield from _expert_tensors(prefix, what, "weight",
+                                       (mxfp4_weight(b, s) for b, s in zip(blocks, scales)))
         else:
             yield name, tensor
+    if packed:
+        raise ValueError(f"MXFP4 expert weights without their other half: "
+                         f"{sorted(f'{p}.experts.{w}_{h}' for p, w, h in packed)[:3]}")
+
+
+def _expert_tensors(prefix: str, what: str, kind: str, per_expert: Iterable[torch.Tensor]
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss's experts' `kind` tensors, one (out, ...) tensor per expert, under the module's
+    names: down_proj's as they are, gate_up_proj's rows de-interleaved into gate and up."""
+    for index, tensor in enumerate(per_expert):
+        base = f"{prefix}.experts.{index}"
+        if what == "down_proj":
+            yield f"{base}.down_proj.{kind}", tensor.contiguous()
+        else:
+            yield f"{base}.gate_proj.{kind}", tensor[::2].contiguous()
+            yield f"{base}.up_proj.{kind}", tensor[1::2].contiguous()
+
+
+def mxfp4_weight(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """One expert's MXFP4 matrix as float32 (out, in): `blocks` (out, in / 32, 16) bytes, each
+    two FP4 (e2m1) values, the low nibble first; `scales` (out, in / 32) exponents biased by
+    127, one per 32 values. The values transformers' convert_moe_packed_tensors gives (FP4 times
+    a power of two is exact in float32 and bfloat16 alike)."""
+    if blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} "
+                         "do not pair: blocks must be scales' shape plus 16 bytes")
+    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    blocks = blocks.to(torch.uint8)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
+    values = values.flatten(-2)   # (out, in / 32, 32)
+    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2)
 
 
 class SparseMoe(nn.Module):

@@ -192,3 +192,55 @@ def _prefill(module, ids):
                            query_start=[0], query_len=[n], context_len=[n], block_size=n,
                            num_blocks=1, kv_heads=spec.num_kv_heads)
     return module(torch.tensor(ids), torch.arange(n), caches, module.attention_metadata(batch))
+
+
+def test_gpt_oss_mxfp4_experts_dequantize_as_transformers_does():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(120, 134, (3, 8, 2), generator=g, dtype=torch.uint8)
+    stacked = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)   # (3, in, out)
+    split = dict(checkpoint_tensors("GptOssForCausalLM", [
+        ("model.layers.1.mlp.experts.down_proj_scales", scales),   # either half first
+        ("model.layers.1.mlp.experts.down_proj_blocks", blocks)]))
+    for expert in range(3):
+        assert torch.equal(split[f"model.layers.1.mlp.experts.{expert}.down_proj.weight"],
+                           stacked[expert].t())
+    with pytest.raises(ValueError, match=r"MXFP4 expert weights without their other half: "
+                                         r"\['model.layers.0.mlp.experts.gate_up_proj_blocks'\]"):
+        list(checkpoint_tensors("GptOssForCausalLM",
+                                [("model.layers.0.mlp.experts.gate_up_proj_blocks", blocks)]))
+
+
+def test_a_gpt_oss_mxfp4_checkpoint_loads_as_its_dequantized_weights(checkpoints, tmp_path):
+    """The tiny gpt-oss checkpoint with its experts' matrices replaced by random MXFP4 blocks
+    and scales, as published checkpoints hold them, gives the logits of the same checkpoint
+    holding transformers' dequantization of them (that one is held to transformers in
+    test_model_parity.py)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    path = checkpoints("gpt_oss")
+    state = load_file(path / "model.safetensors")
+    packed, plain = dict(state), dict(state)
+    g = torch.Generator().manual_seed(4)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = state[name].shape
+        blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=g,
+                               dtype=torch.uint8)
+        scales = torch.randint(118, 125, (experts, outputs, inputs // 32), generator=g,
+                               dtype=torch.uint8)
+        del packed[name]
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        plain[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    logits = []
+    for directory, tensors in ((tmp_path / "mxfp4", packed), (tmp_path / "plain", plain)):
+        shutil.copytree(path, directory)
+        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+        module = load(directory).module
+        with torch.inference_mode():
+            logits.append(module.logits(_prefill(module, [5, 9, 14, 3, 22, 8, 40])))
+    assert torch.equal(*logits)
