@@ -67,7 +67,7 @@ ARCHITECTURES = {
                                               "rope_theta": 1_000_000.0},
                            "sliding_attention": {"rope_type": "default",
                                                  "rope_theta": 10_000.0}})),
-    "gpt_oss": dict(architecture="GptOssForCausalLM", sliding_window=GEMMA_WINDOW, num_layers=3,
+    "gpt_oss": dict(architecture="GptOssForCausalLM", sliding_window=GEMMA_WINDOW, num_layers=2,
                     max_position_embeddings=256,
                     moe=dict(num_local_experts=4, num_experts_per_tok=2),
                     config_overrides=dict(swiglu_limit=1.0, rope_parameters=GPT_OSS_YARN)),
