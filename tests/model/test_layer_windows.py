@@ -237,3 +237,22 @@ def test_softcapped_attention_on_another_backend_is_refused_by_name(checkpoints,
     with pytest.raises(ValueError, match=rf"RTPKV_ATTENTION={backend} does not soft-cap "
                                          r"attention logits \(attn_logit_softcapping"):
         load(checkpoints("gemma2"))
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "gemma2"])
+def test_the_torch_backends_batched_path_matches_transformers(checkpoints, make_pipeline,
+                                                              monkeypatch, request, arch):
+    """The torch backend's path of CUDA (decodes attended together under a mask, each prefill
+    chunk in one call), run here on the CPU: gpt-oss's sinks and Gemma 2's soft-cap there too,
+    alone and batched."""
+    use_attention("torch", monkeypatch, request)
+    path = checkpoints(arch)
+    pipe = make_pipeline(path, seq_size_per_block=8, max_num_batched_tokens=40)
+    pipe.model.module.attention.per_row = False
+    prompts = [random_prompt(n, seed=n) for n in LENGTHS]
+    hf = _hf(path)
+    expected = [_hf_generate(hf, ids) for ids in prompts]
+    batched = _run_together(pipe, prompts, max_new_tokens=NEW, return_logits=True)
+    for res, (tokens, logits) in zip(batched, expected):
+        assert res.output_ids == tokens
+        torch.testing.assert_close(res.logits, logits, atol=1e-4, rtol=0)
