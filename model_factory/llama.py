@@ -34,6 +34,9 @@ log = logging.getLogger("rtpkv")
 
 
 class RMSNorm(nn.Module):
+    """The plan's norm: Llama's RMSNorm, Gemma's (1 + w) one (`plan.offset`), or Cohere's
+    LayerNorm without bias (`plan.centered`), under the checkpoints' one weight name."""
+
     def __init__(self, dim: int, plan: NormPlan):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
