@@ -80,3 +80,36 @@ def test_unsupported_rope_is_refused_by_name(rope, message):
         ModelSpec.from_config({**_QWEN2, "rope_scaling": rope})
     if "type" in message:
         assert f"(supported: {', '.join(ROPE_TYPES)})" in str(error.value)
+
+
+GPT_OSS_20B = {   # openai/gpt-oss-20b's config.json, abridged
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+    "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "intermediate_size": 2880,
+    "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+    "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32,
+    "rms_norm_eps": 1e-05, "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "vocab_size": 201088,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "quantization_config": {"quant_method": "mxfp4"},
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                     "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                     "truncate": False},
+}
+
+
+def test_a_real_gpt_oss_config_reads_as_transformers_reads_it():
+    """Its windows, sinks, biases and experts; its YaRN frequencies and attention factor equal
+    transformers' own computation on the same config."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    spec = ModelSpec.from_config(GPT_OSS_20B)
+    assert spec.layer_windows == (128, None) * 12 and spec.attention_sinks
+    assert spec.qkv_bias and spec.o_proj_bias and not spec.tie_word_embeddings
+    moe = spec.moe
+    assert (moe.num_experts, moe.experts_per_token, moe.expert_intermediate_size) == (32, 4, 2880)
+    assert moe.swiglu_limit == 7.0 and moe.swiglu_alpha == 1.702
+    config = transformers.GptOssConfig(**{k: v for k, v in GPT_OSS_20B.items()
+                                          if k not in ("architectures", "quantization_config")})
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    assert torch.equal(spec.inv_freq(), inv_freq)
+    assert spec.rope_attention_factor() == factor
