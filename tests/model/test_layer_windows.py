@@ -222,9 +222,11 @@ def test_unsupported_gemma_configs_are_refused_by_field(change, message):
         ModelSpec.from_config(dict(GEMMA3_270M, **change))
 
 
-def test_attention_sinks_on_flash_attn_are_refused_by_name(checkpoints, monkeypatch, request):
-    use_attention("flash-attn", monkeypatch, request)
-    with pytest.raises(ValueError, match=r"RTPKV_ATTENTION=flash-attn does not add attention "
+@pytest.mark.parametrize("backend", ["flash-attn", "triton"])
+def test_attention_sinks_on_another_backend_are_refused_by_name(checkpoints, monkeypatch,
+                                                                request, backend):
+    use_attention(backend, monkeypatch, request)
+    with pytest.raises(ValueError, match=rf"RTPKV_ATTENTION={backend} does not add attention "
                                          r"sinks \(gpt-oss's per-head softmax logits\): use "
                                          r"cpu-paged, torch or auto"):
         load(checkpoints("gpt_oss"))
