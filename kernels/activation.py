@@ -1,5 +1,6 @@
 """The gated MLP activations over the fused gate_up projection: SiLU(gate) * up (SwiGLU: the
-Triton kernel on CUDA, the C kernel on a CPU, else torch) and GELU(gate) * up (GeGLU: Triton on CUDA, else torch)."""
+Triton kernel on CUDA, the C kernel on a CPU, else torch), GELU(gate) * up (GeGLU: Triton on
+CUDA, else torch) and gpt-oss's clamped SwiGLU (the C kernel on a CPU, else torch)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,29 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return triton_ops.gelu_tanh_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
+                   ) -> torch.Tensor:
+    """gpt-oss's expert activation in transformers' arithmetic: the gate clamped above at
+    `limit`, up clamped to [-limit, limit], then (up + 1) * gate * sigmoid(gate * alpha)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def clamped_swiglu_and_mul(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """(..., 2 * inter), gate then up -> (..., inter): `clamped_swiglu`, by the C kernel where
+    it takes the tensor. The C kernel computes each row alone; torch's sigmoid gives other bits
+    in its vectorized loop's scalar tail, so there a row's values can depend on the rows that
+    share the tensor."""
+    inter = gate_up.shape[-1] // 2
+    if not (gate_up.is_contiguous() and inter % fused_ops.ROW_MULTIPLE == 0
+            and fused_ops.usable(gate_up)):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return clamped_swiglu(gate, up, alpha, limit)
+    out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+    fused_ops.library().rtpkv_clamped_swiglu(gate_up.data_ptr(), out.data_ptr(),
+                                             gate_up.numel() // (2 * inter), inter, alpha, limit,
+                                             int(gate_up.dtype == torch.bfloat16))
+    return out

@@ -263,11 +263,14 @@ class TorchAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: TorchMetadata, scale: float,
-                softcap: Optional[float] = None) -> torch.Tensor:
-        """`softcap`: scores become softcap * tanh(score / softcap) before the mask (Gemma 2)."""
+                softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`softcap`: scores become softcap * tanh(score / softcap) before the mask (Gemma 2).
+        `sinks`: (H,) logits, one per query head, that join each softmax (gpt-oss)."""
         write_kv(k_cache, v_cache, k, v, meta.write_rows)
+        extra = _Extras(softcap, sinks)
         if meta.key_ranges is not None:
-            return self._per_row(q, k, v, k_cache, v_cache, meta, scale, softcap)
+            return self._per_row(q, k, v, k_cache, v_cache, meta, scale, extra)
         out = torch.empty_like(q)
         n, B = meta.num_decodes, meta.block_size
         if n:
@@ -275,7 +278,7 @@ class TorchAttention:
                 q[:n].unsqueeze(2),
                 _context(k_cache, meta.decode_blocks, B, meta.k_buffer, meta.decode_len, q.dtype),
                 _context(v_cache, meta.decode_blocks, B, meta.v_buffer, meta.decode_len, q.dtype),
-                meta.decode_mask, scale, softcap, causal=False)   # (n, H, 1, d)
+                meta.decode_mask, scale, extra, causal=False)   # (n, H, 1, d)
             out[:n] = od.squeeze(2)
         for chunk in meta.prefills:
             qs = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)   # (1, H, c, d)
@@ -287,13 +290,13 @@ class TorchAttention:
                 ks = _context(k_cache, chunk.ctx_blocks, B, meta.k_buffer, ctx, q.dtype)
                 vs = _context(v_cache, chunk.ctx_blocks, B, meta.v_buffer, ctx, q.dtype)
                 ks, vs = ks.unsqueeze(0), vs.unsqueeze(0)
-            o = _attend(qs, ks, vs, chunk.mask, scale, softcap, causal=chunk.mask is None)
+            o = _attend(qs, ks, vs, chunk.mask, scale, extra, causal=chunk.mask is None)
             out[chunk.start:chunk.end] = o[0].transpose(0, 1)
         return out
 
     def _per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: TorchMetadata, scale: float,
-                 softcap: Optional[float]) -> torch.Tensor:
+                 extra: "_Extras") -> torch.Tensor:
         """Each row attends alone to its keys (`key_ranges`) of its sequence's gathered
         context: the same call, on the same values, whether the row decodes or sits in a
         chunk, and whatever else the step holds."""
@@ -303,7 +306,7 @@ class TorchAttention:
         def attend(row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
             lo, hi = meta.key_ranges[row]
             o = _attend(q[row][None, :, None, :], keys[None, :, lo:hi].contiguous(),
-                        values[None, :, lo:hi].contiguous(), None, scale, softcap, causal=False)
+                        values[None, :, lo:hi].contiguous(), None, scale, extra, causal=False)
             out[row] = o[0, :, 0, :]
 
         if n:
@@ -324,21 +327,38 @@ class TorchAttention:
         return out
 
 
+@dataclass(frozen=True)
+class _Extras:
+    """What some models add to the softmax: a soft-cap (Gemma 2), per-head sinks (gpt-oss)."""
+
+    softcap: Optional[float] = None
+    sinks: Optional[torch.Tensor] = None
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-            scale: float, softcap: Optional[float], causal: bool) -> torch.Tensor:
+            scale: float, extra: _Extras, causal: bool) -> torch.Tensor:
     """Attention of q (..., H, c, d) over k, v (..., KVH, n, d) under a boolean `mask`, or
-    causal (`causal`, no mask, c == n), or over every key. Without `softcap`, torch's SDPA; with
-    it, transformers' eager arithmetic: scores, the cap, the mask, a float32 softmax."""
-    if softcap is None:
+    causal (`causal`, no mask, c == n), or over every key. Without a soft-cap or sinks, torch's
+    SDPA; with either, transformers' eager arithmetic: scores, the cap, the mask, then a float32
+    softmax, or with sinks each head's sink logit joining the row, the row's maximum taken off,
+    the softmax in the scores' dtype and the sink's column dropped (gpt-oss's)."""
+    if extra.softcap is None and extra.sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               scale=scale, enable_gqa=True)
     groups = q.shape[-3] // k.shape[-3]
     k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if extra.softcap is not None:
+        scores = torch.tanh(scores / extra.softcap) * extra.softcap
     if causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(weights, v)
+    if extra.sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(weights, v)
+    sinks = extra.sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    logits = torch.cat([scores, sinks], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    weights = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(weights.to(v.dtype), v)

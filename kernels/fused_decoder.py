@@ -102,17 +102,21 @@ def _library() -> Optional[ctypes.CDLL]:
 
 def runs_plan(plan: Any, head_dim: int) -> bool:
     """Whether decoder.c computes `plan`: every layer the same Llama layer (two plain RMSNorms
-    of one epsilon, SwiGLU, the 1/sqrt(head_dim) scale, no soft-cap, one RoPE table and one
-    window; q/k norms or none), no embedding scale, no final soft-cap. Any other plan is refused
-    whole: the C code has no op for the rest (Gemma's offset and sandwich norms, GeGLU, soft-caps,
-    per-layer windows and RoPE tables)."""
+    of one epsilon, SwiGLU, the 1/sqrt(head_dim) scale, no soft-cap, no attention sinks, one RoPE
+    table and one window; q/k norms or none), no embedding scale, no final soft-cap or logit
+    scale. Any other plan is refused whole: the C code has no op for the rest (Gemma's offset
+    and sandwich norms, GeGLU, soft-caps, per-layer windows and RoPE tables, sinks, Cohere's
+    LayerNorm, parallel block and layers without RoPE)."""
     first = plan.layers[0]
     attention = first.attention
     return (all(layer == first for layer in plan.layers) and len(plan.ropes) == 1
-            and not first.sandwich and first.mlp == "silu" and not first.norm.offset
+            and not first.sandwich and not first.parallel and first.mlp == "silu"
+            and not first.norm.offset and not first.norm.centered
             and plan.final_norm == first.norm and attention.softcap is None
+            and not attention.sinks and attention.rope is not None
             and attention.scale == head_dim ** -0.5
-            and plan.embedding_scale is None and plan.final_softcap is None)
+            and plan.embedding_scale is None and plan.final_softcap is None
+            and plan.logit_scale is None)
 
 
 def _sparse(mlp: torch.nn.Module) -> bool:

@@ -1,4 +1,5 @@
-"""Bindings of csrc/fused_ops.c: RMSNorm (with the residual add), SiLU-and-mul and RoPE as one
+"""Bindings of csrc/fused_ops.c: RMSNorm (with the residual add), SiLU-and-mul, gpt-oss's
+clamped SwiGLU and RoPE as one
 pass each over memory on the CPU, the int8 KV cache's quantized write, and the greedy pick.
 `library()` is None where the C kernels cannot be built; the callers in norm.py, activation.py,
 rope.py and kv_quant.py then run their torch reference, `argmax` torch's."""
@@ -19,6 +20,8 @@ _DTYPES = (torch.float32, torch.bfloat16)
 _SIGNATURES: Signatures = {
     "rtpkv_rms_norm": ([_P, _P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int], None),
     "rtpkv_silu_and_mul": ([_P, _P, _I, _I, ctypes.c_int], None),
+    "rtpkv_clamped_swiglu": ([_P, _P, _I, _I, ctypes.c_float, ctypes.c_float, ctypes.c_int],
+                             None),
     "rtpkv_rope": ([_P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int], None),
     "rtpkv_write_kv_int8": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int], None),
     "rtpkv_argmax": ([_P, _I, _I, _P], None),

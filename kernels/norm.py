@@ -1,6 +1,7 @@
 """RMSNorm, computed in float32 as transformers does, cast back to the input dtype; optionally
 fused with the residual add before it (vLLM's fused_add_rms_norm). On CUDA the Triton kernel
-(triton_ops) where triton imports; on a CPU the C kernel; else the torch reference."""
+(triton_ops) where triton imports; on a CPU the C kernel; else the torch reference. Cohere's
+LayerNorm without bias in torch."""
 
 from __future__ import annotations
 
@@ -54,3 +55,17 @@ def rms_norm_float_weight(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x = residual
     h = x.float()
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+def layer_norm_no_bias(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Cohere's LayerNorm (no bias) in transformers' arithmetic: in float32, the mean taken off,
+    divided by the root of the variance plus eps, times the float32 weight, one rounding to x's
+    dtype. With `residual`: normalizes residual + x, stored into `residual`."""
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    h = x.float()
+    h = h - h.mean(-1, keepdim=True)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * h).to(x.dtype)

@@ -8,12 +8,15 @@ from rtpkv.kernels import fused_ops, triton_support
 
 
 def rope_table(inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (max_positions, head_dim), float32 maths as in transformers."""
+               device: torch.device, attention_factor: float = 1.0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (max_positions, head_dim), float32 maths as in transformers, each
+    times `attention_factor` (YaRN's; 1.0, exact, for the other RoPE types)."""
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq.float())
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
+    cos, sin = emb.cos() * attention_factor, emb.sin() * attention_factor
+    return cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -19,10 +19,10 @@ from rtpkv.kernels import weight_types
 from rtpkv.kernels.cpu_build import select_isa
 from rtpkv.kernels.linear import bf16_gemm_supported
 from rtpkv.locked_tokenizer import LockedTokenizer
-from rtpkv.model_factory import qwen, qwen_tokenizer
+from rtpkv.model_factory import cohere, qwen, qwen_tokenizer
 from rtpkv.model_factory.llama import CausalLM
 from rtpkv.model_factory.model_config import ModelConfig
-from rtpkv.model_factory.moe import checkpoint_name
+from rtpkv.model_factory.moe import checkpoint_tensors
 from rtpkv.model_factory.spec import ModelSpec
 from rtpkv.model_factory.weights import iter_tensors, weight_files, weights_digest
 from rtpkv.torch_threads import serial_torch
@@ -140,8 +140,10 @@ def _load_module(spec: ModelSpec, files: list[Path], device: torch.device, dtype
     if spec.architecture == qwen.ARCHITECTURE:
         kv_size = spec.num_kv_heads * spec.head_dim
         tensors = qwen.qwen2_tensors(tensors, spec.num_heads * spec.head_dim, kv_size)
-    for name, tensor in tensors:
-        state[checkpoint_name(spec.architecture, name)] = tensor.to(device=device, dtype=dtype)
+    if spec.architecture == cohere.ARCHITECTURE:
+        tensors = cohere.half_rotation_tensors(tensors, spec.head_dim)
+    for name, tensor in checkpoint_tensors(spec.architecture, tensors):
+        state[name] = tensor.to(device=device, dtype=dtype)
     if spec.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = set(module.state_dict()) - ({"lm_head.weight"} if spec.tie_word_embeddings else set())

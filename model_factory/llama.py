@@ -1,7 +1,7 @@
-"""The decoder-only models (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, and QWen read as
-Qwen2: model_factory/qwen.py) over a paged KV cache, built from and running their layer plan
-(model_factory/plan.py), and the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral), whose
-sparse layers' MLP is model_factory/moe.py's.
+"""The decoder-only models (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Cohere2, and QWen
+read as Qwen2: model_factory/qwen.py) over a paged KV cache, built from and running their layer plan
+(model_factory/plan.py), and the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss),
+whose sparse layers' MLP is model_factory/moe.py's.
 
 Parameter names follow the Hugging Face checkpoints so a state dict loads as is; `fuse()` then
 concatenates q/k/v and gate/up projections so each layer runs two fewer matmuls.
@@ -21,11 +21,11 @@ from torch import nn
 from rtpkv.kernels import (AttentionBackend, AttentionBatch, apply_rope_, attention_backend,
                            rms_norm, rope_table, silu_and_mul)
 from rtpkv.kernels import weight_types
-from rtpkv.kernels.activation import gelu_tanh_and_mul
-from rtpkv.kernels.norm import rms_norm_float_weight
+from rtpkv.kernels.activation import clamped_swiglu, clamped_swiglu_and_mul, gelu_tanh_and_mul
+from rtpkv.kernels.norm import layer_norm_no_bias, rms_norm_float_weight
 from rtpkv.kernels.fused_decoder import FusedDecoder
 from rtpkv.kernels.linear import InferenceLinear, linear_path
-from rtpkv.model_factory.moe import SparseMoe
+from rtpkv.model_factory.moe import CLAMPED_SWIGLU_EXPERTS, SparseMoe
 from rtpkv.model_factory.plan import (GLOBAL_ROPE, LayerPlan, ModelPlan, NormPlan, capped_window,
                                       model_plan)
 from rtpkv.model_factory.spec import ModelSpec
@@ -34,11 +34,15 @@ log = logging.getLogger("rtpkv")
 
 
 class RMSNorm(nn.Module):
+    """The plan's norm: Llama's RMSNorm, Gemma's (1 + w) one (`plan.offset`), or Cohere's
+    LayerNorm without bias (`plan.centered`), under the checkpoints' one weight name."""
+
     def __init__(self, dim: int, plan: NormPlan):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = plan.eps
         self.offset = plan.offset
+        self.centered = plan.centered   # Cohere's LayerNorm without bias
         self.scale: Optional[torch.Tensor] = None   # an offset norm's (1 + w) in float32
 
     def prepare(self) -> None:
@@ -48,6 +52,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """With `residual`: normalizes residual + x, stored into `residual`."""
+        if self.centered:
+            return layer_norm_no_bias(x, self.weight, self.eps, residual)
         if self.offset:
             return rms_norm_float_weight(x, self.scale, self.eps, residual)
         return rms_norm(x, self.weight, self.eps, residual)
@@ -75,6 +81,9 @@ class Attention(nn.Module):
         self.scale = attention.scale
         self.softcap = attention.softcap
         self.rope = attention.rope
+        if attention.sinks:   # gpt-oss: one logit per query head
+            self.sinks = nn.Parameter(torch.empty(spec.num_heads))
+        self.has_sinks = attention.sinks
         self.qkv: Optional[nn.Linear] = None
 
     def fuse(self) -> None:
@@ -87,7 +96,8 @@ class Attention(nn.Module):
         self.qkv = fused
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]],
                 kv: tuple[torch.Tensor, torch.Tensor], meta: Any,
                 attention: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
@@ -100,32 +110,41 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        apply_rope_(q, k, rope[0], rope[1], positions)
-        if self.softcap is None:
-            out = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale)
-        else:   # only the torch backend soft-caps (attention_backend picks it)
-            out = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale, softcap=self.softcap)
+        if rope is not None:   # None: a layer without positional encoding (Cohere2's full ones)
+            apply_rope_(q, k, rope[0], rope[1], positions)
+        extra: dict[str, Any] = {}   # what only some backends do (attention_backend picks one)
+        if self.softcap is not None:
+            extra["softcap"] = self.softcap
+        if self.has_sinks:
+            extra["sinks"] = self.sinks
+        out = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale, **extra)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec, intermediate_size: Optional[int] = None,
-                 kind: str = "silu"):
+                 kind: str = "silu", bias: bool = False):
         """`intermediate_size`: an expert's (model_factory/moe.py); the dense MLP's by default.
-        `kind`: the layer plan's MLP kind, "silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
+        `kind`: the layer plan's MLP kind, "silu" (SwiGLU) or "gelu_tanh" (GeGLU), or gpt-oss's
+        experts' "clamped_swiglu" (its alpha and limit from the spec's MoeSpec). `bias`: the
+        three projections have biases (gpt-oss's experts)."""
         super().__init__()
         inter = intermediate_size or spec.intermediate_size
-        self.gate_proj = nn.Linear(spec.hidden_size, inter, bias=False)
-        self.up_proj = nn.Linear(spec.hidden_size, inter, bias=False)
-        self.down_proj = nn.Linear(inter, spec.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(spec.hidden_size, inter, bias=bias)
+        self.up_proj = nn.Linear(spec.hidden_size, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, spec.hidden_size, bias=bias)
         self.kind = kind
+        if kind == CLAMPED_SWIGLU_EXPERTS:
+            self.alpha, self.limit = spec.moe.swiglu_alpha, spec.moe.swiglu_limit
         self.gate_up: Optional[nn.Linear] = None
 
     def fuse(self) -> None:
         g, u = self.gate_proj, self.up_proj
-        fused = nn.Linear(g.in_features, 2 * g.out_features, bias=False,
+        fused = nn.Linear(g.in_features, 2 * g.out_features, bias=g.bias is not None,
                           device=g.weight.device, dtype=g.weight.dtype)
         fused.weight.data = torch.cat([g.weight, u.weight])
+        if g.bias is not None:
+            fused.bias.data = torch.cat([g.bias, u.bias])
         self.gate_up = fused
         del self.gate_proj, self.up_proj
 
@@ -136,6 +155,12 @@ class MLP(nn.Module):
         self.down_proj = convert(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == CLAMPED_SWIGLU_EXPERTS:
+            if self.gate_up is not None:
+                return self.down_proj(clamped_swiglu_and_mul(self.gate_up(x), self.alpha,
+                                                             self.limit))
+            return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.alpha,
+                                                 self.limit))
         fused, act = _ACTIVATIONS[self.kind]
         if self.gate_up is not None:
             return self.down_proj(fused(self.gate_up(x)))
@@ -145,29 +170,36 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Llama's two norms (`post_attention_layernorm` is its MLP's input norm), or with
     `plan.sandwich` Gemma's four (`post_attention_layernorm` on the attention output,
-    `pre_feedforward_layernorm` on the MLP input, `post_feedforward_layernorm` on its output)."""
+    `pre_feedforward_layernorm` on the MLP input, `post_feedforward_layernorm` on its output),
+    or with `plan.parallel` Cohere's one (attention and MLP both read `input_layernorm`'s
+    output; the layer's output is their sum)."""
 
     def __init__(self, spec: ModelSpec, index: int, plan: LayerPlan):
         super().__init__()
         self.self_attn = Attention(spec, plan)
         self.mlp: nn.Module = (
-            SparseMoe(spec.hidden_size, spec.moe, partial(MLP, spec))
+            SparseMoe(spec.hidden_size, spec.moe,
+                      partial(MLP, spec, kind=spec.moe.activation, bias=spec.moe.expert_bias))
             if spec.moe is not None and index in spec.moe.sparse_layers
             else MLP(spec, kind=plan.mlp))
-        self.sandwich = plan.sandwich
+        self.sandwich, self.parallel = plan.sandwich, plan.parallel
         self.input_layernorm = RMSNorm(spec.hidden_size, plan.norm)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, plan.norm)
+        if not plan.parallel:
+            self.post_attention_layernorm = RMSNorm(spec.hidden_size, plan.norm)
         if plan.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, plan.norm)
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, plan.norm)
 
     def forward(self, residual: torch.Tensor, h: Optional[torch.Tensor], positions: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor],
-                meta: Any, attention: AttentionBackend) -> torch.Tensor:
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]],
+                kv: tuple[torch.Tensor, torch.Tensor], meta: Any,
+                attention: AttentionBackend) -> torch.Tensor:
         """The layer's output, still to be added to `residual` (the stream, to which the last
         layer's output `h` is added first, in place)."""
         x = self.input_layernorm(residual) if h is None else self.input_layernorm(h, residual)
         h = self.self_attn(x, positions, rope, kv, meta, attention)
+        if self.parallel:
+            return h + self.mlp(x)
         if not self.sandwich:
             return self.mlp(self.post_attention_layernorm(h, residual))
         x = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
@@ -250,12 +282,13 @@ class CausalLM(nn.Module):
                      freed / 2**20, held / 2**20, (freed - held) / 2**20,
                      "; the tied LM head is a copy of the float32 embedding" if tied else "")
         self.ropes = {name: rope_table(self.spec.inv_freq(rope), max_positions, weight.dtype,
-                                       weight.device)
+                                       weight.device, self.spec.rope_attention_factor(rope))
                       for name, rope in self.plan.ropes.items()}
         self.cos, self.sin = self.ropes[GLOBAL_ROPE]
         self.attention = attention_backend(weight.device, weight.dtype, self.spec.head_dim,
                                            attention, kv_dtype,
-                                           softcap=self.plan.softcapped_attention)
+                                           softcap=self.plan.softcapped_attention,
+                                           sinks=self.plan.attention_sinks)
         self.fused = FusedDecoder.build(self)
 
     @property
@@ -301,12 +334,15 @@ class CausalLM(nn.Module):
             return self.fused.forward(residual, positions, kv_caches, meta[0])
         h = None
         for layer, kv, layer_meta in zip(self.model.layers, kv_caches, meta):
-            h = layer(residual, h, positions, self.ropes[layer.self_attn.rope], kv, layer_meta,
-                      self.attention)
+            rope = layer.self_attn.rope
+            h = layer(residual, h, positions, None if rope is None else self.ropes[rope], kv,
+                      layer_meta, self.attention)
         return self.model.norm(h, residual)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
+        if self.plan.logit_scale is not None:   # in the model's dtype, as transformers
+            logits = logits * self.plan.logit_scale
         cap = self.plan.final_softcap
         if cap is not None:   # in the model's dtype, as transformers
             logits = torch.tanh(logits / cap) * cap

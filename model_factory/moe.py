@@ -1,6 +1,13 @@
-"""Mixture-of-experts MLP layers (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral): the
-facts read from config.json (`MoeSpec`), the names of published checkpoints mapped onto the
-module's (`checkpoint_name`), and the layer itself (`SparseMoe`).
+"""Mixture-of-experts MLP layers (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral, gpt-oss):
+the facts read from config.json (`MoeSpec`), the names of published checkpoints mapped onto the
+module's (`checkpoint_name`, `checkpoint_tensors`), and the layer itself (`SparseMoe`).
+
+gpt-oss's experts are their own kind: biased projections and the clamped SwiGLU
+((clamp(up) + 1) * g * sigmoid(alpha * g), g the gate clamped above), its router biased and its
+weights a softmax over the top-k logits only. Its checkpoint stacks each layer's experts
+(`experts.gate_up_proj`: (experts, hidden, 2 * inter), gate and up columns interleaved, or the
+published MXFP4 form, `*_blocks` and `*_scales`); they are split into one module per expert at
+load, gate and up apart, MXFP4 dequantized to the model's dtype one expert at a time.
 
 Routing is computed as transformers computes it, because another expert choice is another
 answer: the router's logits, a float32 softmax, torch.topk (its tie-breaking), the optional
@@ -27,7 +34,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +43,20 @@ from torch import nn
 from rtpkv.errors import ConfigError
 from rtpkv.kernels.moe_experts import ExpertKernel
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+GPT_OSS = "GptOssForCausalLM"
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", GPT_OSS)
+
+# the experts' activation: "silu" (SwiGLU, the C expert call's) or "clamped_swiglu" (gpt-oss)
+SILU_EXPERTS = "silu"
+CLAMPED_SWIGLU_EXPERTS = "clamped_swiglu"
+
+# gpt-oss's stacked expert tensors: (layer prefix, what) -> one tensor per expert
+_GPT_OSS_EXPERTS = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+_GPT_OSS_ROUTER = re.compile(r"^(.*\.mlp)\.router\.(weight|bias)$")
+_GPT_OSS_MXFP4 = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)_(blocks|scales)$")
+# the 16 values of an FP4 (e2m1) nibble
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 # Mixtral's published names -> the module's (Qwen's, which the module uses as they are)
 _MIXTRAL_NAMES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."),
@@ -56,6 +76,12 @@ class MoeSpec:
     scale_in_float32: bool               # Mixtral: outputs scaled by float32 weights, then cast
     shared_expert_intermediate_size: int  # Qwen2-MoE's always-on expert; 0: none
     sparse_layers: tuple[int, ...]       # the layers whose MLP is the mixture
+    activation: str = SILU_EXPERTS       # the experts' (SILU_EXPERTS or CLAMPED_SWIGLU_EXPERTS)
+    swiglu_alpha: float = 1.0            # the clamped SwiGLU's sigmoid gain
+    swiglu_limit: float = 0.0            # and its clamp
+    expert_bias: bool = False            # the experts' projections have biases
+    router_bias: bool = False
+    softmax_after_top_k: bool = False    # weights: a softmax over the top-k logits only
 
     @classmethod
     def from_config(cls, architecture: str, cfg: dict[str, Any],
@@ -72,6 +98,11 @@ class MoeSpec:
         if not 1 <= per_token <= experts:
             raise ConfigError(f"{source}: num_experts_per_tok={per_token} is invalid: accepted "
                               f"range is 1..{experts} (num_experts)")
+        if architecture == GPT_OSS:
+            return cls(experts, per_token, int(cfg["intermediate_size"]), False, False, 0,
+                       tuple(range(layers)), CLAMPED_SWIGLU_EXPERTS,
+                       float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)),
+                       expert_bias=True, router_bias=True, softmax_after_top_k=True)
         if architecture == "MixtralForCausalLM":
             return cls(experts, per_token, int(cfg["intermediate_size"]), True, True, 0,
                        tuple(range(layers)))
@@ -96,6 +127,72 @@ def checkpoint_name(architecture: str, name: str) -> str:
     return name
 
 
+def checkpoint_tensors(architecture: str, tensors: Iterable[tuple[str, torch.Tensor]]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors under the module's names (`checkpoint_name`); gpt-oss's stacked
+    experts split into one projection per expert (gate and up de-interleaved, each weight a
+    linear layer's (out, in)), its MXFP4 ones (`*_blocks` and `*_scales`) dequantized one expert
+    at a time, its `router` named `gate`."""
+    packed: dict[tuple[str, str, str], torch.Tensor] = {}   # an MXFP4 pair's first half
+    for name, tensor in tensors:
+        if architecture != GPT_OSS:
+            yield checkpoint_name(architecture, name), tensor
+            continue
+        router = _GPT_OSS_ROUTER.match(name)
+        experts = _GPT_OSS_EXPERTS.match(name)
+        mxfp4 = _GPT_OSS_MXFP4.match(name)
+        if router:
+            yield f"{router[1]}.gate.{router[2]}", tensor
+        elif experts and experts[3]:   # biases: (experts, out)
+            yield from _expert_tensors(experts[1], experts[2], "bias", tensor)
+        elif experts:   # (experts, in, out)
+            yield from _expert_tensors(experts[1], experts[2], "weight",
+                                       (stacked.t() for stacked in tensor))
+        elif mxfp4:
+            prefix, what, part = mxfp4[1], mxfp4[2], mxfp4[3]
+            other = packed.pop((prefix, what, "scales" if part == "blocks" else "blocks"), None)
+            if other is None:
+                packed[(prefix, what, part)] = tensor
+                continue
+            blocks, scales = (tensor, other) if part == "blocks" else (other, tensor)
+            yield from _expert_tensors(prefix, what, "weight",
+                                       (mxfp4_weight(b, s) for b, s in zip(blocks, scales)))
+        else:
+            yield name, tensor
+    if packed:
+        raise ValueError(f"MXFP4 expert weights without their other half: "
+                         f"{sorted(f'{p}.experts.{w}_{h}' for p, w, h in packed)[:3]}")
+
+
+def _expert_tensors(prefix: str, what: str, kind: str, per_expert: Iterable[torch.Tensor]
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss's experts' `kind` tensors, one (out, ...) tensor per expert, under the module's
+    names: down_proj's as they are, gate_up_proj's rows de-interleaved into gate and up."""
+    for index, tensor in enumerate(per_expert):
+        base = f"{prefix}.experts.{index}"
+        if what == "down_proj":
+            yield f"{base}.down_proj.{kind}", tensor.contiguous()
+        else:
+            yield f"{base}.gate_proj.{kind}", tensor[::2].contiguous()
+            yield f"{base}.up_proj.{kind}", tensor[1::2].contiguous()
+
+
+def mxfp4_weight(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """One expert's MXFP4 matrix as float32 (out, in): `blocks` (out, in / 32, 16) bytes, each
+    two FP4 (e2m1) values, the low nibble first; `scales` (out, in / 32) exponents biased by
+    127, one per 32 values. The values transformers' convert_moe_packed_tensors gives (FP4 times
+    a power of two is exact in float32 and bfloat16 alike)."""
+    if blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} "
+                         "do not pair: blocks must be scales' shape plus 16 bytes")
+    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    blocks = blocks.to(torch.uint8)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
+    values = values.flatten(-2)   # (out, in / 32, 32)
+    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2)
+
+
 class SparseMoe(nn.Module):
     """The mixture-of-experts MLP of one layer: a router (`gate`), `experts` (gated MLPs made by
     `make_mlp(intermediate_size)`, as published: one module per expert) and, for Qwen2-MoE, a
@@ -106,7 +203,9 @@ class SparseMoe(nn.Module):
         self.top_k = moe.experts_per_token
         self.normalize_top_k = moe.normalize_top_k
         self.scale_in_float32 = moe.scale_in_float32
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.softmax_after_top_k = moe.softmax_after_top_k
+        self.activation = moe.activation
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=moe.router_bias)
         self.experts = nn.ModuleList(make_mlp(moe.expert_intermediate_size)
                                      for _ in range(moe.num_experts))
         self.shared_expert: Optional[nn.Module] = None
@@ -131,6 +230,9 @@ class SparseMoe(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts), each (tokens, top_k): transformers' routing, row by row."""
+        if self.softmax_after_top_k:   # gpt-oss: the top-k logits' softmax, in their dtype
+            logits, experts = torch.topk(self.gate(x), self.top_k, dim=-1)
+            return F.softmax(logits, dim=-1, dtype=logits.dtype), experts
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize_top_k:

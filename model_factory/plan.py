@@ -25,6 +25,8 @@ class NormPlan:
     # Gemma's RMSNorm: the weight is applied as (1 + w), in float32 before the one rounding to
     # the model's dtype; otherwise Llama's: w times the normalized input in the model's dtype
     offset: bool = False
+    # Cohere's LayerNorm without bias: the mean taken off before the RMS, in float32
+    centered: bool = False
 
 
 @dataclass(frozen=True)
@@ -32,8 +34,11 @@ class AttentionPlan:
     window: Optional[int]      # tokens each query attends to, itself included; None: all
     scale: float               # the softmax scale
     softcap: Optional[float]   # scores become cap * tanh(score / cap) before the mask (Gemma 2)
-    rope: str                  # which RoPE table: GLOBAL_ROPE or LOCAL_ROPE
+    rope: Optional[str]        # which RoPE table: GLOBAL_ROPE or LOCAL_ROPE; None: no RoPE
     qk_norm: bool              # an RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    # a learned logit per query head in each softmax's denominator, which takes weight from
+    # every key without a value of its own (gpt-oss's attention sinks)
+    sinks: bool = False
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,9 @@ class LayerPlan:
     # Gemma 2/3's four norms: the attention output and the MLP output are normalized before
     # their residual adds, and the MLP input by a norm of its own; otherwise Llama's two
     sandwich: bool
+    # Cohere's parallel block: attention and MLP both read the input norm's output, and their
+    # sum is the layer's output (one norm per layer)
+    parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,10 +61,15 @@ class ModelPlan:
     embedding_scale: Optional[float]     # embeddings times this, in the model's dtype (Gemma)
     final_softcap: Optional[float]       # logits become cap * tanh(logit / cap) (Gemma)
     final_norm: NormPlan
+    logit_scale: Optional[float] = None  # logits times this, in the model's dtype (Cohere)
 
     @property
     def softcapped_attention(self) -> bool:
         return any(layer.attention.softcap is not None for layer in self.layers)
+
+    @property
+    def attention_sinks(self) -> bool:
+        return any(layer.attention.sinks for layer in self.layers)
 
 
 def capped_window(layer: Optional[int], limit: Optional[int]) -> Optional[int]:
@@ -70,7 +83,7 @@ def capped_window(layer: Optional[int], limit: Optional[int]) -> Optional[int]:
 def model_plan(spec: ModelSpec) -> ModelPlan:
     """The plan of a checkpoint of `spec`'s architecture."""
     gemma = spec.architecture in GEMMA_ARCHITECTURES
-    norm = NormPlan(spec.rms_norm_eps, offset=gemma)
+    norm = NormPlan(spec.rms_norm_eps, offset=gemma, centered=spec.cohere)
     scale = (spec.query_pre_attn_scalar if gemma else spec.head_dim) ** -0.5
     ropes = {GLOBAL_ROPE: spec.rope}
     if spec.local_rope is not None:
@@ -79,11 +92,21 @@ def model_plan(spec: ModelSpec) -> ModelPlan:
         LayerPlan(
             attention=AttentionPlan(
                 window=window, scale=scale, softcap=spec.attn_logit_softcapping,
-                rope=(LOCAL_ROPE if kind == "sliding_attention" and LOCAL_ROPE in ropes
-                      else GLOBAL_ROPE),
-                qk_norm=spec.qk_norm),
-            mlp=spec.hidden_activation, norm=norm, sandwich=gemma)
+                rope=_layer_rope(spec, kind, window, ropes),
+                qk_norm=spec.qk_norm, sinks=spec.attention_sinks),
+            mlp=spec.hidden_activation, norm=norm, sandwich=gemma, parallel=spec.cohere)
         for kind, window in zip(spec.layer_types, spec.layer_windows))
     return ModelPlan(layers=layers, ropes=ropes,
                      embedding_scale=spec.hidden_size ** 0.5 if gemma else None,
-                     final_softcap=spec.final_logit_softcapping, final_norm=norm)
+                     final_softcap=spec.final_logit_softcapping, final_norm=norm,
+                     logit_scale=spec.logit_scale)
+
+
+def _layer_rope(spec: ModelSpec, kind: str, window: Optional[int],
+                ropes: dict[str, Any]) -> Optional[str]:
+    """The RoPE table of a layer of `kind`: Gemma 3's sliding layers have their own; Cohere2's
+    sliding layers (those with a window: transformers' condition) rotate and its full layers
+    have no positional encoding; every other layer takes the global table."""
+    if spec.cohere:
+        return GLOBAL_ROPE if kind == "sliding_attention" and window is not None else None
+    return LOCAL_ROPE if kind == "sliding_attention" and LOCAL_ROPE in ropes else GLOBAL_ROPE

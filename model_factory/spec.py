@@ -24,17 +24,33 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "QWenLMHeadModel",
+    "Cohere2ForCausalLM",
     *MOE_ARCHITECTURES,
 )
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GPT_OSS = "GptOssForCausalLM"
+COHERE2 = "Cohere2ForCausalLM"
+# their sliding layers alternate with full ones (the first slides) where layer_types is absent
+_ALTERNATING = ("Gemma2ForCausalLM", GPT_OSS)
+# their sliding_window_pattern's default, where layer_types is absent
+_PATTERN_DEFAULTS = {"Gemma3ForCausalLM": 6, COHERE2: 4}
+# their config sets the sliding layers' window (sliding_window, with this default) whatever
+# use_sliding_window says
+_WINDOW_DEFAULTS = {"Gemma2ForCausalLM": 4096, "Gemma3ForCausalLM": 4096, GPT_OSS: 128,
+                    COHERE2: 4096}
 
 # their sliding_window, when set, applies (to every layer) without use_sliding_window
 _ALWAYS_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM")
 # use_sliding_window puts the window on every layer, not on those of max_window_layers
 _EVERY_LAYER_WINDOWED = _ALWAYS_WINDOWED + ("Qwen3MoeForCausalLM",)
 
-_ROPE_TYPES = ("default", "llama3", "linear")
+# RoPE types as transformers names them. "dynamic" is the identity up to
+# max_position_embeddings, which caps max_seq_len: past it transformers recomputes the
+# frequencies from each forward's length, so a key's rotation would depend on the forward that
+# computed it and a reused prefix could not equal recomputation. "longrope" (Phi-3) switches
+# its factors on the forward's length the same way; no supported architecture uses it.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 # MLP activations by their transformers names -> the plan's MLP kinds (model_factory/plan.py)
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -56,6 +72,13 @@ class ModelSpec:
     qkv_bias: bool
     qk_norm: bool
     o_proj_bias: bool = False
+    # gpt-oss: a learned logit per query head that joins each softmax's denominator
+    attention_sinks: bool = False
+    # Cohere2: its norms are LayerNorms without bias (layer_norm_eps), attention and MLP read
+    # the same normalized input and add to the stream together, RoPE (interleaved pairs) on the
+    # sliding layers only, and the logits are scaled by logit_scale
+    cohere: bool = False
+    logit_scale: Optional[float] = None
     rope: dict[str, Any] = field(default_factory=dict)
     # Gemma 3's sliding layers' own RoPE parameters (rope_local_base_freq); None: `rope`
     local_rope: Optional[dict[str, Any]] = None
@@ -91,6 +114,7 @@ class ModelSpec:
         sliding = _sliding_window(cfg, arch)
         types = tuple(_layer_types(cfg, arch, layers, sliding, source))
         gemma = arch in GEMMA_ARCHITECTURES
+        attention_bias = bool(cfg.get("attention_bias", arch == GPT_OSS))
         activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         if activation not in _ACTIVATIONS or (activation != "silu") != gemma:
             accepted = "gelu_pytorch_tanh" if gemma else "silu"
@@ -108,15 +132,19 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("layer_norm_eps", 1e-5) if arch == COHERE2
+                               else cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma or arch == COHERE2)),
             qkv_bias=(arch in ("Qwen2ForCausalLM", qwen.ARCHITECTURE)
-                      or bool(cfg.get("attention_bias", False))
+                      or attention_bias
                       or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))),
             # Qwen2's bias is q/k/v's only; attention_bias covers o_proj too elsewhere
             o_proj_bias=(arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-                         and bool(cfg.get("attention_bias", False))),
+                         and attention_bias),
+            attention_sinks=arch == GPT_OSS,
+            cohere=arch == COHERE2,
+            logit_scale=float(cfg.get("logit_scale", 0.0625)) if arch == COHERE2 else None,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             rope=rope,
             local_rope=local_rope,
@@ -169,16 +197,80 @@ class ModelSpec:
             smoothed = (1 - smooth) * scaled / factor + smooth * scaled
             medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
             return torch.where(medium, smoothed, scaled)
-        return inv
+        if kind == "yarn":
+            return _yarn_inv_freq(rope, dim, base, self._yarn_factor(rope))
+        return inv   # default, and dynamic up to max_position_embeddings (ROPE_TYPES)
+
+    def rope_attention_factor(self, rope: Optional[dict[str, Any]] = None) -> float:
+        """The factor transformers multiplies the cos and sin tables by: YaRN's
+        `attention_factor` (given, or from `factor`, `mscale` and `mscale_all_dim`); 1.0 for
+        every other type."""
+        rope = self.rope if rope is None else rope
+        if rope["rope_type"] != "yarn":
+            return 1.0
+        if rope.get("attention_factor") is not None:
+            return float(rope["attention_factor"])
+        factor = self._yarn_factor(rope)
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+        return _yarn_mscale(factor)
+
+    def _yarn_factor(self, rope: dict[str, Any]) -> float:
+        factor = rope.get("factor")
+        if factor is None:
+            return self.max_position_embeddings / rope["original_max_position_embeddings"]
+        return factor
 
 
-def _checked_rope(rope: dict[str, Any], source: str, name: str) -> dict[str, Any]:
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(rope: dict[str, Any], dim: int, base: float, factor: float) -> torch.Tensor:
+    """YaRN's inverse frequencies, computed as transformers' _compute_yarn_parameters does:
+    interpolated (divided by `factor`) below the slow rotations' dimension, extrapolated above
+    the fast ones', a linear ramp between."""
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+    original = rope["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001   # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    return ((1.0 / (factor * pos_freqs)) * (1 - extrapolation)
+            + (1.0 / pos_freqs) * extrapolation)
+
+
+def _checked_rope(rope: dict[str, Any], cfg: dict[str, Any], source: str, name: str
+                  ) -> dict[str, Any]:
+    """`rope` with its type checked and, for llama3 and YaRN, the pretraining length filled in
+    as transformers does (a top-level original_max_position_embeddings wins over the rope's for
+    a model-wide rope; else max_position_embeddings)."""
     rope = dict(rope)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in _ROPE_TYPES:
+    partial = rope.get("partial_rotary_factor", 1.0)
+    if partial is not None and float(partial) != 1.0:
+        raise ConfigError(f"{source}: {name} partial_rotary_factor={partial} is not supported "
+                          "(1.0: RoPE over the whole head)")
+    if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{source}: {name} type {rope_type!r} is not supported "
-                          f"(supported: {', '.join(_ROPE_TYPES)})")
+                          f"(supported: {', '.join(ROPE_TYPES)})")
     rope["rope_type"] = rope_type
+    if rope_type in ("llama3", "yarn"):
+        original = cfg.get("original_max_position_embeddings")
+        if original is not None and name == "rope":
+            rope["original_max_position_embeddings"] = original
+        rope.setdefault("original_max_position_embeddings",
+                        cfg.get("max_position_embeddings", 2048))
     return rope
 
 
@@ -197,18 +289,25 @@ def _rope_parameters(cfg: dict[str, Any], arch: str, source: str
             local = {}
         full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
         local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
-        return (_checked_rope(full, source, "rope_parameters.full_attention"),
-                _checked_rope(local, source, "rope_parameters.sliding_attention"))
-    rope = dict(params or cfg.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    return _checked_rope(rope, source, "rope"), None
+        return (_checked_rope(full, cfg, source, "rope_parameters.full_attention"),
+                _checked_rope(local, cfg, source, "rope_parameters.sliding_attention"))
+    rope = dict(params or cfg.get("rope_scaling") or _DEFAULT_ROPES.get(arch, {}))
+    rope.setdefault("rope_theta", cfg.get("rope_theta", _DEFAULT_THETAS.get(arch, 10000.0)))
+    return _checked_rope(rope, cfg, source, "rope"), None
+
+
+# the RoPE parameters transformers' config class gives a config that has none
+_DEFAULT_ROPES = {GPT_OSS: {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False,
+                            "original_max_position_embeddings": 4096}}
+_DEFAULT_THETAS = {GPT_OSS: 150000.0}
 
 
 def _sliding_window(cfg: dict[str, Any], arch: str) -> Optional[int]:
     """The window of the sliding layers, where the architecture (or use_sliding_window) turns
     sliding attention on; None otherwise."""
-    if arch in GEMMA_ARCHITECTURES:
-        sliding = cfg.get("sliding_window", 4096)
+    if arch in _WINDOW_DEFAULTS:
+        sliding = cfg.get("sliding_window", _WINDOW_DEFAULTS[arch])
     elif arch in _ALWAYS_WINDOWED or cfg.get("use_sliding_window"):
         sliding = cfg.get("sliding_window")
     else:
@@ -220,17 +319,17 @@ def _layer_types(cfg: dict[str, Any], arch: str, layers: int, sliding: Optional[
                  source: str) -> list[str]:
     """Each layer's attention kind as transformers decides it: `layer_types` when the config
     has it, else the architecture's pattern."""
-    if sliding is None and arch not in GEMMA_ARCHITECTURES:
+    if sliding is None and arch not in _WINDOW_DEFAULTS:
         return ["full_attention"] * layers
     if arch in _EVERY_LAYER_WINDOWED:
         return ["sliding_attention"] * layers
     types = cfg.get("layer_types")
     if not types:
-        if arch == "Gemma2ForCausalLM":
+        if arch in _ALTERNATING:
             types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
                      for i in range(layers)]
-        elif arch == "Gemma3ForCausalLM":
-            pattern = int(cfg.get("sliding_window_pattern", 6))
+        elif arch in _PATTERN_DEFAULTS:   # one full layer every `pattern`, the last of each
+            pattern = int(cfg.get("sliding_window_pattern", _PATTERN_DEFAULTS[arch]))
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                      for i in range(layers)]
         else:   # Qwen2/3: the first max_window_layers attend fully

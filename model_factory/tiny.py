@@ -38,11 +38,19 @@ ARCHITECTURE_CONFIGS = {
     "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
     "Qwen2MoeForCausalLM": "Qwen2MoeConfig",
     "MixtralForCausalLM": "MixtralConfig",
+    "GptOssForCausalLM": "GptOssConfig",
+    "Cohere2ForCausalLM": "Cohere2Config",
 }
 
 # architectures whose RMSNorm weights are offsets from 1 (zero at init): the tiny checkpoints
 # draw them at random so that a norm computed as Llama's would differ
 OFFSET_NORM_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# architectures whose norm weights transformers initialises at one: drawn around it so that a
+# norm computed as another kind would differ
+WIDE_NORM_ARCHITECTURES = ("Cohere2ForCausalLM",)
+# architectures whose vectors transformers initialises at zero or near it (gpt-oss's attention
+# sinks, router and expert biases): drawn wider so that each one moves the outputs
+WIDE_VECTOR_ARCHITECTURES = ("GptOssForCausalLM",)
 
 
 BYTE_LEVEL_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
@@ -107,9 +115,9 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
                           config_overrides: Optional[dict[str, Any]] = None) -> Path:
     """Write a random-initialised checkpoint of `architecture` with its tokenizer to out_dir.
     `sliding_window`: Mistral's window (default: max_position_embeddings, i.e. none in effect);
-    for Qwen2 it turns use_sliding_window on in every layer; Gemma's sliding layers (its
-    `layer_types`) take it. `moe`: a mixture of experts' config fields (num_experts,
-    num_experts_per_tok, moe_intermediate_size, ...; Mixtral's experts take
+    for Qwen2 it turns use_sliding_window on in every layer; Gemma's, gpt-oss's and Cohere2's
+    sliding layers (their `layer_types`) take it. `moe`: a mixture of experts' config fields
+    (num_experts, num_experts_per_tok, moe_intermediate_size, ...; Mixtral's experts take
     `intermediate_size`), given to its config class as they are. `config_overrides`: further
     fields of the transformers config (Gemma's layer_types, query_pre_attn_scalar, soft-caps,
     RoPE parameters, head_dim)."""
@@ -137,6 +145,9 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
         kwargs["sliding_window"] = sliding_window or max_position_embeddings
     elif architecture in OFFSET_NORM_ARCHITECTURES:
         kwargs["sliding_window"] = sliding_window
+    elif architecture in ("GptOssForCausalLM", "Cohere2ForCausalLM"):
+        if sliding_window is not None:   # its config's default: 128
+            kwargs["sliding_window"] = sliding_window
     elif sliding_window is not None:
         if architecture != "Qwen2ForCausalLM":
             raise ValueError(f"sliding_window: {architecture} has no sliding-window attention "
@@ -155,6 +166,10 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
                 param.normal_(0.0, 0.08 if "embed" not in name else 1.0)
             elif "norm" in name and architecture in OFFSET_NORM_ARCHITECTURES:
                 param.normal_(0.0, 0.2)
+            elif "norm" in name and architecture in WIDE_NORM_ARCHITECTURES:
+                param.normal_(1.0, 0.2)
+            elif "norm" not in name and architecture in WIDE_VECTOR_ARCHITECTURES:
+                param.normal_(0.0, 1.0 if "sinks" in name else 0.1)
     model.save_pretrained(out, safe_serialization=True)
     train_tokenizer(out, min(tokenizer_vocab_size, vocab_size), seed,
                     byte_level=architecture in BYTE_LEVEL_ARCHITECTURES)

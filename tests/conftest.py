@@ -30,7 +30,14 @@ GEMMA_WINDOW = 32
 # top-k weights or not, Qwen2-MoE's gated shared expert, Mixtral's layout; Gemma 2's alternating
 # sliding and full layers, query_pre_attn_scalar and both soft-caps; Gemma 3's five-to-one
 # pattern (shortened), q/k norm, two RoPE tables (a local base, a linearly scaled global one) and
-# a head_dim apart from hidden / heads.
+# a head_dim apart from hidden / heads; gpt-oss's alternating sliding and full layers with
+# attention sinks, q/k/v/o biases, YaRN RoPE (scaled past 64 positions, its ramp untruncated)
+# and its experts (biased router and projections, a SwiGLU clamp that bites at these sizes);
+# Cohere2's sliding layers with (interleaved) RoPE around a full layer without, its parallel
+# block, LayerNorm and logit scale.
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 64,
+                "rope_theta": 150000.0}
 ARCHITECTURES = {
     "llama": dict(architecture="LlamaForCausalLM", rope_scaling=LLAMA3_ROPE),
     "mistral": dict(architecture="MistralForCausalLM", tie_word_embeddings=True),
@@ -60,6 +67,13 @@ ARCHITECTURES = {
                                               "rope_theta": 1_000_000.0},
                            "sliding_attention": {"rope_type": "default",
                                                  "rope_theta": 10_000.0}})),
+    "gpt_oss": dict(architecture="GptOssForCausalLM", sliding_window=GEMMA_WINDOW, num_layers=2,
+                    max_position_embeddings=256,
+                    moe=dict(num_local_experts=4, num_experts_per_tok=2),
+                    config_overrides=dict(swiglu_limit=1.0, rope_parameters=GPT_OSS_YARN)),
+    "cohere2": dict(architecture="Cohere2ForCausalLM", sliding_window=GEMMA_WINDOW, num_layers=3,
+                    config_overrides=dict(logit_scale=0.5, layer_types=[
+                        "sliding_attention", "full_attention", "sliding_attention"])),
 }
 
 

@@ -112,6 +112,27 @@ void rtpkv_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t in
     }
 }
 
+/* gpt-oss's clamped SwiGLU: out[r] = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g),
+ * g = min(gate, limit), sigmoid(x) = 1 / (1 + exp(-x)), gate = gate_up[r][:inter] and
+ * up = gate_up[r][inter:]. */
+void rtpkv_clamped_swiglu(const void *gate_up, void *out, int64_t rows, int64_t inter,
+                          float alpha, float limit, int bf16) {
+    const v8 a = _mm256_set1_ps(alpha), hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit);
+    const v8 one = _mm256_set1_ps(1.0f);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < inter; i += 8) {
+            const v8 g = _mm256_min_ps(load8(gate_up, r * 2 * inter + i, bf16), hi);
+            const v8 u = _mm256_max_ps(_mm256_min_ps(load8(gate_up, r * 2 * inter + inter + i,
+                                                           bf16), hi), lo);
+            const v8 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(g, a)));
+            const v8 glu = as_dtype(_mm256_div_ps(g, _mm256_add_ps(one, e)), bf16);
+            store8(out, r * inter + i, _mm256_mul_ps(as_dtype(_mm256_add_ps(u, one), bf16), glu),
+                   bf16);
+        }
+    }
+}
+
 /* Rotates heads [0, heads) of each token in place: x1 * cos - x2 * sin, x2 * cos + x1 * sin
  * for the halves x1, x2 of a head (Llama's rotate_half), cos/sin rows taken at the token's
  * position. x: token t, head h at x + t * row_stride + h * dim. dim a multiple of 16. */

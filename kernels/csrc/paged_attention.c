@@ -16,6 +16,9 @@
  *   w_j     = exp(x_j - z);  sum = ((0 + w_0) + w_1) + ...;  l = fma(l, alpha, sum);
  *   acc[d]  = acc[d] * alpha, then the chain acc[d] = fma(w_j, v[j][d], acc[d]) over j in order;
  * and finally out[d] = acc[d] * (1 / l). Keys past a query's last one only ever add exact zeros.
+ * m and l start at -inf and 0, or with attention sinks at the head's sink logit s and 1
+ * (exp(s - s)): the sink then joins the denominator as one more key with no value, whatever
+ * the keys.
  *
  * Two vectorisations compute exactly that. Tiles of at least 8 query rows (prefill) put 8 query
  * rows in the lanes of a vector (16 where the build has AVX-512: RTPKV_ISA, kernels/cpu_build.py),
@@ -327,6 +330,10 @@ static void attend_query_lanes(const attn_args *a, int64_t t0, int64_t nt, int64
         lo[i] = 0;
         if (i >= NQ) continue;
         const int64_t t = t0 + i / G, h = kvh * G + i % G;
+        if (a->sinks) {
+            m[i] = a->sinks[h];
+            l[i] = 1.0f;
+        }
         load_rows(row, a->q, (t * a->H + h) * D, D, a->bf16);
         for (int64_t d = 0; d < D; d++) qT[d][i] = row[d];
         pos[i] = a->q_pos[t];
@@ -505,8 +512,8 @@ static void attend_dim_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t
         const int64_t t = t0 + i / G, h = kvh * G + i % G;
         load_rows(q[i], a->q, (t * a->H + h) * D, D, a->bf16);
         for (int64_t d = 0; d < D; d++) acc[i][d] = 0.0f;
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
+        m[i] = a->sinks ? a->sinks[h] : -INFINITY;
+        l[i] = a->sinks ? 1.0f : 0.0f;
         pos[i] = a->q_pos[t];
         lo[i] = a->window > 0 && pos[i] - a->window + 1 > 0 ? pos[i] - a->window + 1 : 0;
         if (pos[i] > max_pos) max_pos = pos[i];

@@ -1,5 +1,5 @@
-"""Models whose layers attend over different windows (Gemma 2, Gemma 3, Qwen2 with full and
-sliding layers) run each layer's own window: greedy tokens and every step's logits equal
+"""Models whose layers attend over different windows (Gemma 2, Gemma 3, gpt-oss with its
+attention sinks, Cohere2, Qwen2 with full and sliding layers) run each layer's own window: greedy tokens and every step's logits equal
 transformers' (float32) at prompts shorter than, equal to and 3x the smallest window, alone and
 batched, and prefix reuse gives recomputation's outputs."""
 
@@ -15,10 +15,12 @@ from rtpkv.model_factory.tiny import build_tiny_checkpoint
 
 LENGTHS = (W // 2, W, 3 * W)
 NEW = 24   # decodes: the shortest prompt's queries pass the window too
-# Gemma 2 soft-caps attention logits, which only the torch backend does;
-# flash-attn: the CPU stand-in (conftest)
+# Gemma 2 soft-caps attention logits, which only the torch backend does; gpt-oss's sinks are
+# added by the torch and cpu-paged backends; flash-attn: the CPU stand-in (conftest)
 CASES = [("gemma2", "torch"), ("gemma3", "torch"),
-         pytest.param("gemma3", "cpu-paged", marks=needs_c_kernels), ("gemma3", "flash-attn")]
+         pytest.param("gemma3", "cpu-paged", marks=needs_c_kernels), ("gemma3", "flash-attn"),
+         ("gpt_oss", "torch"), pytest.param("gpt_oss", "cpu-paged", marks=needs_c_kernels),
+         ("cohere2", "torch"), pytest.param("cohere2", "cpu-paged", marks=needs_c_kernels)]
 
 
 def _hf_generate(hf, ids, new=NEW):
@@ -180,6 +182,28 @@ def test_a_real_gemma3_config_reads_as_transformers_reads_it():
     assert ModelSpec.from_config(unpatterned).layer_windows == (512, 512, None) * 6
 
 
+COMMAND_R7B = {   # CohereForAI/c4ai-command-r7b-12-2024's config.json, abridged
+    "architectures": ["Cohere2ForCausalLM"], "model_type": "cohere2", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "num_hidden_layers": 32, "layer_norm_eps": 1e-05, "logit_scale": 0.25,
+    "max_position_embeddings": 132096, "rope_theta": 50000, "sliding_window": 4096,
+    "sliding_window_pattern": 4, "vocab_size": 256000, "hidden_act": "silu",
+}
+
+
+def test_a_cohere2_config_reads_as_transformers_reads_it():
+    from rtpkv.model_factory.plan import GLOBAL_ROPE, model_plan
+    from rtpkv.model_factory.spec import ModelSpec
+
+    spec = ModelSpec.from_config(COMMAND_R7B)
+    assert spec.tie_word_embeddings and spec.rms_norm_eps == 1e-5 and spec.logit_scale == 0.25
+    assert spec.layer_windows == ((4096,) * 3 + (None,)) * 8
+    plan = model_plan(spec)
+    assert [layer.attention.rope for layer in plan.layers[:4]] == [GLOBAL_ROPE] * 3 + [None]
+    assert all(layer.parallel and layer.norm.centered for layer in plan.layers)
+    assert plan.logit_scale == 0.25 and plan.ropes[GLOBAL_ROPE]["rope_theta"] == 50000
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(layer_types=["sliding_attention"] * 17), r"layer_types=.* one entry per layer \(18\)"),
     (dict(layer_types=["chunked_attention"] * 18), r"layer_types=.* each one of full_attention"),
@@ -187,8 +211,8 @@ def test_a_real_gemma3_config_reads_as_transformers_reads_it():
                                      r"Gemma3ForCausalLM \(supported: gelu_pytorch_tanh\)"),
     (dict(use_bidirectional_attention=True), r"use_bidirectional_attention=true"),
     (dict(final_logit_softcapping=-1.0), r"final_logit_softcapping=-1.0 is invalid"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
-     r"rope_parameters.full_attention type 'yarn' is not supported"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0}),
+     r"rope_parameters.full_attention type 'longrope' is not supported"),
 ])
 def test_unsupported_gemma_configs_are_refused_by_field(change, message):
     from rtpkv.errors import ConfigError
@@ -198,6 +222,16 @@ def test_unsupported_gemma_configs_are_refused_by_field(change, message):
         ModelSpec.from_config(dict(GEMMA3_270M, **change))
 
 
+@pytest.mark.parametrize("backend", ["flash-attn", "triton"])
+def test_attention_sinks_on_another_backend_are_refused_by_name(checkpoints, monkeypatch,
+                                                                request, backend):
+    use_attention(backend, monkeypatch, request)
+    with pytest.raises(ValueError, match=rf"RTPKV_ATTENTION={backend} does not add attention "
+                                         r"sinks \(gpt-oss's per-head softmax logits\): use "
+                                         r"cpu-paged, torch or auto"):
+        load(checkpoints("gpt_oss"))
+
+
 @pytest.mark.parametrize("backend", ["cpu-paged", "flash-attn"])
 def test_softcapped_attention_on_another_backend_is_refused_by_name(checkpoints, monkeypatch,
                                                                    request, backend):
@@ -205,3 +239,22 @@ def test_softcapped_attention_on_another_backend_is_refused_by_name(checkpoints,
     with pytest.raises(ValueError, match=rf"RTPKV_ATTENTION={backend} does not soft-cap "
                                          r"attention logits \(attn_logit_softcapping"):
         load(checkpoints("gemma2"))
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "gemma2"])
+def test_the_torch_backends_batched_path_matches_transformers(checkpoints, make_pipeline,
+                                                              monkeypatch, request, arch):
+    """The torch backend's path of CUDA (decodes attended together under a mask, each prefill
+    chunk in one call), run here on the CPU: gpt-oss's sinks and Gemma 2's soft-cap there too,
+    alone and batched."""
+    use_attention("torch", monkeypatch, request)
+    path = checkpoints(arch)
+    pipe = make_pipeline(path, seq_size_per_block=8, max_num_batched_tokens=40)
+    pipe.model.module.attention.per_row = False
+    prompts = [random_prompt(n, seed=n) for n in LENGTHS]
+    hf = _hf(path)
+    expected = [_hf_generate(hf, ids) for ids in prompts]
+    batched = _run_together(pipe, prompts, max_new_tokens=NEW, return_logits=True)
+    for res, (tokens, logits) in zip(batched, expected):
+        assert res.output_ids == tokens
+        torch.testing.assert_close(res.logits, logits, atol=1e-4, rtol=0)

@@ -16,7 +16,8 @@ quantization could move by one step (the tests pass without allowance for that).
 
 Mixtures of experts: transformers holds each layer's experts as stacked 3D weights, not linear
 layers; in the int8 modes each expert's matrices are quantized as a linear layer's are (W8A8:
-`W8A8Experts` computes them as the kernel does). The router stays float32 on both sides."""
+`W8A8Experts` computes them as the kernel does); gpt-oss stacks them transposed, (in, out), with
+biases, which the quantization follows. The router stays float32 on both sides."""
 
 import pytest
 import torch
@@ -65,19 +66,39 @@ class W8A8Experts(nn.Module):
 
     def __init__(self, experts: nn.Module):
         super().__init__()
-        self.gate_up = [quantize(w) for w in experts.gate_up_proj]
-        self.down = [quantize(w) for w in experts.down_proj]
-        self.act = experts.act_fn
+        self.gate_up = [quantize(w) for w in _as_linear(experts.gate_up_proj, experts)]
+        self.down = [quantize(w) for w in _as_linear(experts.down_proj, experts)]
+        self.experts = experts
+        biased = _transposed(experts)   # gpt-oss: biases, its own activation
+        n = len(self.gate_up)
+        self.gate_up_bias = experts.gate_up_proj_bias if biased else [None] * n
+        self.down_bias = experts.down_proj_bias if biased else [None] * n
+
+    def activation(self, gate_up):
+        if _transposed(self.experts):   # gpt-oss's clamped SwiGLU, gate and up interleaved
+            return self.experts._apply_gate(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.experts.act_fn(gate) * up
 
     def forward(self, x, top_k_index, top_k_weights):
         out = torch.zeros_like(x)
         for expert, (gate_up, down) in enumerate(zip(self.gate_up, self.down)):
             token, choice = torch.where(top_k_index == expert)
             if len(token):
-                gate, up = reference(x[token], *gate_up, None).chunk(2, dim=-1)
-                h = reference(self.act(gate) * up, *down, None)
+                h = self.activation(reference(x[token], *gate_up, self.gate_up_bias[expert]))
+                h = reference(h, *down, self.down_bias[expert])
                 out.index_add_(0, token, (h * top_k_weights[token, choice, None]).to(x.dtype))
         return out
+
+
+def _transposed(experts):
+    """gpt-oss's stacked experts: (in, out) matrices, with biases."""
+    return hasattr(experts, "gate_up_proj_bias")
+
+
+def _as_linear(stacked, experts):
+    """Each expert's matrix of `stacked` as a linear layer's (out, in)."""
+    return [w.t() for w in stacked] if _transposed(experts) else list(stacked)
 
 
 def _experts(hf):
@@ -103,7 +124,9 @@ def _hf(path, mode="float32"):
                                              requires_grad=False)
         for _, _, experts in _experts(hf):
             for stacked in (experts.gate_up_proj, experts.down_proj):
-                stacked.data = torch.stack([dequantize(*quantize(w)) for w in stacked])
+                held = [dequantize(*quantize(w)) for w in _as_linear(stacked, experts)]
+                stacked.data = torch.stack([w.t() for w in held] if _transposed(experts)
+                                           else held)
     if mode == "w8a8":
         for parent in list(hf.modules()):
             for name, child in list(parent.named_children()):

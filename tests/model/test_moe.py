@@ -9,7 +9,7 @@ import transformers
 
 from conftest import load, needs_c_kernels
 from rtpkv.errors import ConfigError
-from rtpkv.model_factory.moe import MoeSpec, SparseMoe, checkpoint_name
+from rtpkv.model_factory.moe import MoeSpec, SparseMoe, checkpoint_name, checkpoint_tensors
 from rtpkv.model_factory.spec import ModelSpec
 
 QWEN_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32,
@@ -74,7 +74,45 @@ def test_routing_ties_are_broken_as_transformers_breaks_them():
     torch.testing.assert_close(weights, their_weights, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_gpt_oss_routing_is_transformers_router():
+    """gpt-oss: a biased router, the top-k logits' softmax."""
+    config = transformers.GptOssConfig(hidden_size=32, num_local_experts=6, num_experts_per_tok=3)
+    router = transformers.models.gpt_oss.modeling_gpt_oss.GptOssTopKRouter(config)
+    router.weight.data, router.bias.data = torch.randn(6, 32), torch.randn(6)
+    spec = ModelSpec.from_config({**QWEN_MOE, "architectures": ["GptOssForCausalLM"],
+                                  "hidden_size": 32, "num_local_experts": 6, "num_experts": None,
+                                  "num_experts_per_tok": 3, "intermediate_size": 16})
+    moe = spec.moe
+    assert (moe.activation, moe.swiglu_alpha, moe.swiglu_limit) == ("clamped_swiglu", 1.702, 7.0)
+    assert moe.sparse_layers == tuple(range(6)) and moe.expert_bias and moe.router_bias
+    layer = SparseMoe(32, moe, lambda size: torch.nn.Identity())
+    layer.gate.weight.data, layer.gate.bias.data = router.weight.data, router.bias.data
+    x = torch.randn(50, 32)
+    _, their_weights, their_experts = router(x)
+    weights, experts = layer.route(x)
+    assert torch.equal(experts, their_experts)
+    torch.testing.assert_close(weights, their_weights, atol=1e-6, rtol=0)
+
+
+def test_gpt_oss_stacked_experts_split_into_linear_layers():
+    """(experts, in, out) stacks with gate and up interleaved become each expert's (out, in)
+    gate, up and down projections; the router becomes `gate`."""
+    gate_up = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4)   # inter 2
+    down = torch.arange(2 * 2 * 3, dtype=torch.float32).view(2, 2, 3)
+    split = dict(checkpoint_tensors("GptOssForCausalLM", [
+        ("model.layers.0.mlp.experts.gate_up_proj", gate_up),
+        ("model.layers.0.mlp.experts.gate_up_proj_bias", torch.tensor([[1., 2, 3, 4]] * 2)),
+        ("model.layers.0.mlp.experts.down_proj", down),
+        ("model.layers.0.mlp.router.bias", torch.zeros(2))]))
+    prefix = "model.layers.0.mlp."
+    assert torch.equal(split[prefix + "experts.1.gate_proj.weight"], gate_up[1][:, ::2].t())
+    assert torch.equal(split[prefix + "experts.1.up_proj.weight"], gate_up[1][:, 1::2].t())
+    assert split[prefix + "experts.0.up_proj.bias"].tolist() == [2, 4]
+    assert torch.equal(split[prefix + "experts.0.down_proj.weight"], down[0].t())
+    assert prefix + "gate.bias" in split
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "gpt_oss"])
 @pytest.mark.parametrize("options", [{}, {"weight_type": "INT8"}, {"weight_type": "W8A8_INT8"},
                                      {"weight_type": "BF16"}, {"dtype": "bfloat16"}])
 def test_a_tokens_output_does_not_depend_on_the_others(checkpoints, arch, options):
@@ -215,3 +253,55 @@ def _prefill(module, ids):
                            query_start=[0], query_len=[n], context_len=[n], block_size=n,
                            num_blocks=1, kv_heads=spec.num_kv_heads)
     return module(torch.tensor(ids), torch.arange(n), caches, module.attention_metadata(batch))
+
+
+def test_gpt_oss_mxfp4_experts_dequantize_as_transformers_does():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(120, 134, (3, 8, 2), generator=g, dtype=torch.uint8)
+    stacked = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)   # (3, in, out)
+    split = dict(checkpoint_tensors("GptOssForCausalLM", [
+        ("model.layers.1.mlp.experts.down_proj_scales", scales),   # either half first
+        ("model.layers.1.mlp.experts.down_proj_blocks", blocks)]))
+    for expert in range(3):
+        assert torch.equal(split[f"model.layers.1.mlp.experts.{expert}.down_proj.weight"],
+                           stacked[expert].t())
+    with pytest.raises(ValueError, match=r"MXFP4 expert weights without their other half: "
+                                         r"\['model.layers.0.mlp.experts.gate_up_proj_blocks'\]"):
+        list(checkpoint_tensors("GptOssForCausalLM",
+                                [("model.layers.0.mlp.experts.gate_up_proj_blocks", blocks)]))
+
+
+def test_a_gpt_oss_mxfp4_checkpoint_loads_as_its_dequantized_weights(checkpoints, tmp_path):
+    """The tiny gpt-oss checkpoint with its experts' matrices replaced by random MXFP4 blocks
+    and scales, as published checkpoints hold them, gives the logits of the same checkpoint
+    holding transformers' dequantization of them (that one is held to transformers in
+    test_model_parity.py)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    path = checkpoints("gpt_oss")
+    state = load_file(path / "model.safetensors")
+    packed, plain = dict(state), dict(state)
+    g = torch.Generator().manual_seed(4)
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = state[name].shape
+        blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=g,
+                               dtype=torch.uint8)
+        scales = torch.randint(118, 125, (experts, outputs, inputs // 32), generator=g,
+                               dtype=torch.uint8)
+        del packed[name]
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        plain[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    logits = []
+    for directory, tensors in ((tmp_path / "mxfp4", packed), (tmp_path / "plain", plain)):
+        shutil.copytree(path, directory)
+        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+        module = load(directory).module
+        with torch.inference_mode():
+            logits.append(module.logits(_prefill(module, [5, 9, 14, 3, 22, 8, 40])))
+    assert torch.equal(*logits)
