@@ -1,0 +1,216 @@
+"""A Mamba2 mixer's sequential part: the causal depthwise convolution with its state, the
+selective state-space recurrence and the gated, grouped RMSNorm, for a batch of sequences whose
+states live in pool slots (csrc/mamba2.c, and `mix_reference` in torch where the C kernels
+cannot be built).
+
+Both compute the recurrence token after token, each value by the same operations whatever the
+chunking and the batch (the torch reference runs its operations on one token's tensors at a
+time: torch's vectorized transcendental functions give other bits to the values a longer tensor
+leaves to its scalar tail). So a state computed in chunks equals the state of one pass bit for
+bit, and a sequence gives the same bits alone and batched: reuse from a saved state is exact.
+The two paths agree with each other to float32 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from rtpkv.kernels.cpu_build import Signatures, bound_library
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("heads", _I), ("head_dim", _I), ("state", _I), ("groups", _I), ("kernel", _I),
+                ("inner", _I), ("conv_weight", _P), ("conv_bias", _P), ("dt_bias", _P),
+                ("A", _P), ("D", _P), ("norm_weight", _P), ("norm_eps", _F), ("dt_min", _F),
+                ("dt_max", _F)]
+
+
+_SIGNATURES: Signatures = {
+    "rtpkv_mamba2_mix": ([ctypes.POINTER(_Layer), _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P,
+                          _P], None)}
+
+
+def _library() -> Optional[ctypes.CDLL]:
+    return bound_library("mamba2", _SIGNATURES)
+
+
+@dataclass(frozen=True)
+class Mamba2Weights:
+    """A mixer's constants between its projections, float32 and contiguous."""
+
+    heads: int
+    head_dim: int
+    state: int
+    groups: int
+    conv_weight: torch.Tensor            # (conv channels, kernel)
+    conv_bias: Optional[torch.Tensor]    # (conv channels,)
+    dt_bias: torch.Tensor                # (heads,)
+    A: torch.Tensor                      # (heads,): -exp(A_log), as transformers computes it
+    D: torch.Tensor                      # (heads,)
+    norm_weight: torch.Tensor            # (heads * head_dim,)
+    norm_eps: float
+    dt_min: float                        # softplus(dt + dt_bias) is clamped to [dt_min, dt_max]
+    dt_max: float
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return self.inner + 2 * self.groups * self.state
+
+    @property
+    def kernel(self) -> int:
+        return self.conv_weight.shape[1]
+
+    @property
+    def projection_size(self) -> int:
+        """The in projection's width: gate, x B C, dt."""
+        return self.inner + self.conv_channels + self.heads
+
+    def conv_state_shape(self) -> tuple[int, int]:
+        """One sequence's convolution state: each channel's last kernel - 1 inputs."""
+        return (self.conv_channels, self.kernel - 1)
+
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        return (self.heads, self.head_dim, self.state)
+
+
+@dataclass
+class MixOutput:
+    out: torch.Tensor          # (T, inner): the out projection's input
+    saved_conv: torch.Tensor   # (M, conv channels, kernel - 1): the states asked for, in order
+    saved_ssm: torch.Tensor    # (M, heads, head_dim, state)
+
+
+def mix(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[int], slots: Sequence[int],
+        conv_state: torch.Tensor, ssm_state: torch.Tensor,
+        saves: Optional[Sequence[Sequence[int]]] = None) -> MixOutput:
+    """The mixer between its projections for sequences whose rows of `proj` (T, projection
+    size; sequence s owns rows starts[s] .. starts[s + 1]) continue the states in slot slots[s]
+    of `conv_state` (slots, conv channels, kernel - 1) and `ssm_state` (slots, heads, head_dim,
+    state), both float32 and updated in place. `saves[s]`: offsets k (ascending, 1 .. the
+    sequence's row count) after whose first k rows the states are copied out as well.
+    The C kernel where it builds, else `mix_reference`; the same contract."""
+    _check(weights, proj, starts, slots, conv_state, ssm_state, saves)
+    lib = _library() if proj.device.type == "cpu" else None
+    if lib is None:
+        return mix_reference(weights, proj, starts, slots, conv_state, ssm_state, saves)
+    S, T = len(slots), proj.shape[0]
+    saves = saves or [[] for _ in range(S)]
+    save_starts = [0]
+    for offsets in saves:
+        save_starts.append(save_starts[-1] + len(offsets))
+    M = save_starts[-1]
+    proj = proj.float().contiguous()
+    xbc = torch.empty(T, weights.conv_channels)
+    out = torch.empty(T, weights.inner)
+    saved_conv = torch.empty(M, *weights.conv_state_shape())
+    saved_ssm = torch.empty(M, *weights.ssm_state_shape())
+    longs = [torch.tensor(list(values), dtype=torch.int64)
+             for values in (starts, slots, save_starts, [k for o in saves for k in o])]
+    layer = _Layer(weights.heads, weights.head_dim, weights.state, weights.groups, weights.kernel,
+                   weights.inner, weights.conv_weight.data_ptr(),
+                   None if weights.conv_bias is None else weights.conv_bias.data_ptr(),
+                   weights.dt_bias.data_ptr(), weights.A.data_ptr(), weights.D.data_ptr(),
+                   weights.norm_weight.data_ptr(), weights.norm_eps, weights.dt_min,
+                   weights.dt_max)
+    lib.rtpkv_mamba2_mix(ctypes.byref(layer), S, longs[0].data_ptr(), longs[1].data_ptr(),
+                         proj.data_ptr(), conv_state.data_ptr(), ssm_state.data_ptr(),
+                         xbc.data_ptr(), out.data_ptr(), longs[2].data_ptr(),
+                         longs[3].data_ptr(), saved_conv.data_ptr(), saved_ssm.data_ptr())
+    return MixOutput(out, saved_conv, saved_ssm)
+
+
+def mix_reference(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[int],
+                  slots: Sequence[int], conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                  saves: Optional[Sequence[Sequence[int]]] = None) -> MixOutput:
+    """`mix` in torch, one token's tensors at a time (what keeps it exact under chunking and
+    batching; slow: the fallback where the C kernels cannot be built)."""
+    _check(weights, proj, starts, slots, conv_state, ssm_state, saves)
+    H, P, N, G = weights.heads, weights.head_dim, weights.state, weights.groups
+    I, CD, K = weights.inner, weights.conv_channels, weights.kernel
+    proj = proj.float()
+    out = torch.empty(proj.shape[0], I, device=proj.device)
+    saved_conv, saved_ssm = [], []
+    per_group = H // G
+    bias = (weights.conv_bias if weights.conv_bias is not None
+            else torch.zeros(CD, device=proj.device))
+    for s, slot in enumerate(slots):
+        window = list(conv_state[slot].unbind(1))   # K - 1 columns of (CD,), oldest first
+        state = ssm_state[slot].clone()
+        pending = list((saves or [[]] * len(slots))[s])
+        for k, t in enumerate(range(starts[s], starts[s + 1]), start=1):
+            z, xbc_in, dt = proj[t].split([I, CD, H])
+            window.append(xbc_in)
+            acc = bias
+            for j in range(K):
+                acc = acc + weights.conv_weight[:, j] * window[j]
+            window.pop(0)
+            x, B, C = F.silu(acc).split([I, G * N, G * N])
+            dt = torch.clamp(F.softplus(dt + weights.dt_bias), weights.dt_min, weights.dt_max)
+            decay = torch.exp(dt * weights.A)
+            x = x.view(H, P)
+            B = B.view(G, 1, N).expand(G, per_group, N).reshape(H, 1, N)
+            C = C.view(G, 1, N).expand(G, per_group, N).reshape(H, 1, N)
+            state = state * decay[:, None, None] + B * (x * dt[:, None])[:, :, None]
+            y = (state * C).sum(-1) + weights.D[:, None] * x
+            gated = (y.reshape(I) * F.silu(z)).view(G, I // G)
+            normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + weights.norm_eps)
+            out[t] = weights.norm_weight * normed.reshape(I)
+            if pending and pending[0] == k:
+                pending.pop(0)
+                saved_conv.append(torch.stack(window, dim=1) if K > 1
+                                  else torch.empty(CD, 0, device=proj.device))
+                saved_ssm.append(state.clone())
+        if K > 1:
+            conv_state[slot] = torch.stack(window, dim=1)
+        ssm_state[slot] = state
+    return MixOutput(out,
+                     torch.stack(saved_conv) if saved_conv
+                     else torch.empty(0, *weights.conv_state_shape(), device=proj.device),
+                     torch.stack(saved_ssm) if saved_ssm
+                     else torch.empty(0, *weights.ssm_state_shape(), device=proj.device))
+
+
+def _check(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[int],
+           slots: Sequence[int], conv_state: torch.Tensor, ssm_state: torch.Tensor,
+           saves: Optional[Sequence[Sequence[int]]]) -> None:
+    """What the C kernel reads unchecked: shapes, row ranges, slots, save offsets."""
+    if proj.dim() != 2 or proj.shape[1] != weights.projection_size:
+        raise ValueError(f"proj has shape {tuple(proj.shape)}: expected (rows, "
+                         f"{weights.projection_size})")
+    if len(starts) != len(slots) + 1 or starts[0] != 0 or starts[-1] != proj.shape[0] or any(
+            a > b for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"starts {list(starts)} do not split {proj.shape[0]} rows into "
+                         f"{len(slots)} sequences")
+    for name, pool, shape in (("conv_state", conv_state, weights.conv_state_shape()),
+                              ("ssm_state", ssm_state, weights.ssm_state_shape())):
+        if (tuple(pool.shape[1:]) != shape or pool.dtype != torch.float32
+                or not pool.is_contiguous()):
+            raise ValueError(f"{name} is {pool.dtype} {tuple(pool.shape)}: expected contiguous "
+                             f"float32 (slots, {', '.join(map(str, shape))})")
+    if slots and not (0 <= min(slots) and max(slots) < conv_state.shape[0]
+                      and max(slots) < ssm_state.shape[0]):
+        raise IndexError(f"state slots {min(slots)}..{max(slots)} are outside the pools "
+                         f"({conv_state.shape[0]} and {ssm_state.shape[0]} slots)")
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"state slots {list(slots)} repeat: each sequence needs its own")
+    if saves is not None:
+        if len(saves) != len(slots):
+            raise ValueError(f"{len(saves)} save lists for {len(slots)} sequences")
+        for s, offsets in enumerate(saves):
+            rows = starts[s + 1] - starts[s]
+            if any(not 1 <= k <= rows for k in offsets) or list(offsets) != sorted(set(offsets)):
+                raise ValueError(f"sequence {s}: save offsets {list(offsets)} must ascend, "
+                                 f"each in 1..{rows} (its rows)")

@@ -1,0 +1,143 @@
+"""The Mamba2 mixer of the Mamba2 hybrids (IBM Granite 4.0-H: GraniteMoeHybridForCausalLM):
+config facts (`Mamba2Spec`) and the layer (`Mamba2Mixer`).
+
+A mixer keeps no per-token KV: each sequence has a convolution state (the last kernel - 1
+inputs of the x, B, C channels) and a recurrent state (heads x head_dim x state size), both
+float32, overwritten at every token. Its forward is the in projection (the model's linear
+layers), the sequential part of kernels/mamba2.py over the batch's sequences and their state
+slots, then the out projection. Parameter names are the checkpoints' (`mamba.in_proj`,
+`mamba.conv1d`, `mamba.dt_bias`, `mamba.A_log`, `mamba.D`, `mamba.norm`, `mamba.out_proj`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from rtpkv.errors import ConfigError
+from rtpkv.kernels.mamba2 import Mamba2Weights, MixOutput, mix
+
+
+@dataclass(frozen=True)
+class Mamba2Spec:
+    """What config.json says of a hybrid's Mamba2 layers."""
+
+    heads: int
+    head_dim: int
+    state: int
+    groups: int
+    kernel: int
+    conv_bias: bool
+    proj_bias: bool
+    dt_min: float        # time_step_limit: softplus(dt + dt_bias) is clamped to it
+    dt_max: float
+
+    @classmethod
+    def from_granite(cls, cfg: dict[str, Any], source: str = "config.json") -> "Mamba2Spec":
+        """GraniteMoeHybridConfig's mamba_* fields (its defaults where absent)."""
+        hidden = int(cfg["hidden_size"])
+        inner = int(cfg.get("mamba_expand", 2)) * hidden
+        heads = int(cfg.get("mamba_n_heads", 128))
+        head_dim = cfg.get("mamba_d_head", "auto")
+        if heads < 1 or inner % heads:
+            raise ConfigError(f"{source}: mamba_n_heads={heads} is invalid: it must divide "
+                              f"mamba_expand * hidden_size ({inner})")
+        head_dim = inner // heads if head_dim == "auto" else int(head_dim)
+        if head_dim * heads != inner:
+            raise ConfigError(f"{source}: mamba_d_head={head_dim} is invalid: mamba_n_heads * "
+                              f"mamba_d_head must be mamba_expand * hidden_size ({inner})")
+        groups = int(cfg.get("mamba_n_groups", 1))
+        if groups < 1 or heads % groups:
+            raise ConfigError(f"{source}: mamba_n_groups={groups} is invalid: it must divide "
+                              f"mamba_n_heads ({heads})")
+        kernel = int(cfg.get("mamba_d_conv", 4))
+        if kernel < 1:
+            raise ConfigError(f"{source}: mamba_d_conv={kernel} is invalid: accepted values "
+                              "are 1 and above")
+        state = int(cfg.get("mamba_d_state", 256))
+        if state < 1:
+            raise ConfigError(f"{source}: mamba_d_state={state} is invalid: accepted values "
+                              "are 1 and above")
+        limit = cfg.get("time_step_limit") or (0.0, math.inf)
+        dt_min, dt_max = float(limit[0]), float(limit[1])
+        if not dt_min <= dt_max:
+            raise ConfigError(f"{source}: time_step_limit={list(limit)} is invalid: the "
+                              "lower bound must not exceed the upper")
+        return cls(heads, head_dim, state, groups, kernel, bool(cfg.get("mamba_conv_bias", True)),
+                   bool(cfg.get("mamba_proj_bias", False)), dt_min, dt_max)
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return self.inner + 2 * self.groups * self.state
+
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.conv_channels, self.kernel - 1)
+
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        return (self.heads, self.head_dim, self.state)
+
+    def state_bytes(self) -> int:
+        """One sequence's states in this layer, float32."""
+        return 4 * (math.prod(self.conv_state_shape()) + math.prod(self.ssm_state_shape()))
+
+
+class GatedNorm(nn.Module):
+    """The mixer's gated RMSNorm: holds its weight; kernels/mamba2.py computes it."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, hidden_size: int, spec: Mamba2Spec, norm_eps: float):
+        super().__init__()
+        self.spec = spec
+        self.norm_eps = norm_eps
+        channels = spec.conv_channels
+        self.in_proj = nn.Linear(hidden_size, spec.inner + channels + spec.heads,
+                                 bias=spec.proj_bias)
+        self.conv1d = nn.Conv1d(channels, channels, spec.kernel, groups=channels,
+                                padding=spec.kernel - 1, bias=spec.conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(spec.heads))
+        self.A_log = nn.Parameter(torch.zeros(spec.heads))
+        self.D = nn.Parameter(torch.ones(spec.heads))
+        self.norm = GatedNorm(spec.inner)
+        self.out_proj = nn.Linear(spec.inner, hidden_size, bias=spec.proj_bias)
+        self.weights: Optional[Mamba2Weights] = None
+
+    def convert(self, convert: Callable[[nn.Linear], nn.Module]) -> None:
+        """After loading: the projections through `convert` (the model's GEMM path or its
+        quantization), the constants between them as float32 (A = -exp(A_log), in float32 as
+        transformers computes it)."""
+        self.in_proj = convert(self.in_proj)
+        self.out_proj = convert(self.out_proj)
+        s = self.spec
+
+        def f32(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().float().contiguous()
+
+        self.weights = Mamba2Weights(
+            s.heads, s.head_dim, s.state, s.groups, f32(self.conv1d.weight[:, 0, :]),
+            None if self.conv1d.bias is None else f32(self.conv1d.bias), f32(self.dt_bias),
+            -torch.exp(f32(self.A_log)), f32(self.D), f32(self.norm.weight), self.norm_eps,
+            s.dt_min, s.dt_max)
+
+    def forward(self, x: torch.Tensor, starts: Sequence[int], slots: Sequence[int],
+                conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                saves: Optional[Sequence[Sequence[int]]] = None) -> tuple[torch.Tensor, MixOutput]:
+        """x: (T, hidden), sequence s owning rows starts[s] .. starts[s + 1] and continuing the
+        states in slot slots[s] of the pools (updated in place); `saves`: kernels/mamba2.mix's.
+        Returns the mixer's output rows and the mix (its saved states)."""
+        if self.weights is None:
+            raise RuntimeError("Mamba2Mixer.convert must run after the weights are loaded")
+        mixed = mix(self.weights, self.in_proj(x), starts, slots, conv_state, ssm_state, saves)
+        return self.out_proj(mixed.out.to(x.dtype)), mixed
