@@ -86,70 +86,62 @@ class Mamba2Weights:
         return (self.heads, self.head_dim, self.state)
 
 
-@dataclass
-class MixOutput:
-    out: torch.Tensor          # (T, inner): the out projection's input
-    saved_conv: torch.Tensor   # (M, conv channels, kernel - 1): the states asked for, in order
-    saved_ssm: torch.Tensor    # (M, heads, head_dim, state)
+Saves = Optional[Sequence[Sequence[tuple[int, int]]]]
 
 
 def mix(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[int], slots: Sequence[int],
-        conv_state: torch.Tensor, ssm_state: torch.Tensor,
-        saves: Optional[Sequence[Sequence[int]]] = None) -> MixOutput:
-    """The mixer between its projections for sequences whose rows of `proj` (T, projection
-    size; sequence s owns rows starts[s] .. starts[s + 1]) continue the states in slot slots[s]
-    of `conv_state` (slots, conv channels, kernel - 1) and `ssm_state` (slots, heads, head_dim,
-    state), both float32 and updated in place. `saves[s]`: offsets k (ascending, 1 .. the
-    sequence's row count) after whose first k rows the states are copied out as well.
-    The C kernel where it builds, else `mix_reference`; the same contract."""
-    _check(weights, proj, starts, slots, conv_state, ssm_state, saves)
+        conv_state: torch.Tensor, ssm_state: torch.Tensor, saves: Saves = None) -> torch.Tensor:
+    """The mixer between its projections: the (T, inner) input of the out projection, for
+    sequences whose rows of `proj` (T, projection size; sequence s owns rows starts[s] ..
+    starts[s + 1]) continue the states in slot slots[s] of `conv_state` (slots, conv channels,
+    kernel - 1) and `ssm_state` (slots, heads, head_dim, state), both float32 and advanced in
+    place. `saves[s]`: (k, slot) pairs, k ascending in 1 .. the sequence's row count: its
+    states after its first k rows are copied into `slot` of both pools (model_factory/
+    recurrent.py's snapshots). The C kernel where it builds, else `mix_reference`."""
+    saves = _checked(weights, proj, starts, slots, conv_state, ssm_state, saves)
     lib = _library() if proj.device.type == "cpu" else None
     if lib is None:
         return mix_reference(weights, proj, starts, slots, conv_state, ssm_state, saves)
-    S, T = len(slots), proj.shape[0]
-    saves = saves or [[] for _ in range(S)]
+    T = proj.shape[0]
     save_starts = [0]
-    for offsets in saves:
-        save_starts.append(save_starts[-1] + len(offsets))
-    M = save_starts[-1]
+    for pairs in saves:
+        save_starts.append(save_starts[-1] + len(pairs))
     proj = proj.float().contiguous()
     xbc = torch.empty(T, weights.conv_channels)
     out = torch.empty(T, weights.inner)
-    saved_conv = torch.empty(M, *weights.conv_state_shape())
-    saved_ssm = torch.empty(M, *weights.ssm_state_shape())
     longs = [torch.tensor(list(values), dtype=torch.int64)
-             for values in (starts, slots, save_starts, [k for o in saves for k in o])]
+             for values in (starts, slots, save_starts, [k for p in saves for k, _ in p],
+                            [slot for p in saves for _, slot in p])]
     layer = _Layer(weights.heads, weights.head_dim, weights.state, weights.groups, weights.kernel,
                    weights.inner, weights.conv_weight.data_ptr(),
                    None if weights.conv_bias is None else weights.conv_bias.data_ptr(),
                    weights.dt_bias.data_ptr(), weights.A.data_ptr(), weights.D.data_ptr(),
                    weights.norm_weight.data_ptr(), weights.norm_eps, weights.dt_min,
                    weights.dt_max)
-    lib.rtpkv_mamba2_mix(ctypes.byref(layer), S, longs[0].data_ptr(), longs[1].data_ptr(),
-                         proj.data_ptr(), conv_state.data_ptr(), ssm_state.data_ptr(),
-                         xbc.data_ptr(), out.data_ptr(), longs[2].data_ptr(),
-                         longs[3].data_ptr(), saved_conv.data_ptr(), saved_ssm.data_ptr())
-    return MixOutput(out, saved_conv, saved_ssm)
+    lib.rtpkv_mamba2_mix(ctypes.byref(layer), len(slots), longs[0].data_ptr(),
+                         longs[1].data_ptr(), proj.data_ptr(), conv_state.data_ptr(),
+                         ssm_state.data_ptr(), xbc.data_ptr(), out.data_ptr(),
+                         longs[2].data_ptr(), longs[3].data_ptr(), longs[4].data_ptr())
+    return out
 
 
 def mix_reference(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[int],
                   slots: Sequence[int], conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                  saves: Optional[Sequence[Sequence[int]]] = None) -> MixOutput:
+                  saves: Saves = None) -> torch.Tensor:
     """`mix` in torch, one token's tensors at a time (what keeps it exact under chunking and
     batching; slow: the fallback where the C kernels cannot be built)."""
-    _check(weights, proj, starts, slots, conv_state, ssm_state, saves)
+    saves = _checked(weights, proj, starts, slots, conv_state, ssm_state, saves)
     H, P, N, G = weights.heads, weights.head_dim, weights.state, weights.groups
     I, CD, K = weights.inner, weights.conv_channels, weights.kernel
     proj = proj.float()
     out = torch.empty(proj.shape[0], I, device=proj.device)
-    saved_conv, saved_ssm = [], []
     per_group = H // G
     bias = (weights.conv_bias if weights.conv_bias is not None
             else torch.zeros(CD, device=proj.device))
     for s, slot in enumerate(slots):
-        window = list(conv_state[slot].unbind(1))   # K - 1 columns of (CD,), oldest first
+        window = [column.clone() for column in conv_state[slot].unbind(1)]   # oldest first
         state = ssm_state[slot].clone()
-        pending = list((saves or [[]] * len(slots))[s])
+        pending = list(saves[s])
         for k, t in enumerate(range(starts[s], starts[s + 1]), start=1):
             z, xbc_in, dt = proj[t].split([I, CD, H])
             window.append(xbc_in)
@@ -168,25 +160,22 @@ def mix_reference(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[i
             gated = (y.reshape(I) * F.silu(z)).view(G, I // G)
             normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + weights.norm_eps)
             out[t] = weights.norm_weight * normed.reshape(I)
-            if pending and pending[0] == k:
-                pending.pop(0)
-                saved_conv.append(torch.stack(window, dim=1) if K > 1
-                                  else torch.empty(CD, 0, device=proj.device))
-                saved_ssm.append(state.clone())
-        if K > 1:
-            conv_state[slot] = torch.stack(window, dim=1)
+            if pending and pending[0][0] == k:
+                target = pending.pop(0)[1]
+                for j, column in enumerate(window):
+                    conv_state[target, :, j] = column
+                ssm_state[target] = state
+        for j, column in enumerate(window):
+            conv_state[slot, :, j] = column
         ssm_state[slot] = state
-    return MixOutput(out,
-                     torch.stack(saved_conv) if saved_conv
-                     else torch.empty(0, *weights.conv_state_shape(), device=proj.device),
-                     torch.stack(saved_ssm) if saved_ssm
-                     else torch.empty(0, *weights.ssm_state_shape(), device=proj.device))
+    return out
 
 
-def _check(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[int],
-           slots: Sequence[int], conv_state: torch.Tensor, ssm_state: torch.Tensor,
-           saves: Optional[Sequence[Sequence[int]]]) -> None:
-    """What the C kernel reads unchecked: shapes, row ranges, slots, save offsets."""
+def _checked(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[int],
+             slots: Sequence[int], conv_state: torch.Tensor, ssm_state: torch.Tensor,
+             saves: Saves) -> Sequence[Sequence[tuple[int, int]]]:
+    """What the C kernel reads unchecked (shapes, row ranges, slots, saves) checked; `saves`,
+    one list per sequence."""
     if proj.dim() != 2 or proj.shape[1] != weights.projection_size:
         raise ValueError(f"proj has shape {tuple(proj.shape)}: expected (rows, "
                          f"{weights.projection_size})")
@@ -200,17 +189,22 @@ def _check(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[int],
                 or not pool.is_contiguous()):
             raise ValueError(f"{name} is {pool.dtype} {tuple(pool.shape)}: expected contiguous "
                              f"float32 (slots, {', '.join(map(str, shape))})")
-    if slots and not (0 <= min(slots) and max(slots) < conv_state.shape[0]
-                      and max(slots) < ssm_state.shape[0]):
-        raise IndexError(f"state slots {min(slots)}..{max(slots)} are outside the pools "
-                         f"({conv_state.shape[0]} and {ssm_state.shape[0]} slots)")
-    if len(set(slots)) != len(slots):
-        raise ValueError(f"state slots {list(slots)} repeat: each sequence needs its own")
-    if saves is not None:
-        if len(saves) != len(slots):
-            raise ValueError(f"{len(saves)} save lists for {len(slots)} sequences")
-        for s, offsets in enumerate(saves):
-            rows = starts[s + 1] - starts[s]
-            if any(not 1 <= k <= rows for k in offsets) or list(offsets) != sorted(set(offsets)):
-                raise ValueError(f"sequence {s}: save offsets {list(offsets)} must ascend, "
-                                 f"each in 1..{rows} (its rows)")
+    saves = saves or [()] * len(slots)
+    if len(saves) != len(slots):
+        raise ValueError(f"{len(saves)} save lists for {len(slots)} sequences")
+    targets = [slot for pairs in saves for _, slot in pairs]
+    used = list(slots) + targets
+    limit = min(conv_state.shape[0], ssm_state.shape[0])
+    if used and not 0 <= min(used) <= max(used) < limit:
+        raise IndexError(f"state slots {min(used)}..{max(used)} are outside the pools "
+                         f"({limit} slots)")
+    if len(set(used)) != len(used):
+        raise ValueError(f"state slots {list(slots)} (live) and {targets} (saves) repeat: each "
+                         "sequence and each save needs its own")
+    for s, pairs in enumerate(saves):
+        rows = starts[s + 1] - starts[s]
+        offsets = [k for k, _ in pairs]
+        if any(not 1 <= k <= rows for k in offsets) or offsets != sorted(set(offsets)):
+            raise ValueError(f"sequence {s}: save offsets {offsets} must ascend, each in "
+                             f"1..{rows} (its rows)")
+    return saves

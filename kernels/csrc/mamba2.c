@@ -16,9 +16,9 @@
  *   ssm_state  (slots, H, P, N)    the recurrent state, float32
  *   xbc (T, CD) scratch: the convolution's outputs after SiLU
  *   out (T, I)  the normalized, gated scan outputs (the out projection's input)
- * Checkpoints: sequence s saves after each of its chunk offsets saved[save_starts[s] ..
- * save_starts[s + 1]] (k in 1 .. its row count: the state after its first k rows) into
- * save_conv (M, CD, K - 1) and save_ssm (M, H, P, N), in that order.
+ * Checkpoints: for each j in save_starts[s] .. save_starts[s + 1], sequence s copies its
+ * states after its first saved[j] rows (ascending, 1 .. its row count) into slot
+ * save_slots[j] of both pools (a slot no sequence of the call runs in).
  */
 #include <math.h>
 #include <stdint.h>
@@ -41,7 +41,7 @@ static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); 
 
 static void convolve(const mamba2_layer *m, int64_t S, const int64_t *starts, const int64_t *slots,
                      const float *proj, float *conv_state, float *xbc, const int64_t *save_starts,
-                     const int64_t *saved, float *save_conv) {
+                     const int64_t *saved, const int64_t *save_slots) {
     const int64_t H = m->heads, I = m->inner, K = m->kernel;
     const int64_t CD = I + 2 * m->groups * m->state, width = I + CD + H;
 #pragma omp parallel for collapse(2) schedule(static)
@@ -62,7 +62,7 @@ static void convolve(const mamba2_layer *m, int64_t S, const int64_t *starts, co
                 xbc[t * CD + c] = silu(acc);
                 memmove(window, window + 1, (size_t)(K - 1) * sizeof(float));
                 if (next_save < save_starts[s + 1] && saved[next_save] == t - starts[s] + 1) {
-                    memcpy(save_conv + (next_save * CD + c) * (K - 1), window,
+                    memcpy(conv_state + (save_slots[next_save] * CD + c) * (K - 1), window,
                            (size_t)(K - 1) * sizeof(float));
                     next_save++;
                 }
@@ -74,7 +74,7 @@ static void convolve(const mamba2_layer *m, int64_t S, const int64_t *starts, co
 
 static void scan(const mamba2_layer *m, int64_t S, const int64_t *starts, const int64_t *slots,
                  const float *proj, float *ssm_state, const float *xbc, float *out,
-                 const int64_t *save_starts, const int64_t *saved, float *save_ssm) {
+                 const int64_t *save_starts, const int64_t *saved, const int64_t *save_slots) {
     const int64_t H = m->heads, P = m->head_dim, N = m->state, G = m->groups, I = m->inner;
     const int64_t CD = I + 2 * G * N, width = I + CD + H, heads_per_group = H / G;
 #pragma omp parallel for collapse(2) schedule(static)
@@ -106,7 +106,7 @@ static void scan(const mamba2_layer *m, int64_t S, const int64_t *starts, const 
                     y[p] = acc + skip;
                 }
                 if (next_save < save_starts[s + 1] && saved[next_save] == t - starts[s] + 1) {
-                    memcpy(save_ssm + (next_save * H + h) * P * N, state,
+                    memcpy(ssm_state + (save_slots[next_save] * H + h) * P * N, state,
                            (size_t)(P * N) * sizeof(float));
                     next_save++;
                 }
@@ -143,8 +143,8 @@ static void gated_norm(const mamba2_layer *m, int64_t T, const float *proj, floa
 void rtpkv_mamba2_mix(const mamba2_layer *m, int64_t S, const int64_t *starts,
                       const int64_t *slots, const float *proj, float *conv_state,
                       float *ssm_state, float *xbc, float *out, const int64_t *save_starts,
-                      const int64_t *saved, float *save_conv, float *save_ssm) {
-    convolve(m, S, starts, slots, proj, conv_state, xbc, save_starts, saved, save_conv);
-    scan(m, S, starts, slots, proj, ssm_state, xbc, out, save_starts, saved, save_ssm);
+                      const int64_t *saved, const int64_t *save_slots) {
+    convolve(m, S, starts, slots, proj, conv_state, xbc, save_starts, saved, save_slots);
+    scan(m, S, starts, slots, proj, ssm_state, xbc, out, save_starts, saved, save_slots);
     gated_norm(m, starts[S], proj, out);
 }
