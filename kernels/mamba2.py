@@ -35,8 +35,7 @@ class _Layer(ctypes.Structure):
 
 
 _SIGNATURES: Signatures = {
-    "rtpkv_mamba2_mix": ([ctypes.POINTER(_Layer), _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P,
-                          _P], None)}
+    "rtpkv_mamba2_mix": ([ctypes.POINTER(_Layer), _I, _I] + [_P] * 11, None)}
 
 
 def _library() -> Optional[ctypes.CDLL]:
@@ -89,28 +88,29 @@ class Mamba2Weights:
 Saves = Optional[Sequence[Sequence[tuple[int, int]]]]
 
 
-def mix(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[int], slots: Sequence[int],
-        conv_state: torch.Tensor, ssm_state: torch.Tensor, saves: Saves = None) -> torch.Tensor:
+def mix(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[int], lens: Sequence[int],
+        slots: Sequence[int], conv_state: torch.Tensor, ssm_state: torch.Tensor,
+        saves: Saves = None) -> torch.Tensor:
     """The mixer between its projections: the (T, inner) input of the out projection, for
     sequences whose rows of `proj` (T, projection size; sequence s owns rows starts[s] ..
-    starts[s + 1]) continue the states in slot slots[s] of `conv_state` (slots, conv channels,
-    kernel - 1) and `ssm_state` (slots, heads, head_dim, state), both float32 and advanced in
-    place. `saves[s]`: (k, slot) pairs, k ascending in 1 .. the sequence's row count: its
-    states after its first k rows are copied into `slot` of both pools (model_factory/
+    starts[s] + lens[s]) continue the states in slot slots[s] of `conv_state` (slots, conv
+    channels, kernel - 1) and `ssm_state` (slots, heads, head_dim, state), both float32 and
+    advanced in place. `saves[s]`: (k, slot) pairs, k ascending in 1 .. lens[s]: the states
+    after the sequence's first k rows are copied into `slot` of both pools (model_factory/
     recurrent.py's snapshots). The C kernel where it builds, else `mix_reference`."""
-    saves = _checked(weights, proj, starts, slots, conv_state, ssm_state, saves)
+    saves = _checked(weights, proj, starts, lens, slots, conv_state, ssm_state, saves)
     lib = _library() if proj.device.type == "cpu" else None
     if lib is None:
-        return mix_reference(weights, proj, starts, slots, conv_state, ssm_state, saves)
+        return mix_reference(weights, proj, starts, lens, slots, conv_state, ssm_state, saves)
     T = proj.shape[0]
     save_starts = [0]
     for pairs in saves:
         save_starts.append(save_starts[-1] + len(pairs))
     proj = proj.float().contiguous()
     xbc = torch.empty(T, weights.conv_channels)
-    out = torch.empty(T, weights.inner)
+    out = torch.zeros(T, weights.inner)
     longs = [torch.tensor(list(values), dtype=torch.int64)
-             for values in (starts, slots, save_starts, [k for p in saves for k, _ in p],
+             for values in (starts, lens, slots, save_starts, [k for p in saves for k, _ in p],
                             [slot for p in saves for _, slot in p])]
     layer = _Layer(weights.heads, weights.head_dim, weights.state, weights.groups, weights.kernel,
                    weights.inner, weights.conv_weight.data_ptr(),
@@ -118,23 +118,24 @@ def mix(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[int], slots
                    weights.dt_bias.data_ptr(), weights.A.data_ptr(), weights.D.data_ptr(),
                    weights.norm_weight.data_ptr(), weights.norm_eps, weights.dt_min,
                    weights.dt_max)
-    lib.rtpkv_mamba2_mix(ctypes.byref(layer), len(slots), longs[0].data_ptr(),
-                         longs[1].data_ptr(), proj.data_ptr(), conv_state.data_ptr(),
-                         ssm_state.data_ptr(), xbc.data_ptr(), out.data_ptr(),
-                         longs[2].data_ptr(), longs[3].data_ptr(), longs[4].data_ptr())
+    lib.rtpkv_mamba2_mix(ctypes.byref(layer), T, len(slots), longs[0].data_ptr(),
+                         longs[1].data_ptr(), longs[2].data_ptr(), proj.data_ptr(),
+                         conv_state.data_ptr(), ssm_state.data_ptr(), xbc.data_ptr(),
+                         out.data_ptr(), longs[3].data_ptr(), longs[4].data_ptr(),
+                         longs[5].data_ptr())
     return out
 
 
 def mix_reference(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[int],
-                  slots: Sequence[int], conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                  saves: Saves = None) -> torch.Tensor:
+                  lens: Sequence[int], slots: Sequence[int], conv_state: torch.Tensor,
+                  ssm_state: torch.Tensor, saves: Saves = None) -> torch.Tensor:
     """`mix` in torch, one token's tensors at a time (what keeps it exact under chunking and
     batching; slow: the fallback where the C kernels cannot be built)."""
-    saves = _checked(weights, proj, starts, slots, conv_state, ssm_state, saves)
+    saves = _checked(weights, proj, starts, lens, slots, conv_state, ssm_state, saves)
     H, P, N, G = weights.heads, weights.head_dim, weights.state, weights.groups
     I, CD, K = weights.inner, weights.conv_channels, weights.kernel
     proj = proj.float()
-    out = torch.empty(proj.shape[0], I, device=proj.device)
+    out = torch.zeros(proj.shape[0], I, device=proj.device)
     per_group = H // G
     bias = (weights.conv_bias if weights.conv_bias is not None
             else torch.zeros(CD, device=proj.device))
@@ -142,7 +143,7 @@ def mix_reference(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[i
         window = [column.clone() for column in conv_state[slot].unbind(1)]   # oldest first
         state = ssm_state[slot].clone()
         pending = list(saves[s])
-        for k, t in enumerate(range(starts[s], starts[s + 1]), start=1):
+        for k, t in enumerate(range(starts[s], starts[s] + lens[s]), start=1):
             z, xbc_in, dt = proj[t].split([I, CD, H])
             window.append(xbc_in)
             acc = bias
@@ -172,17 +173,22 @@ def mix_reference(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[i
 
 
 def _checked(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[int],
-             slots: Sequence[int], conv_state: torch.Tensor, ssm_state: torch.Tensor,
+             lens: Sequence[int], slots: Sequence[int], conv_state: torch.Tensor, ssm_state: torch.Tensor,
              saves: Saves) -> Sequence[Sequence[tuple[int, int]]]:
     """What the C kernel reads unchecked (shapes, row ranges, slots, saves) checked; `saves`,
     one list per sequence."""
     if proj.dim() != 2 or proj.shape[1] != weights.projection_size:
         raise ValueError(f"proj has shape {tuple(proj.shape)}: expected (rows, "
                          f"{weights.projection_size})")
-    if len(starts) != len(slots) + 1 or starts[0] != 0 or starts[-1] != proj.shape[0] or any(
-            a > b for a, b in zip(starts, starts[1:])):
-        raise ValueError(f"starts {list(starts)} do not split {proj.shape[0]} rows into "
-                         f"{len(slots)} sequences")
+    T = proj.shape[0]
+    if not len(starts) == len(lens) == len(slots):
+        raise ValueError(f"{len(slots)} state slots but {len(starts)} row starts and "
+                         f"{len(lens)} row counts")
+    spans = sorted(zip(starts, lens))
+    if any(start < 0 or n < 0 or start + n > T for start, n in spans) or any(
+            a + n > b for (a, n), (b, _) in zip(spans, spans[1:])):
+        raise ValueError(f"rows starts {list(starts)} with counts {list(lens)} are not "
+                         f"disjoint ranges of the {T} rows")
     for name, pool, shape in (("conv_state", conv_state, weights.conv_state_shape()),
                               ("ssm_state", ssm_state, weights.ssm_state_shape())):
         if (tuple(pool.shape[1:]) != shape or pool.dtype != torch.float32
@@ -202,7 +208,7 @@ def _checked(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[int],
         raise ValueError(f"state slots {list(slots)} (live) and {targets} (saves) repeat: each "
                          "sequence and each save needs its own")
     for s, pairs in enumerate(saves):
-        rows = starts[s + 1] - starts[s]
+        rows = lens[s]
         offsets = [k for k, _ in pairs]
         if any(not 1 <= k <= rows for k in offsets) or offsets != sorted(set(offsets)):
             raise ValueError(f"sequence {s}: save offsets {offsets} must ascend, each in "

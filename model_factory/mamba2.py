@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from rtpkv.errors import ConfigError
-from rtpkv.kernels.mamba2 import Mamba2Weights, MixOutput, mix
+from rtpkv.kernels.mamba2 import Mamba2Weights, mix
+from rtpkv.model_factory.recurrent import RecurrentBatch, StateSpec
 
 
 @dataclass(frozen=True)
@@ -84,10 +85,6 @@ class Mamba2Spec:
     def ssm_state_shape(self) -> tuple[int, int, int]:
         return (self.heads, self.head_dim, self.state)
 
-    def state_bytes(self) -> int:
-        """One sequence's states in this layer, float32."""
-        return 4 * (math.prod(self.conv_state_shape()) + math.prod(self.ssm_state_shape()))
-
 
 class GatedNorm(nn.Module):
     """The mixer's gated RMSNorm: holds its weight; kernels/mamba2.py computes it."""
@@ -131,13 +128,20 @@ class Mamba2Mixer(nn.Module):
             -torch.exp(f32(self.A_log)), f32(self.D), f32(self.norm.weight), self.norm_eps,
             s.dt_min, s.dt_max)
 
-    def forward(self, x: torch.Tensor, starts: Sequence[int], slots: Sequence[int],
-                conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                saves: Optional[Sequence[Sequence[int]]] = None) -> tuple[torch.Tensor, MixOutput]:
-        """x: (T, hidden), sequence s owning rows starts[s] .. starts[s + 1] and continuing the
-        states in slot slots[s] of the pools (updated in place); `saves`: kernels/mamba2.mix's.
-        Returns the mixer's output rows and the mix (its saved states)."""
+    def state_specs(self) -> tuple[StateSpec, ...]:
+        """model_factory/recurrent.py's RecurrentLayer: the convolution's window, then the
+        SSM state, float32."""
+        return (StateSpec("conv", self.spec.conv_state_shape()),
+                StateSpec("ssm", self.spec.ssm_state_shape()))
+
+    def forward(self, x: torch.Tensor, batch: RecurrentBatch,
+                states: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The mixer's output rows for `x` (rows, hidden) after the input norm; `states`: the
+        pool's (conv, ssm) tensors of this layer, advanced in place, snapshots written."""
         if self.weights is None:
             raise RuntimeError("Mamba2Mixer.convert must run after the weights are loaded")
-        mixed = mix(self.weights, self.in_proj(x), starts, slots, conv_state, ssm_state, saves)
-        return self.out_proj(mixed.out.to(x.dtype)), mixed
+        conv_state, ssm_state = states
+        mixed = mix(self.weights, self.in_proj(x), batch.query_start, batch.query_len,
+                    batch.slots, conv_state, ssm_state,
+                    [batch.snapshots_of(i) for i in range(len(batch.slots))])
+        return self.out_proj(mixed.to(x.dtype))

@@ -10,7 +10,8 @@
  * other sequences share the call. That is what makes prefix reuse from a saved state, chunked
  * prefill and batching exact for these layers.
  *
- * Layout, per call of S sequences over T rows (sequence s owns rows starts[s] .. starts[s+1]):
+ * Layout, per call of S sequences over T rows (sequence s owns rows starts[s] .. starts[s] +
+ * lens[s]):
  *   proj  (T, I + CD + H)  the in projection's rows: gate z, then x B C (CD channels), then dt
  *   conv_state (slots, CD, K - 1)  the K - 1 last inputs of each channel, oldest first
  *   ssm_state  (slots, H, P, N)    the recurrent state, float32
@@ -39,7 +40,8 @@ static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 /* torch's softplus (beta 1, threshold 20) */
 static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
 
-static void convolve(const mamba2_layer *m, int64_t S, const int64_t *starts, const int64_t *slots,
+static void convolve(const mamba2_layer *m, int64_t S, const int64_t *starts, const int64_t *lens,
+                     const int64_t *slots,
                      const float *proj, float *conv_state, float *xbc, const int64_t *save_starts,
                      const int64_t *saved, const int64_t *save_slots) {
     const int64_t H = m->heads, I = m->inner, K = m->kernel;
@@ -52,7 +54,7 @@ static void convolve(const mamba2_layer *m, int64_t S, const int64_t *starts, co
             const float *w = m->conv_weight + c * K;
             memcpy(window, state, (size_t)(K - 1) * sizeof(float));
             int64_t next_save = save_starts[s];
-            for (int64_t t = starts[s]; t < starts[s + 1]; t++) {
+            for (int64_t t = starts[s]; t < starts[s] + lens[s]; t++) {
                 window[K - 1] = proj[t * width + I + c];
                 float acc = m->conv_bias ? m->conv_bias[c] : 0.0f;
                 for (int64_t k = 0; k < K; k++) {
@@ -72,7 +74,8 @@ static void convolve(const mamba2_layer *m, int64_t S, const int64_t *starts, co
     }
 }
 
-static void scan(const mamba2_layer *m, int64_t S, const int64_t *starts, const int64_t *slots,
+static void scan(const mamba2_layer *m, int64_t S, const int64_t *starts, const int64_t *lens,
+                 const int64_t *slots,
                  const float *proj, float *ssm_state, const float *xbc, float *out,
                  const int64_t *save_starts, const int64_t *saved, const int64_t *save_slots) {
     const int64_t H = m->heads, P = m->head_dim, N = m->state, G = m->groups, I = m->inner;
@@ -84,7 +87,7 @@ static void scan(const mamba2_layer *m, int64_t S, const int64_t *starts, const 
             const int64_t g = h / heads_per_group;
             const float A = m->A[h], D = m->D[h];
             int64_t next_save = save_starts[s];
-            for (int64_t t = starts[s]; t < starts[s + 1]; t++) {
+            for (int64_t t = starts[s]; t < starts[s] + lens[s]; t++) {
                 float dt = softplus(proj[t * width + I + CD + h] + m->dt_bias[h]);
                 dt = fminf(fmaxf(dt, m->dt_min), m->dt_max);
                 const float decay = expf(dt * A);
@@ -140,11 +143,11 @@ static void gated_norm(const mamba2_layer *m, int64_t T, const float *proj, floa
     }
 }
 
-void rtpkv_mamba2_mix(const mamba2_layer *m, int64_t S, const int64_t *starts,
-                      const int64_t *slots, const float *proj, float *conv_state,
+void rtpkv_mamba2_mix(const mamba2_layer *m, int64_t T, int64_t S, const int64_t *starts,
+                      const int64_t *lens, const int64_t *slots, const float *proj, float *conv_state,
                       float *ssm_state, float *xbc, float *out, const int64_t *save_starts,
                       const int64_t *saved, const int64_t *save_slots) {
-    convolve(m, S, starts, slots, proj, conv_state, xbc, save_starts, saved, save_slots);
-    scan(m, S, starts, slots, proj, ssm_state, xbc, out, save_starts, saved, save_slots);
-    gated_norm(m, starts[S], proj, out);
+    convolve(m, S, starts, lens, slots, proj, conv_state, xbc, save_starts, saved, save_slots);
+    scan(m, S, starts, lens, slots, proj, ssm_state, xbc, out, save_starts, saved, save_slots);
+    gated_norm(m, T, proj, out);
 }
