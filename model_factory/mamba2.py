@@ -11,21 +11,20 @@ slots, then the out projection. Parameter names are the checkpoints' (`mamba.in_
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from rtpkv.errors import ConfigError
 from rtpkv.kernels.mamba2 import Mamba2Weights, mix
 from rtpkv.model_factory.recurrent import RecurrentBatch, StateSpec
 
 
 @dataclass(frozen=True)
 class Mamba2Spec:
-    """What config.json says of a hybrid's Mamba2 layers."""
+    """A hybrid's Mamba2 layers' dimensions and options (model_factory/granite.py reads them
+    from config.json)."""
 
     heads: int
     head_dim: int
@@ -36,40 +35,6 @@ class Mamba2Spec:
     proj_bias: bool
     dt_min: float        # time_step_limit: softplus(dt + dt_bias) is clamped to it
     dt_max: float
-
-    @classmethod
-    def from_granite(cls, cfg: dict[str, Any], source: str = "config.json") -> "Mamba2Spec":
-        """GraniteMoeHybridConfig's mamba_* fields (its defaults where absent)."""
-        hidden = int(cfg["hidden_size"])
-        inner = int(cfg.get("mamba_expand", 2)) * hidden
-        heads = int(cfg.get("mamba_n_heads", 128))
-        head_dim = cfg.get("mamba_d_head", "auto")
-        if heads < 1 or inner % heads:
-            raise ConfigError(f"{source}: mamba_n_heads={heads} is invalid: it must divide "
-                              f"mamba_expand * hidden_size ({inner})")
-        head_dim = inner // heads if head_dim == "auto" else int(head_dim)
-        if head_dim * heads != inner:
-            raise ConfigError(f"{source}: mamba_d_head={head_dim} is invalid: mamba_n_heads * "
-                              f"mamba_d_head must be mamba_expand * hidden_size ({inner})")
-        groups = int(cfg.get("mamba_n_groups", 1))
-        if groups < 1 or heads % groups:
-            raise ConfigError(f"{source}: mamba_n_groups={groups} is invalid: it must divide "
-                              f"mamba_n_heads ({heads})")
-        kernel = int(cfg.get("mamba_d_conv", 4))
-        if kernel < 1:
-            raise ConfigError(f"{source}: mamba_d_conv={kernel} is invalid: accepted values "
-                              "are 1 and above")
-        state = int(cfg.get("mamba_d_state", 256))
-        if state < 1:
-            raise ConfigError(f"{source}: mamba_d_state={state} is invalid: accepted values "
-                              "are 1 and above")
-        limit = cfg.get("time_step_limit") or (0.0, math.inf)
-        dt_min, dt_max = float(limit[0]), float(limit[1])
-        if not dt_min <= dt_max:
-            raise ConfigError(f"{source}: time_step_limit={list(limit)} is invalid: the "
-                              "lower bound must not exceed the upper")
-        return cls(heads, head_dim, state, groups, kernel, bool(cfg.get("mamba_conv_bias", True)),
-                   bool(cfg.get("mamba_proj_bias", False)), dt_min, dt_max)
 
     @property
     def inner(self) -> int:

@@ -5,7 +5,8 @@ module's (`checkpoint_name`), and the layer itself (`SparseMoe`).
 Routing is computed as transformers computes it, because another expert choice is another
 answer: the router's logits, a float32 softmax, torch.topk (its tie-breaking), the optional
 renormalisation of the top-k weights, and the weights cast to the activations' dtype before they
-scale an expert's output (Qwen) or the output scaled in float32 and cast after (Mixtral).
+scale an expert's output (Qwen) or the output scaled in float32 and cast after (Mixtral); Granite
+4.0-H's weights are a softmax over its top-k float32 logits, its shared expert ungated.
 
 Tokens are grouped by expert: each expert chosen by any token of the forward runs one GEMM pair
 over all of its tokens, so its weights are read once per forward however many tokens chose it.
@@ -33,6 +34,7 @@ from rtpkv.errors import ConfigError
 from rtpkv.kernels.moe_experts import ExpertKernel
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"   # a mixture where num_local_experts > 0
 
 # Mixtral's published names -> the module's (Qwen's, which the module uses as they are)
 _MIXTRAL_NAMES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."),
@@ -52,11 +54,17 @@ class MoeSpec:
     scale_in_float32: bool               # Mixtral: outputs scaled by float32 weights, then cast
     shared_expert_intermediate_size: int  # Qwen2-MoE's always-on expert; 0: none
     sparse_layers: tuple[int, ...]       # the layers whose MLP is the mixture
+    # Granite 4.0-H: the weights are a softmax over the top-k logits (not the top-k of a
+    # softmax over all experts) and its shared expert is added ungated
+    softmax_of_top_k: bool = False
+    gated_shared_expert: bool = True
 
     @classmethod
     def from_config(cls, architecture: str, cfg: dict[str, Any],
                     source: str = "config.json") -> Optional["MoeSpec"]:
         """The MoE facts of `cfg`, or None for a dense architecture."""
+        if architecture == GRANITE_HYBRID:   # dense where num_local_experts is 0
+            return cls._granite(cfg, source)
         if architecture not in MOE_ARCHITECTURES:
             return None
         layers = int(cfg["num_hidden_layers"])
@@ -83,6 +91,21 @@ class MoeSpec:
                    bool(cfg.get("norm_topk_prob", False)), False, shared, sparse)
 
 
+    @classmethod
+    def _granite(cls, cfg: dict[str, Any], source: str) -> Optional["MoeSpec"]:
+        experts = int(cfg.get("num_local_experts") or 0)
+        if not experts:
+            return None
+        per_token = int(cfg.get("num_experts_per_tok") or 0)
+        if not 1 <= per_token <= experts:
+            raise ConfigError(f"{source}: num_experts_per_tok={per_token} is invalid: accepted "
+                              f"range is 1..{experts} (num_local_experts)")
+        return cls(experts, per_token, int(cfg["intermediate_size"]), False, False,
+                   int(cfg["shared_intermediate_size"]),
+                   tuple(range(int(cfg["num_hidden_layers"]))), softmax_of_top_k=True,
+                   gated_shared_expert=False)
+
+
 def checkpoint_name(architecture: str, name: str) -> str:
     """The module's name for checkpoint tensor `name` (Mixtral's block_sparse_moe and w1/w2/w3
     become mlp and gate/down/up; every other name is the module's already)."""
@@ -107,9 +130,12 @@ class SparseMoe(nn.Module):
                                      for _ in range(moe.num_experts))
         self.shared_expert: Optional[nn.Module] = None
         self.kernel: Optional[ExpertKernel] = None   # the experts as one C call, where they can be
+        self.shared_expert_gate: Optional[nn.Module] = None
+        self.softmax_of_top_k = moe.softmax_of_top_k
         if moe.shared_expert_intermediate_size:
             self.shared_expert = make_mlp(moe.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            if moe.gated_shared_expert:
+                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def convert(self, convert: Callable[[nn.Linear], nn.Module],
                 convert_router: Callable[[nn.Linear], nn.Module]) -> None:
@@ -122,11 +148,15 @@ class SparseMoe(nn.Module):
         self.kernel = ExpertKernel.build(self.experts)
         if self.shared_expert is not None:
             self.shared_expert.convert(convert)
+        if self.shared_expert_gate is not None:
             self.shared_expert_gate = convert(self.shared_expert_gate)
         self.gate = convert_router(self.gate)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts), each (tokens, top_k): transformers' routing, row by row."""
+        if self.softmax_of_top_k:
+            logits, experts = torch.topk(self.gate(x).float(), self.top_k, dim=-1)
+            return F.softmax(logits, dim=-1).to(x.dtype), experts
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize_top_k:
@@ -145,8 +175,10 @@ class SparseMoe(nn.Module):
             out = self.kernel(x, counts, tokens, pair_weights)
         else:
             out = self._experts(x, counts.tolist(), tokens, pair_weights)
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             out = out + _sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         return out
 
     def _experts(self, x: torch.Tensor, counts: list[int], tokens: torch.Tensor,

@@ -12,7 +12,8 @@ from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
     GraniteMoeHybridMambaLayer)
 
 from rtpkv.kernels import mamba2
-from rtpkv.model_factory.mamba2 import Mamba2Mixer, Mamba2Spec
+from rtpkv.model_factory.granite import mamba2_spec
+from rtpkv.model_factory.mamba2 import Mamba2Mixer
 from rtpkv.model_factory.recurrent import RecurrentBatch
 
 from conftest import c_kernels_missing
@@ -49,7 +50,7 @@ def _layers(time_step_limit: tuple[float, float]
             p.copy_(torch.randn_like(p) * 0.3)
         theirs.A_log.copy_(torch.rand(4) * 2 - 1)
         theirs.dt_bias.copy_(torch.rand(4) * 2 - 1.5)
-    ours = Mamba2Mixer(HIDDEN, Mamba2Spec.from_granite(config.to_dict()), 1e-6)
+    ours = Mamba2Mixer(HIDDEN, mamba2_spec(config.to_dict()), 1e-6)
     ours.load_state_dict(theirs.state_dict())
     ours.convert(lambda linear: linear)
     return theirs, ours
