@@ -93,10 +93,10 @@ class MoeSpec:
 
     @classmethod
     def _granite(cls, cfg: dict[str, Any], source: str) -> Optional["MoeSpec"]:
-        experts = int(cfg.get("num_local_experts") or 0)
+        experts = int(cfg.get("num_local_experts", 8))   # transformers' defaults
         if not experts:
             return None
-        per_token = int(cfg.get("num_experts_per_tok") or 0)
+        per_token = int(cfg.get("num_experts_per_tok", 2))
         if not 1 <= per_token <= experts:
             raise ConfigError(f"{source}: num_experts_per_tok={per_token} is invalid: accepted "
                               f"range is 1..{experts} (num_local_experts)")

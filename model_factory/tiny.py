@@ -38,6 +38,7 @@ ARCHITECTURE_CONFIGS = {
     "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
     "Qwen2MoeForCausalLM": "Qwen2MoeConfig",
     "MixtralForCausalLM": "MixtralConfig",
+    "GraniteMoeHybridForCausalLM": "GraniteMoeHybridConfig",
 }
 
 # architectures whose RMSNorm weights are offsets from 1 (zero at init): the tiny checkpoints

@@ -1,0 +1,90 @@
+"""Granite 4.0-H, the Mamba2 hybrid (model_factory/granite.py, model_factory/mamba2.py): greedy
+tokens and logits equal transformers' (float32) on tiny random checkpoints (a mixture of experts
+with RoPE and every multiplier away from 1; dense without RoPE), prompts shorter and longer than
+a prefill chunk, alone and batched (the bits of alone), reuse off and on; what its config must
+hold is refused by name; no state slot outlives its request."""
+
+import pytest
+import torch
+import transformers
+
+from conftest import hf_reference, random_prompt, run
+from rtpkv.errors import ConfigError
+from rtpkv.model_factory.spec import ModelSpec
+
+CHUNK = 32   # MAX_NUM_BATCHED_TOKENS: prompts of 20 and 75 tokens, one chunk and three
+
+
+def _hf(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+@pytest.mark.parametrize("arch", ["granite_hybrid", "granite_hybrid_dense"])
+def test_greedy_tokens_and_logits_match_transformers(checkpoints, make_pipeline, arch, reuse):
+    """Prompts shorter and longer than a prefill chunk, alone and then all at once: the tokens
+    and logits of transformers; batched, the bits of alone."""
+    path = checkpoints(arch)
+    hf = _hf(path)
+    pipe = make_pipeline(path, max_num_batched_tokens=CHUNK, seq_size_per_block=8,
+                         reuse_cache=reuse)
+    prompts = [random_prompt(20, 1), random_prompt(75, 2),
+               random_prompt(75, 2)[:50] + random_prompt(9, 3)]
+    alone = [run(pipe, p, max_new_tokens=8, return_logits=True) for p in prompts]
+    for prompt, res in zip(prompts, alone):
+        tokens, logits = hf_reference(hf, prompt, 8)
+        assert res.output_ids == tokens
+        torch.testing.assert_close(res.logits, logits, atol=1e-4, rtol=0)
+    streams = [pipe(p, top_k=1, ignore_eos=True, max_new_tokens=8, return_logits=True)
+               for p in prompts]
+    for res, stream in zip(alone, streams):
+        together = list(stream)[-1]
+        assert together.output_ids == res.output_ids
+        assert torch.equal(together.logits, res.logits)
+    assert pipe.engine.states.num_free == pipe.engine.states.num_slots
+
+
+def test_no_state_slot_outlives_its_request(checkpoints, make_pipeline):
+    pipe = make_pipeline(checkpoints("granite_hybrid_dense"), concurrency_limit=2)
+    stream = pipe(random_prompt(30, 5), top_k=1, ignore_eos=True, max_new_tokens=200)
+    next(iter(stream))
+    stream.close()   # cancelled mid-decode
+    run(pipe, random_prompt(12, 6), max_new_tokens=3)
+    states = pipe.engine.states
+    assert states.num_slots == 2 and states.num_free == 2
+    # two Mamba2 layers: a conv window of 3 over 128 + 2 x 8 channels, 8 x 16 x 8 SSM state
+    assert states.bytes_per_slot == 2 * 4 * (3 * 144 + 8 * 16 * 8)
+
+
+BASE = {"architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+        "intermediate_size": 64, "shared_intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "layer_types": ["mamba", "attention"], "mamba_n_heads": 4,
+        "mamba_n_groups": 2, "mamba_d_state": 8, "num_local_experts": 0}
+MOE = {**BASE, "num_local_experts": 4}
+
+
+def test_config_is_read_as_transformers_reads_it():
+    spec = ModelSpec.from_config({**BASE, "time_step_limit": [0.0, {"__float__": "Infinity"}]})
+    assert spec.layer_types == ("linear_attention", "full_attention")   # the legacy names
+    assert spec.intermediate_size == 48 and spec.moe is None
+    assert (spec.mamba.heads, spec.mamba.head_dim, spec.mamba.dt_max) == (4, 16, float("inf"))
+    moe = ModelSpec.from_config(MOE).moe   # two experts a token: transformers' default
+    assert (moe.num_experts, moe.expert_intermediate_size, moe.shared_expert_intermediate_size,
+            moe.softmax_of_top_k, moe.gated_shared_expert) == (4, 64, 48, True, False)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("mamba_n_heads", 3, r"mamba_n_heads=3 is invalid: it must divide mamba_expand \* "
+                         r"hidden_size \(64\)"),
+    ("mamba_n_groups", 3, r"mamba_n_groups=3 is invalid: it must divide mamba_n_heads \(4\)"),
+    ("mamba_d_head", 8, r"mamba_d_head=8 is invalid"),
+    ("mamba_d_conv", 0, r"mamba_d_conv=0 is invalid: accepted values are 1 and above"),
+    ("time_step_limit", [0.5, 0.1], r"time_step_limit=\[0.5, 0.1\] is invalid"),
+    ("layer_types", ["mamba", "sliding_attention"], r"layer_types=.* is not supported"),
+    ("position_embedding_type", "alibi", r"position_embedding_type='alibi' is not supported"),
+    ("logits_scaling", 0, r"logits_scaling=0 is invalid"),
+    ("num_experts_per_tok", 5, r"num_experts_per_tok=5 is invalid: accepted range is 1\.\.4"),
+])
+def test_bad_config_is_refused_by_name(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelSpec.from_config({**MOE, field: value})
