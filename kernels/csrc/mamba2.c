@@ -4,7 +4,7 @@
  * model's linear layers.
  *
  * Every output and every state value is computed by a fixed sequence of float32 operations
- * over its own sequence's earlier tokens (no FMA contraction, sums in index order), token after
+ * over its own sequence's earlier tokens (no FMA contraction, sums in a fixed order), token after
  * token: a prompt fed in chunks gives the bits of one pass (the states between chunks are the
  * float32 values the next token reads anyway), and a sequence's rows do not depend on which
  * other sequences share the call. That is what makes prefix reuse from a saved state, chunked
@@ -36,6 +36,23 @@ typedef struct {                   /* a layer's constants, fixed at load */
 } mamba2_layer;
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+/* sum of a[n] * b[n]: 8 chains (chain l takes n = l, l + 8, ...), added as the tree
+ * ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7)): a fixed order the compiler may vectorize */
+static inline float dot8(const float *a, const float *b, int64_t n) {
+    float c[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) {
+            const float prod = a[i + l] * b[i + l];
+            c[l] = c[l] + prod;
+        }
+    for (int l = 0; i < n; i++, l++) {
+        const float prod = a[i] * b[i];
+        c[l] = c[l] + prod;
+    }
+    return ((c[0] + c[1]) + (c[2] + c[3])) + ((c[4] + c[5]) + (c[6] + c[7]));
+}
 
 /* torch's softplus (beta 1, threshold 20) */
 static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
@@ -98,15 +115,11 @@ static void scan(const mamba2_layer *m, int64_t S, const int64_t *starts, const 
                 for (int64_t p = 0; p < P; p++) {
                     const float xdt = x[p] * dt;
                     float *row = state + p * N;
-                    float acc = 0.0f;
                     for (int64_t n = 0; n < N; n++) {
                         const float kept = row[n] * decay, added = B[n] * xdt;
                         row[n] = kept + added;
-                        const float read = row[n] * C[n];
-                        acc = acc + read;
                     }
-                    const float skip = D * x[p];
-                    y[p] = acc + skip;
+                    y[p] = dot8(row, C, N) + D * x[p];
                 }
                 if (next_save < save_starts[s + 1] && saved[next_save] == t - starts[s] + 1) {
                     memcpy(ssm_state + (save_slots[next_save] * H + h) * P * N, state,
