@@ -1,7 +1,7 @@
 """Gated DeltaNet's recurrence (Qwen3-Next, Qwen3.5): the short causal convolution, the gated
 delta rule and the gated RMSNorm of its output, for a batch of sequences each advancing its own
 state slot, token by token (csrc/gated_delta.c; `reference` is the torch fallback where the C
-kernels do not build).
+kernels do not build). Also the same models' gated attention output (`sigmoid_gate_`).
 
 Both compute each sequence sequentially, with operations whose shapes do not depend on the
 chunk or the batch, so a state computed in chunks has the bits of one computed in one pass, and
@@ -27,6 +27,7 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _SIGNATURES: Signatures = {
     "rtpkv_gated_delta": ([_P] * 8 + [ctypes.c_float, _I] + [_P] * 10 + [_I] * 5, ctypes.c_int),
+    "rtpkv_sigmoid_gate": ([_P, _P] + [_I] * 5, None),
 }
 MAX_HEAD_DIM = 1024   # csrc/gated_delta.c's MAX_DK
 
@@ -148,3 +149,17 @@ def reference(qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, z: torch.Tens
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def sigmoid_gate_(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x (T, H, D) times sigmoid(gate) (T, H, D; a strided view into q_proj's rows), in place:
+    in C value by value on a CPU in float32 (torch's vectorised sigmoid would give a row other
+    bits as the row count changes), else torch's ops (transformers')."""
+    lib = library()
+    if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32
+            or gate.dtype != torch.float32 or not x.is_contiguous() or gate.stride(2) != 1):
+        return x.mul_(torch.sigmoid(gate))
+    T, H, D = x.shape
+    lib.rtpkv_sigmoid_gate(x.data_ptr(), gate.data_ptr(), T, H, D, gate.stride(0),
+                           gate.stride(1))
+    return x

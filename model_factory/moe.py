@@ -1,6 +1,6 @@
-"""Mixture-of-experts MLP layers (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral): the
-facts read from config.json (`MoeSpec`), the names of published checkpoints mapped onto the
-module's (`checkpoint_name`), and the layer itself (`SparseMoe`).
+"""Mixture-of-experts MLP layers (Qwen3-MoE, Qwen2-MoE and Qwen3-Next with their shared expert,
+Mixtral): the facts read from config.json (`MoeSpec`), the names of published checkpoints mapped
+onto the module's (`checkpoint_name`), and the layer itself (`SparseMoe`).
 
 Routing is computed as transformers computes it, because another expert choice is another
 answer: the router's logits, a float32 softmax, torch.topk (its tie-breaking), the optional
@@ -33,7 +33,10 @@ from torch import nn
 from rtpkv.errors import ConfigError
 from rtpkv.kernels.moe_experts import ExpertKernel
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM",
+                     "Qwen3NextForCausalLM")
+# their always-on expert, scaled by sigmoid(shared_expert_gate)
+_SHARED_EXPERT_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")
 GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"   # a mixture where num_local_experts > 0
 
 # Mixtral's published names -> the module's (Qwen's, which the module uses as they are)
@@ -62,10 +65,13 @@ class MoeSpec:
     @classmethod
     def from_config(cls, architecture: str, cfg: dict[str, Any],
                     source: str = "config.json") -> Optional["MoeSpec"]:
-        """The MoE facts of `cfg`, or None for a dense architecture."""
+        """The MoE facts of `cfg`, or None for a dense architecture (or a Qwen3-Next with
+        num_experts 0, which transformers builds dense)."""
         if architecture == GRANITE_HYBRID:   # dense where num_local_experts is 0
             return cls._granite(cfg, source)
         if architecture not in MOE_ARCHITECTURES:
+            return None
+        if architecture == "Qwen3NextForCausalLM" and not cfg.get("num_experts"):
             return None
         layers = int(cfg["num_hidden_layers"])
         experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
@@ -86,7 +92,7 @@ class MoeSpec:
         dense = set(cfg.get("mlp_only_layers") or ())
         sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
         shared = (int(cfg.get("shared_expert_intermediate_size") or 0)
-                  if architecture == "Qwen2MoeForCausalLM" else 0)
+                  if architecture in _SHARED_EXPERT_ARCHITECTURES else 0)
         return cls(experts, per_token, int(cfg["moe_intermediate_size"]),
                    bool(cfg.get("norm_topk_prob", False)), False, shared, sparse)
 
@@ -117,7 +123,7 @@ def checkpoint_name(architecture: str, name: str) -> str:
 
 class SparseMoe(nn.Module):
     """The mixture-of-experts MLP of one layer: a router (`gate`), `experts` (gated MLPs made by
-    `make_mlp(intermediate_size)`, as published: one module per expert) and, for Qwen2-MoE, a
+    `make_mlp(intermediate_size)`, as published: one module per expert) and, for Qwen2-MoE and Qwen3-Next, a
     `shared_expert` every token runs, scaled by sigmoid(`shared_expert_gate`)."""
 
     def __init__(self, hidden_size: int, moe: MoeSpec, make_mlp: Callable[[int], nn.Module]):

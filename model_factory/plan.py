@@ -1,7 +1,8 @@
 """The layer plan: what each decoder layer computes, as data.
 
-A `ModelPlan` is per-layer specs (norms and where they sit, attention window, softmax scale,
-logit soft-cap, which RoPE table, q/k norm, MLP kind) plus the model-wide constants (embedding
+A `ModelPlan` is per-layer specs (the token mixer: attention or Gated DeltaNet; norms and where
+they sit, attention window, softmax scale, logit soft-cap, which RoPE table, q/k norm, output
+gate, MLP kind) plus the model-wide constants (embedding
 scale, final soft-cap). `CausalLM` builds its modules from it and its forward executes it; the
 fused C decoder (kernels/fused_decoder.py) runs a plan only where every layer is one it
 computes, and refuses the model otherwise. A new architecture is a new plan, read from its
@@ -13,10 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from rtpkv.model_factory.spec import GEMMA_ARCHITECTURES, ModelSpec
+from rtpkv.model_factory.spec import (GEMMA_ARCHITECTURES, LINEAR_ATTENTION,
+                                      LINEAR_ATTENTION_ARCHITECTURES, ModelSpec)
 
 GLOBAL_ROPE = "global"
 LOCAL_ROPE = "local"   # Gemma 3's sliding layers (rope_local_base_freq)
+
+ATTENTION = "attention"        # a layer's token mixer: paged attention over the KV pool
+GATED_DELTA = "gated_delta"    # Gated DeltaNet, a recurrent layer (model_factory/gated_delta.py)
 
 
 @dataclass(frozen=True)
@@ -34,16 +39,19 @@ class AttentionPlan:
     softcap: Optional[float]   # scores become cap * tanh(score / cap) before the mask (Gemma 2)
     rope: str                  # which RoPE table: GLOBAL_ROPE or LOCAL_ROPE
     qk_norm: bool              # an RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    # the output times sigmoid(a gate q_proj computes beside each query head) (Qwen3-Next)
+    output_gate: bool = False
 
 
 @dataclass(frozen=True)
 class LayerPlan:
-    attention: AttentionPlan
+    attention: AttentionPlan   # a GATED_DELTA layer's is unused
     mlp: str                   # "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gelu_pytorch_tanh)
     norm: NormPlan
     # Gemma 2/3's four norms: the attention output and the MLP output are normalized before
     # their residual adds, and the MLP input by a norm of its own; otherwise Llama's two
     sandwich: bool
+    mixer: str = ATTENTION     # ATTENTION or GATED_DELTA
 
 
 @dataclass(frozen=True)
@@ -70,20 +78,23 @@ def capped_window(layer: Optional[int], limit: Optional[int]) -> Optional[int]:
 def model_plan(spec: ModelSpec) -> ModelPlan:
     """The plan of a checkpoint of `spec`'s architecture."""
     gemma = spec.architecture in GEMMA_ARCHITECTURES
-    norm = NormPlan(spec.rms_norm_eps, offset=gemma)
+    offset = gemma or spec.architecture in LINEAR_ATTENTION_ARCHITECTURES
+    norm = NormPlan(spec.rms_norm_eps, offset=offset)
     scale = (spec.query_pre_attn_scalar if gemma else spec.head_dim) ** -0.5
     ropes = {GLOBAL_ROPE: spec.rope}
     if spec.local_rope is not None:
         ropes[LOCAL_ROPE] = spec.local_rope
+    windows = dict(zip(spec.attention_layers, spec.layer_windows))
     layers = tuple(
         LayerPlan(
             attention=AttentionPlan(
-                window=window, scale=scale, softcap=spec.attn_logit_softcapping,
+                window=windows.get(i), scale=scale, softcap=spec.attn_logit_softcapping,
                 rope=(LOCAL_ROPE if kind == "sliding_attention" and LOCAL_ROPE in ropes
                       else GLOBAL_ROPE),
-                qk_norm=spec.qk_norm),
-            mlp=spec.hidden_activation, norm=norm, sandwich=gemma)
-        for kind, window in zip(spec.layer_types, spec.layer_windows))
+                qk_norm=spec.qk_norm, output_gate=spec.attention_output_gate),
+            mlp=spec.hidden_activation, norm=norm, sandwich=gemma,
+            mixer=GATED_DELTA if kind == LINEAR_ATTENTION else ATTENTION)
+        for i, kind in enumerate(spec.layer_types))
     return ModelPlan(layers=layers, ropes=ropes,
                      embedding_scale=spec.hidden_size ** 0.5 if gemma else None,
                      final_softcap=spec.final_logit_softcapping, final_norm=norm)

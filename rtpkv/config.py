@@ -160,7 +160,7 @@ class RuntimeConfig(BaseModel):
     kv_cache_mem_mb: Optional[float] = Field(None, gt=0)
     kv_cache_max_tokens: Optional[int] = Field(None, gt=0)
     # of the device memory free after the weights, for a CUDA pool (TensorRT-LLM's
-    # kv_cache_free_gpu_mem_fraction); KV_CACHE_MAX_TOKENS caps it (rtpkv.cache.gpu_pool)
+    # kv_cache_free_gpu_mem_fraction); KV_CACHE_MAX_TOKENS caps it (rtpkv.cache.builder)
     kv_cache_free_gpu_mem_fraction: float = Field(0.9, gt=0, le=1)
     kv_cache_event_buffer_max_size: int = Field(0, ge=0)  # 0: KV cache events off
     reuse_cache: bool = False

@@ -79,6 +79,23 @@ ARCHITECTURES = {
 }
 
 
+# The Gated DeltaNet hybrids (tests/model/test_linear_attention.py, tests/cache/
+# test_state_checkpoints.py): three linear-attention layers before a gated full-attention one,
+# GQA, partial RoPE, grouped value heads; Qwen3-Next's MLP a mixture with a shared expert and a
+# dense layer among the sparse ones. Not in ARCHITECTURES: their layers are not all attention.
+LINEAR_ATTENTION = dict(
+    num_layers=4, num_heads=4, num_kv_heads=2,
+    config_overrides=dict(head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                          linear_key_head_dim=16, linear_value_head_dim=16))
+HYBRID_ARCHITECTURES = {
+    "qwen3_next": dict(LINEAR_ATTENTION, architecture="Qwen3NextForCausalLM",
+                       moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48, norm_topk_prob=True,
+                                mlp_only_layers=[1])),
+    "qwen3_5": dict(LINEAR_ATTENTION, architecture="Qwen3_5ForCausalLM"),
+}
+
+
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     """Tests start from an environment that sets none of rtpkv's variables."""
@@ -148,7 +165,8 @@ def checkpoints(tmp_path_factory) -> Callable[[str], Path]:
 
     def get(name: str) -> Path:
         if name not in built:
-            built[name] = build_tiny_checkpoint(tmp_path_factory.mktemp(name), **ARCHITECTURES[name])
+            built[name] = build_tiny_checkpoint(tmp_path_factory.mktemp(name),
+                                                **{**ARCHITECTURES, **HYBRID_ARCHITECTURES}[name])
         return built[name]
 
     return get

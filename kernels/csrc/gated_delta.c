@@ -137,3 +137,18 @@ int rtpkv_gated_delta(const float *qkv, const float *b, const float *a, const fl
     }
     return 0;
 }
+
+/* The gated attention's output (Qwen3-Next, Qwen3.5): x (T, H, D) times sigmoid of the gate
+ * beside each query head in q_proj's rows (gate row t, head h at gate + t * row_stride
+ * + h * head_stride), in place; each value on its own, so a row's bits do not depend on the
+ * rows beside it. */
+void rtpkv_sigmoid_gate(float *x, const float *gate, int64_t T, int64_t H, int64_t D,
+                        int64_t row_stride, int64_t head_stride) {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            float *xr = x + (t * H + h) * D;
+            const float *g = gate + t * row_stride + h * head_stride;
+            for (int64_t d = 0; d < D; d++) xr[d] = xr[d] * sigmoid1(g[d]);
+        }
+}

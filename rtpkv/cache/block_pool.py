@@ -13,8 +13,9 @@ speaks in requests. Every write to a `Block` is a method here, so each rule has 
 - the `PartialIndex` (partial-block hit candidates) follows the index, plus the kept tails
   (`keep_tail`), which are never indexed, offloaded or announced;
 - per-tenant quotas (`quota`: a tenant's bound, or None): each tenant's indexed blocks and
-  tails are counted where they enter and leave; when the pool must evict, a tenant over its
-  bound gives up its own least valuable cached block first (`TenantEvictionPolicy`).
+  tails are counted (`tenants`, rtpkv/cache/tenants.py) where they enter and leave; when the
+  pool must evict, a tenant over its bound gives up its own least valuable cached block first
+  (`TenantEvictionPolicy`).
 
 A block is in exactly one state: free (in `free_ids`), cached (unreferenced, indexed or a kept
 tail, ordered by the eviction policy) or in use (ref_count > 0; a pinned block holds a
@@ -34,6 +35,7 @@ from rtpkv.cache.ghost_list import GhostList
 from rtpkv.cache.partial_index import PartialIndex
 from rtpkv.cache.prefix_index import PrefixIndex
 from rtpkv.cache.residency import ResidencyHistograms
+from rtpkv.cache.tenants import Quota, Tenants
 
 
 class BlockPool:
@@ -41,7 +43,7 @@ class BlockPool:
                  policy: Optional[EvictionPolicy] = None,
                  on_evict: Optional[Callable[[Block], None]] = None,
                  clock: Callable[[], float] = time.monotonic, ghosts: Optional[int] = None,
-                 quota: Optional[Callable[[bytes], Optional[int]]] = None):
+                 quota: Optional[Quota] = None):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
@@ -49,10 +51,7 @@ class BlockPool:
         if quota is not None and not isinstance(policy, (TenantEvictionPolicy, type(None))):
             raise ValueError("per-tenant quotas need a TenantEvictionPolicy")
         self.policy = policy or (TenantEvictionPolicy() if quota else PriorityEvictionPolicy())
-        self.quota = quota
-        self.tenant_blocks: Counter[bytes] = Counter()    # indexed blocks and tails per tenant
-        self.quota_evictions: Counter[bytes] = Counter()
-        self._over: set[bytes] = set()                     # tenants past their quota
+        self.tenants = Tenants(quota)
         self.events = events
         self.on_evict = on_evict          # sees a victim (read-only) before it is cleared
         self.clock = clock
@@ -77,10 +76,6 @@ class BlockPool:
         return len(self.policy)
 
     @property
-    def num_over_quota(self) -> int:
-        return len(self._over)
-
-    @property
     def num_tails(self) -> int:
         return sum(1 for b in self.blocks if b.tail)
 
@@ -101,7 +96,7 @@ class BlockPool:
             block_id = self.free_ids.popleft()
         else:
             self.lapse_priorities()
-            block_id = self._quota_victim()
+            block_id = self.tenants.quota_victim(self.policy)
             if block_id is None:
                 block_id = self.policy.pop()
             block = self.blocks[block_id]
@@ -187,7 +182,7 @@ class BlockPool:
         block.parent_key, block.parent_serial = parent_key, parent_serial
         block.tokens, block.extra, block.tail, block.tenant = tokens, extra, True, tenant
         self.children.add(parent_key, extra, block_id)
-        self._count(tenant, 1)
+        self.tenants.count(tenant, 1)
         return True
 
     def stamp(self, block_id: int, priority: int, duration_s: Optional[float],
@@ -214,12 +209,6 @@ class BlockPool:
             if block.indexed:
                 self.events.updated(block.key, block.priority, DEFAULT_PRIORITY)
             block.priority, block.duration_s, block.held_until = DEFAULT_PRIORITY, None, None
-
-    def set_quota(self, tenant: bytes, blocks: Optional[int]) -> None:
-        """Change one tenant's bound (the pool's `quota` must be a TenantQuotas): whether it
-        is past it is decided now, so it gives way from the next eviction on."""
-        self.quota.set(tenant, blocks)   # type: ignore[union-attr]
-        self._count(tenant, 0)
 
     # ------------------------------------------------------------------ pins
     def pin(self, block_id: int) -> None:
@@ -266,7 +255,7 @@ class BlockPool:
         self.changes += 1
         self.ghosts.discard(block.key)
         self.children.add(block.parent_key, block.extra, block.block_id)
-        self._count(block.tenant, 1)
+        self.tenants.count(block.tenant, 1)
         block.indexed = True
         self.events.stored([block.key], block.parent_key, [block.tokens], block.priority,
                            extra=block.extra, group=block.group)
@@ -276,44 +265,15 @@ class BlockPool:
             self.index.remove(block.key)
             self.changes += 1
             self.children.discard(block.parent_key, block.extra, block.block_id)
-            self._count(block.tenant, -1)
+            self.tenants.count(block.tenant, -1)
             block.indexed = False
             self.events.removed([block.key], group=block.group)
 
     def _drop_tail(self, block: Block) -> None:
         if block.tail:
             self.children.discard(block.parent_key, block.extra, block.block_id)
-            self._count(block.tenant, -1)
+            self.tenants.count(block.tenant, -1)
             block.tail = False
-
-    def _count(self, tenant: Optional[bytes], delta: int) -> None:
-        """A tenant's indexed blocks and tails change by `delta`; track whether it is past its
-        quota. A task prompt's blocks (tenant None) are nobody's: not counted."""
-        if tenant is None:
-            return
-        count = self.tenant_blocks[tenant] + delta
-        if count:
-            self.tenant_blocks[tenant] = count
-        else:
-            self.tenant_blocks.pop(tenant, None)
-        if self.quota is None:
-            return
-        bound = self.quota(tenant)
-        if bound is not None and count > bound:
-            self._over.add(tenant)
-        else:
-            self._over.discard(tenant)
-
-    def _quota_victim(self) -> Optional[int]:
-        """A cached block of a tenant past its quota (its own least valuable; the tenant
-        furthest past it first, ties by salt: deterministic), or None."""
-        excess = lambda t: self.tenant_blocks[t] - self.quota(t)  # noqa: E731
-        for tenant in sorted(self._over, key=lambda t: (-excess(t), t)):
-            block_id = self.policy.pop_tenant(tenant)
-            if block_id is not None:
-                self.quota_evictions[tenant] += 1
-                return block_id
-        return None
 
     def _put_free(self, block: Block) -> None:
         self._drop_tail(block)
@@ -355,13 +315,7 @@ class BlockPool:
         assert len(listed) == len(self.children), "a partial-hit candidate is listed twice"
         assert listed == {b.block_id for b in blocks if b.indexed or b.tail}, \
             "partial-hit candidates differ from the indexed blocks and tails"
-        held = Counter(b.tenant for b in blocks
-                       if (b.indexed or b.tail) and b.tenant is not None)
-        assert held == self.tenant_blocks, "per-tenant block counts drifted"
-        if self.quota is not None:
-            assert self._over == {t for t, n in held.items()
-                                  if (q := self.quota(t)) is not None and n > q}, \
-                "the over-quota set drifted"
+        self.tenants.check_integrity(blocks)
         for (parent_key, extra), block_id in self.children.items():
             assert (blocks[block_id].parent_key, blocks[block_id].extra) == (parent_key, extra), \
                 f"partial-hit candidate {block_id} is listed under another parent"

@@ -44,131 +44,40 @@ owns, with the source held by a reference while it is copied, so nothing can evi
 meanwhile (the copy happens in `admit`, on the engine thread, before the step's forward). A
 shared or indexed block is never written.
 
+Its other rooms: `build_cache` (builder.py) builds it from the configuration and sizes the
+pool; `tenants` (tenants.py) counts each salt's blocks and holds the quotas; what it says about
+itself, read-only (reuse stops, stats, the integrity check), is `CacheDiagnostics`
+(diagnostics.py), its base; what it needs of a request is `CacheSequence` (sequence.py).
+
 Only the engine thread calls it (under the engine lock).
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
 import time
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from rtpkv.cache.block import DEFAULT_PRIORITY, Block
 from rtpkv.cache.block_pool import BlockPool
+from rtpkv.cache.diagnostics import CacheDiagnostics
 from rtpkv.cache.eviction import EvictionPolicy
 from rtpkv.cache.events import KVEventBuffer
 from rtpkv.cache.ghost_list import GhostTails
-from rtpkv.cache.gpu_pool import gpu_pool_blocks
-from rtpkv.cache.groups import KVGroup, group_root, kv_groups, layer_slots, slots
+from rtpkv.cache.groups import KVGroup, group_root, layer_slots
 from rtpkv.cache.kv_memory import KVMemory
 from rtpkv.cache.prefix_index import KeyChain, PrefixIndex
 from rtpkv.cache.retention import KvCacheRetentionConfig
-from rtpkv.cache.tenant_quotas import TenantQuotas
+from rtpkv.cache.sequence import (RELEASED, CacheSequence, GroupTable, GroupView,
+                                  PinnedPrefix)
+from rtpkv.cache.tenants import Quota, Tenants
 from rtpkv.cache.tiers.base import BlockMeta
-from rtpkv.cache.tiers.ladder import TierHit, TierLadder, TierPlan
-from rtpkv.errors import ConfigError
+from rtpkv.cache.tiers.ladder import TierHit, TierLadder
 
 if TYPE_CHECKING:
     from rtpkv.cache.tiers.base import KVTier
-    from rtpkv.config import RuntimeConfig
-    from rtpkv.model_factory.factory import Model
-
-log = logging.getLogger("rtpkv")
 
 _DEFAULT_RETENTION = KvCacheRetentionConfig()
-
-RELEASED = -1  # a block table entry whose block fell out of the attention window
-
-DEFAULT_CPU_MEMORY_FRACTION = 0.10   # of available host memory, when KV_CACHE_MEM_MB is unset
-
-
-class CacheSequence(Protocol):
-    """What the manager needs of a request. It writes `block_table`, `block_keys`, `key_chain`
-    and `tier_plan`; the rest it reads."""
-
-    token_ids: list[int]
-    block_table: list[int]
-    block_keys: list[bytes]      # keys of the table's full blocks, in order
-    key_chain: Optional[KeyChain]
-    tier_plan: Optional[TierPlan]
-    salt: bytes
-    num_computed: int
-    prefill_only: bool
-    prewarm: bool                # with prefill_only: nothing is pinned
-    prefix_handle: Optional["PinnedPrefix"]
-    group_tables: list["GroupTable"]   # the tables of KV cache groups 1.. (see groups.py)
-
-    @property
-    def num_prompt(self) -> int: ...
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def wants_reuse(self) -> bool: ...
-
-    @property
-    def retention(self) -> Optional[KvCacheRetentionConfig]: ...
-
-    def allows_tier(self, name: str) -> bool: ...
-
-
-@dataclass
-class GroupTable:
-    """A request's block table, keys and key chain in one KV cache group other than group 0."""
-
-    block_table: list[int] = field(default_factory=list)
-    block_keys: list[bytes] = field(default_factory=list)
-    key_chain: Optional[KeyChain] = None
-
-
-_GROUP_FIELDS = frozenset(("block_table", "block_keys", "key_chain"))
-
-
-class GroupView:
-    """A request as one KV cache group sees it: the group's table, keys and chain, the
-    request's everything else (read and written through)."""
-
-    __slots__ = ("_seq", "_table")
-
-    def __init__(self, seq: CacheSequence, table: GroupTable):
-        object.__setattr__(self, "_seq", seq)
-        object.__setattr__(self, "_table", table)
-
-    def __getattr__(self, name: str):
-        return getattr(self._table if name in _GROUP_FIELDS else self._seq, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        setattr(self._table if name in _GROUP_FIELDS else self._seq, name, value)
-
-
-@dataclass(frozen=True)
-class PinnedPrefix:
-    """An opaque handle on a pinned prompt prefix (a task prompt's full blocks), in every KV
-    cache group: `block_ids` group 0's, `group_block_ids` the other groups'."""
-
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    group_block_ids: tuple[tuple[int, ...], ...] = ()
-
-
-# Why a request's reuse stopped where it did (aux_info["reuse_stop"]), in the order checked.
-REUSE_STOPS = ("reuse_off", "prompt_end", "partial_block", "window", "tier_disabled", "evicted",
-               "not_cached")
-
-
-@dataclass(frozen=True)
-class ReuseStop:
-    """Why reuse stopped where it did. `tokens`: for partial_block, the tokens partial reuse
-    would have taken; for evicted, the prompt tokens that missed only because their blocks had
-    been evicted (ghost hits)."""
-
-    reason: str
-    tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -200,49 +109,11 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def tenant_label(salt: bytes) -> str:
-    """How stats name a tenant: a digest of its salt, never the salt (a tenant's secret)."""
-    return hashlib.sha256(salt).hexdigest()[:12] if salt else "(no salt)"
-
-
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _available_bytes() -> int:
-    pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(pages * DEFAULT_CPU_MEMORY_FRACTION)
-
-
-def pool_blocks(model: "Model", config: "RuntimeConfig",
-                groups: Sequence[KVGroup] = ()) -> int:
-    """Blocks in the pool, each holding `slots(groups)` layers (every layer without groups).
-    CUDA: see gpu_pool_blocks. CPU: from kv_cache_mem_mb and kv_cache_max_tokens (tokens of
-    every layer: with groups, that many tokens' blocks in each group; the smaller wins when
-    both are set), else a fixed fraction of available memory, never above what
-    concurrency_limit sequences of max_seq_len could use."""
-    spec, B = model.spec, config.seq_size_per_block
-    layers = slots(groups) if groups else spec.num_layers
-    share = max(1, len(groups))
-    per_block = KVMemory.bytes_per_block(layers, B, spec.num_kv_heads, spec.head_dim,
-                                         model.kv_dtype)
-    if model.device.type == "cuda":
-        import torch
-
-        return gpu_pool_blocks(torch.cuda.mem_get_info(model.device)[0], per_block, config,
-                               share)
-    limits = []
-    if config.kv_cache_mem_mb:
-        limits.append(int(config.kv_cache_mem_mb * 2**20) // per_block)
-    if config.kv_cache_max_tokens:
-        limits.append(config.kv_cache_max_tokens // B * share)
-    if not limits:
-        useful = config.concurrency_limit * -(-config.max_seq_len // B) * share
-        limits = [min(_available_bytes() // per_block, useful)]
-    return max(1, min(limits))
-
-
-class KVCacheManager:
+class KVCacheManager(CacheDiagnostics):
     def __init__(self, num_blocks: int, block_size: int, index: PrefixIndex, *,
                  memory: Optional[KVMemory] = None, reuse_enabled: bool = False,
                  partial_reuse: bool = False,
@@ -250,7 +121,7 @@ class KVCacheManager:
                  events: Optional[KVEventBuffer] = None,
                  tiers: Sequence["KVTier"] = (), offload_min_priority: int = DEFAULT_PRIORITY,
                  window: Optional[int] = None, ghosts: Optional[int] = None,
-                 quota: Optional[Callable[[bytes], Optional[int]]] = None,
+                 quota: Optional[Quota] = None,
                  groups: Sequence[KVGroup] = (),
                  clock: Callable[[], float] = time.monotonic):
         """`groups`: the KV cache groups (groups.py); none: one group with `window`."""
@@ -272,6 +143,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, index, events, policy=policy, clock=clock,
                               on_evict=self._offload if self.ladder else None, ghosts=ghosts,
                               quota=quota)
+        self.tenants: Tenants = self.pool.tenants   # salts' counts and quotas (tenants.py)
         # the tails partial reuse would have kept, as token ids only (to explain a reuse_stop)
         self.ghost_tails = GhostTails(0 if partial_reuse else self.pool.ghosts.capacity)
         self.groups = groups
@@ -282,49 +154,7 @@ class KVCacheManager:
             events.groups = tuple({"group_idx": g.index, "kv_cache_spec_kind": g.kind,
                                    "kv_cache_spec_sliding_window": g.window} for g in groups)
             events.group_roots = frozenset(self.roots)
-        self.query_tokens = 0
-        self.hit_tokens = 0
-        self.partial_hit_tokens = 0
-        self.ghost_hit_tokens = 0
-        self.reuse_stops: Counter[str] = Counter()
-
-    @classmethod
-    def build(cls, model: "Model", config: "RuntimeConfig",
-              window: Optional[int]) -> "KVCacheManager":
-        """The cache the configuration asks for: the pool sized by `pool_blocks`, the KV memory,
-        the event buffer and the tiers."""
-        from rtpkv.cache.tiers.factory import build_tiers
-        from rtpkv.torch_threads import serial_torch
-
-        spec, B = model.spec, config.seq_size_per_block
-        tiers = build_tiers(config, model, B)
-        groups = kv_groups(spec.layer_windows, window,
-                           split=not tiers and not config.enable_partial_reuse)
-        if len(set(spec.layer_windows)) > 1 and len(groups) == 1:
-            log.info("KV cache groups off (tiers or partial reuse are on): one block table "
-                     "keeps every layer's blocks, each layer attending over its own window")
-        num_blocks = pool_blocks(model, config, groups)
-        with serial_torch():
-            memory = KVMemory(slots(groups), num_blocks, B, spec.num_kv_heads, spec.head_dim,
-                              model.kv_dtype, model.device)
-        cache = cls(num_blocks, B, PrefixIndex(model.fingerprint, B), memory=memory,
-                    reuse_enabled=config.reuse_cache,
-                    partial_reuse=config.enable_partial_reuse,
-                    events=KVEventBuffer(config.kv_cache_event_buffer_max_size),
-                    tiers=tiers,
-                    offload_min_priority=config.secondary_offload_min_priority, window=window,
-                    ghosts=config.kv_cache_ghost_blocks, quota=TenantQuotas.from_config(config),
-                    groups=groups)
-        if len(groups) > 1:
-            log.info("KV cache groups: %s (%d layers a block)", ", ".join(
-                f"{g.kind}{'' if g.window is None else f' {g.window}'} layers "
-                f"{list(g.layers)}" for g in groups), slots(groups))
-        log.info("reuse_cache: %s, partial reuse: %s", config.reuse_cache,
-                 config.enable_partial_reuse)
-        log.info("KV pool: %d blocks of %d tokens (%.1f MiB%s)", num_blocks, B,
-                 memory.nbytes / 2**20, ", int8 with a float32 scale per token and head"
-                 if memory.int8 else "")
-        return cache
+        self._init_counters()
 
     def close(self) -> None:
         """Flush and close the tiers; the cache is not used afterwards."""
@@ -688,61 +518,6 @@ class KVCacheManager:
             loaded += 1
         return loaded
 
-    def record_lookup(self, seq: CacheSequence) -> ReuseStop:
-        """Count a request's first admission in the token-weighted hit statistics, and say why
-        its reuse stopped where it did."""
-        stop = self._reuse_stop(seq)
-        self.reuse_stops[stop.reason] += 1
-        if self.reuse_applies(seq):
-            self.query_tokens += seq.num_prompt
-            self.hit_tokens += seq.num_computed
-            self.partial_hit_tokens += seq.num_computed % self.block_size
-            if stop.reason == "evicted":
-                self.ghost_hit_tokens += stop.tokens
-        return stop
-
-    def _reuse_stop(self, seq: CacheSequence) -> ReuseStop:
-        """Why the reuse of `seq` (just admitted) ends at `seq.num_computed`. Everything asked
-        is `seq`'s own chain (salted keys, salt-scoped candidates), so the answer never tells
-        anything about another tenant's cache."""
-        if not self.reuse_applies(seq):
-            return ReuseStop("reuse_off")
-        B, cap, reused = self.block_size, seq.num_tokens - 1, seq.num_computed
-        i = reused // B                          # the block where reuse stopped
-        if len(self.groups) > 1 and i < cap // B and self._holds(self._chain(seq), i):
-            return ReuseStop("window")   # group 0 goes on: a sliding group lacks its window
-        if not self.partial_reuse:
-            parent_serial = self.pool.blocks[seq.block_table[i - 1]].serial if i else 0
-            hit = self._partial_hit(seq, i, parent_serial, cap)
-            chain = self._chain(seq)
-            tail = self.ghost_tails.longest(chain.parent(i), chain.extra(i), parent_serial,
-                                            seq.token_ids[i * B:min((i + 1) * B, cap)])
-            k = max(tail, hit.num_tokens if hit is not None else 0)
-            if k:
-                return ReuseStop("partial_block", k)
-        last = cap // B                          # whole blocks the prompt may reuse
-        if i >= last:
-            return ReuseStop("prompt_end" if reused == cap or not self.partial_reuse
-                             else "not_cached")
-        chain = self._chain(seq)
-        if self.window is not None and any(self._holds(chain, j) for j in range(i + 1, last)):
-            return ReuseStop("window")
-        key = chain.key(i)
-        if self.ladder.held_by_skipped(key, seq.allows_tier):
-            return ReuseStop("tier_disabled")
-        if key in self.pool.ghosts:
-            j = i
-            while j < last and (chain.key(j) in self.pool.ghosts or self._holds(chain, j)):
-                j += 1
-            return ReuseStop("evicted", j * B - reused)
-        return ReuseStop("not_cached")
-
-    def _holds(self, chain: KeyChain, i: int) -> bool:
-        """Whether the device pool holds block i of `chain` (key, tokens, extra bytes)."""
-        block = self.pool.cached(chain.key(i))
-        return block is not None and block.tokens == chain.tokens(i) \
-            and block.extra == chain.extra(i)
-
     # ------------------------------------------------------------------ growth
     def grow(self, seq: CacheSequence, num_tokens: int) -> bool:
         """Append blocks so `seq`'s table covers its first num_tokens positions. False (and
@@ -881,96 +656,3 @@ class KVCacheManager:
         for ids in reversed([handle.block_ids, *handle.group_block_ids]):
             for block_id in reversed(ids):
                 self.pool.unpin(block_id)
-
-    # ------------------------------------------------------------------ visibility
-    def stats(self) -> dict[str, object]:
-        """Counters and block counts. Read-only: a retention duration that ran out shows as
-        lapsed, but nothing is lapsed and no event is emitted (a /metrics scrape must not
-        change the event stream)."""
-        pool = self.pool
-        stats: dict[str, object] = {
-            "queries": self.query_tokens,
-            "hits": self.hit_tokens,
-            "hit_rate": self.hit_tokens / self.query_tokens if self.query_tokens else 0.0,
-            "blocks_total": pool.num_blocks,
-            "blocks_free": pool.num_free,
-            "blocks_cached": pool.num_cached,
-            "blocks_in_use": sum(1 for b in pool.blocks if b.ref_count),
-            "blocks_pinned": pool.num_pinned,
-            "blocks_tail": pool.num_tails,
-            "partial_hit_tokens": self.partial_hit_tokens,
-            "blocks_cached_by_priority": pool.cached_by_priority(),
-            "evictions": pool.evictions,
-            "evictions_by_priority": dict(sorted(pool.evictions_by_priority.items())),
-            "block_size": self.block_size,
-            "kv_cache_groups": [{"kind": g.kind, "window": g.window, "layers": len(g.layers)}
-                                for g in self.groups] if len(self.groups) > 1 else [],
-            "reuse_stops": {r: self.reuse_stops[r] for r in REUSE_STOPS},
-            "ghost_blocks": len(pool.ghosts),
-            "ghost_capacity": pool.ghosts.capacity,
-            "ghost_hit_tokens": self.ghost_hit_tokens,
-            "hit_rate_with_ghosts": ((self.hit_tokens + self.ghost_hit_tokens) / self.query_tokens
-                                     if self.query_tokens else 0.0),
-            "events_dropped": pool.events.dropped,
-        }
-        stats.update(self._tenant_stats())
-        stats.update(self.ladder.stats())
-        stats["residency"] = {"device": pool.residency.stats(), **self.ladder.residency()}
-        return stats
-
-    def tenant(self, salt: str) -> dict[str, object]:
-        """One tenant's cached blocks, quota and quota evictions (the operator names it by its
-        salt; stats name it by `tenant_label`)."""
-        pool, key = self.pool, salt.encode()
-        quota = pool.quota(key) if pool.quota is not None else None
-        return {"tenant": tenant_label(key), "cached_blocks": pool.tenant_blocks[key],
-                "quota_blocks": quota, "quota_evictions": pool.quota_evictions[key],
-                "over_quota": quota is not None and pool.tenant_blocks[key] > quota}
-
-    def set_tenant_quota(self, salt: str, blocks: Optional[int]) -> None:
-        """Change one tenant's quota now (None: back to CACHE_SALT_QUOTA_BLOCKS); a tenant past
-        its new bound gives way at the next eviction."""
-        if not isinstance(self.pool.quota, TenantQuotas):
-            raise ConfigError("per-tenant quotas are off: start with CACHE_SALT_QUOTA_BLOCKS or "
-                              "CACHE_SALT_QUOTAS to change them at run time")
-        self.pool.set_quota(salt.encode(), blocks)
-
-    def _tenant_stats(self) -> dict[str, object]:
-        """Per-tenant counts (cached blocks, quota, quota evictions), each tenant named by a
-        digest of its salt: counts only, never a key, a token or a salt."""
-        pool = self.pool
-        tenants = set(pool.tenant_blocks) | set(pool.quota_evictions)
-        return {
-            "tenants_over_quota": pool.num_over_quota,
-            "quota_evictions": sum(pool.quota_evictions.values()),
-            "tenants": {tenant_label(t): {
-                "blocks": pool.tenant_blocks[t],
-                "quota": pool.quota(t) if pool.quota is not None else None,
-                "quota_evictions": pool.quota_evictions[t]} for t in sorted(tenants)},
-        }
-
-    def check_integrity(self, live: Optional[Iterable[CacheSequence]] = None) -> None:
-        """Assert the pool's invariant (`BlockPool.check_integrity`), every tier's, and (given
-        the live requests) that every reference count equals its holders plus its pins and no
-        block inside a request's attention window was released."""
-        self.pool.check_integrity()
-        self.ladder.check_integrity()
-        if live is None:
-            return
-        blocks = self.pool.blocks
-        expected = [b.pin_count for b in blocks]
-        for seq in live:
-            for group, view in self._views(seq):
-                for block_id in view.block_table:
-                    if block_id != RELEASED:
-                        expected[block_id] += 1
-                if group.window is None:
-                    assert RELEASED not in view.block_table, \
-                        f"group {group.index} attends fully but released a block"
-                else:
-                    first = max(0, seq.num_computed - group.window + 1) // self.block_size
-                    assert RELEASED not in view.block_table[first:], \
-                        "a block inside the attention window was released"
-                assert len(view.block_keys) <= len(view.block_table), "keys past the table"
-        actual = [b.ref_count for b in blocks]
-        assert expected == actual, "reference counts differ from the live block tables"

@@ -29,7 +29,8 @@ from typing import Any, Iterator, Optional
 import torch
 
 from rtpkv.cache.block import parents_first
-from rtpkv.cache.manager import KVCacheManager, PinnedPrefix
+from rtpkv.cache.builder import build_cache
+from rtpkv.cache.sequence import PinnedPrefix
 from rtpkv.config import RuntimeConfig
 from rtpkv.engine.heap_trim import HeapTrimmer, libc_malloc_trim
 from rtpkv.engine.model_runner import ModelRunner
@@ -42,6 +43,7 @@ from rtpkv.errors import EngineStoppedError, RequestTimeoutError
 from rtpkv.log_limit import RateLimitedLog
 from rtpkv.torch_threads import engine_threads
 from rtpkv.model_factory.factory import Model
+from rtpkv.model_factory.recurrent import StatePool
 
 log = logging.getLogger("rtpkv")
 
@@ -60,13 +62,21 @@ class Engine:
         self.config = config
         self.block_size = config.seq_size_per_block
         self.window = attention_window(config, model.spec)
-        self.cache = KVCacheManager.build(model, config, self.window.tokens)
+        specs = model.module.state_specs
+        if specs and config.reuse_cache:
+            log.info("reuse_cache off: a model with recurrent layers cannot resume a prefix "
+                     "without its state")
+            config = config.replace(reuse_cache=False)
+        self.cache = build_cache(model, config, self.window.tokens)
         self.events = self.cache.events
-        self.scheduler = Scheduler(config, self.cache)
+        # the recurrent layers' states: a live slot per running request
+        self.states = (StatePool(specs, config.concurrency_limit, model.device) if specs
+                       else None)
+        self.scheduler = Scheduler(config, self.cache, self.states)
         self.runner = ModelRunner(model.module, self.cache.memory, self.window.tokens,
                                   config.concurrency_limit, config.enforce_eager,
                                   self.cache.groups, self.cache.layer_slots,
-                                  self.cache.layer_groups)
+                                  self.cache.layer_groups, self.states)
         self.lock = threading.RLock()
         self.step_log: deque[list[tuple[int, int, str]]] = deque(maxlen=STEP_LOG_SIZE)
         self.steps = 0
@@ -150,15 +160,15 @@ class Engine:
             self.cache.announce_tiers()
 
     def tenant_quota(self, salt: str) -> dict[str, Any]:
-        """One tenant's cached blocks, quota and quota evictions (KVCacheManager.tenant)."""
+        """One tenant's cached blocks, quota and quota evictions (Tenants.report)."""
         with self.lock:
-            return self.cache.tenant(salt)
+            return self.cache.tenants.report(salt)
 
     def set_tenant_quota(self, salt: str, blocks: Optional[int]) -> dict[str, Any]:
         """Change one tenant's quota between steps; returns its counts after the change."""
         with self.lock:
-            self.cache.set_tenant_quota(salt, blocks)
-            return self.cache.tenant(salt)
+            self.cache.tenants.set_quota(salt, blocks)
+            return self.cache.tenants.report(salt)
 
     def reuse_applies(self, req: Request) -> bool:
         """Whether `req` looks up and registers cached blocks (REUSE_CACHE and its own

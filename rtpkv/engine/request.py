@@ -18,7 +18,7 @@ from rtpkv.generate_config import GenerateConfig
 
 if TYPE_CHECKING:
     from rtpkv.cache import KeyChain, PinnedPrefix
-    from rtpkv.cache.manager import GroupTable
+    from rtpkv.cache.sequence import GroupTable
     from rtpkv.cache.tiers.ladder import TierPlan
 
 _ids = itertools.count(1)
@@ -70,11 +70,12 @@ class Request:
     tier_plan: Optional["TierPlan"] = None
     salt: bytes = b""
     num_computed: int = 0
+    state_slot: Optional[int] = None          # a recurrent model's live state (StatePool)
     pinned: Optional["PinnedPrefix"] = None   # what a prefill_only request pinned
     # reporting: tokens reused from the device pool and from each tier, at first admission
     local_reuse_len: Optional[int] = None
     partial_reuse_len: int = 0               # of local_reuse_len: copied from a partial block
-    reuse_stop: Optional[str] = None         # why reuse stopped there (manager.REUSE_STOPS)
+    reuse_stop: Optional[str] = None         # why reuse stopped there (diagnostics.REUSE_STOPS)
     reuse_stop_tokens: int = 0
     reuse_by_tier: dict[str, int] = field(default_factory=dict)
     iter_count: int = 0

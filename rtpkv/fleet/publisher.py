@@ -56,7 +56,7 @@ from typing import Any, Callable, Optional
 import zmq
 
 from rtpkv.cache.events import KVEventBuffer
-from rtpkv.cache.manager import tenant_label
+from rtpkv.cache.tenants import tenant_label
 from rtpkv.fleet import wire
 from rtpkv.log_limit import RateLimitedLog
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from rtpkv.cache import KvCacheRetentionConfig
-from rtpkv.cache.manager import PinnedPrefix
+from rtpkv.cache.sequence import PinnedPrefix
 from rtpkv.cache.prefix_index import KeyChain
 from rtpkv.cache.tiers.ladder import TierPlan
 

@@ -1,10 +1,10 @@
-"""The CUDA pool size (rtpkv.cache.gpu_pool): KV_CACHE_FREE_GPU_MEM_FRACTION of the free device
+"""The CUDA pool size (rtpkv.cache.builder): KV_CACHE_FREE_GPU_MEM_FRACTION of the free device
 memory, capped by KV_CACHE_MAX_TOKENS and KV_CACHE_MEM_MB, the smallest winning. Pure
 arithmetic, so it runs on CPU CI; the GPU tests size a real pool with it."""
 
 import pytest
 
-from rtpkv.cache.gpu_pool import gpu_pool_blocks
+from rtpkv.cache.builder import gpu_pool_blocks
 from rtpkv.config import RuntimeConfig, Settings
 from rtpkv.errors import ConfigError
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import run
 
-from rtpkv.cache.manager import pool_blocks
+from rtpkv.cache.builder import pool_blocks
 from rtpkv.cache.tiers import BlockMeta
 from rtpkv.cache.tiers.factory import tier_layout
 from rtpkv.cache.tiers.record import decode_header, encode_record

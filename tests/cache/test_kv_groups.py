@@ -7,7 +7,7 @@ import torch
 from conftest import GEMMA_WINDOW as W, idle_in_use, run
 
 from rtpkv.cache.groups import FULL_ATTENTION, SLIDING_WINDOW, KVGroup, kv_groups
-from rtpkv.cache.manager import RELEASED
+from rtpkv.cache.sequence import RELEASED
 from rtpkv.cache.prefix_index import KeyChain
 
 B = 8

@@ -13,7 +13,7 @@ from conftest import run
 from rtpkv.cache import KVCacheManager, KVEventBuffer, PrefixIndex
 from rtpkv.cache.block import DEFAULT_PRIORITY, Block
 from rtpkv.cache.eviction import TenantEvictionPolicy
-from rtpkv.cache.manager import tenant_label
+from rtpkv.cache.tenants import tenant_label
 from rtpkv.config import Settings
 from rtpkv.errors import ConfigError
 from rtpkv.model_factory import ModelConfig
@@ -98,14 +98,14 @@ def test_the_tenant_furthest_past_its_quota_is_the_victim_though_others_are_olde
         seq.num_computed = n
         cache.commit(seq)
         cache.free(seq)
-    assert cache.pool.num_free == 1 and cache.pool.num_over_quota == 2    # x: 3 > 1, y: 2 > 1
+    assert cache.pool.num_free == 1 and cache.tenants.num_over_quota == 2    # x: 3 > 1, y: 2 > 1
     cache.check_integrity([])
     newcomer = Seq(list(range(90, 106)), salt=b"z")   # 4 blocks: 1 free, then 3 evictions
     cache.admit(newcomer, cache.lookup(newcomer))
     assert cache.grow(newcomer, 16)
     # x (2 past) gives one, then x and y tie (1 past: by salt, x), then y; w (within) keeps all
-    assert cache.pool.quota_evictions == {b"x": 2, b"y": 1}
-    assert cache.pool.tenant_blocks == {b"w": 2, b"x": 1, b"y": 1}
+    assert cache.tenants.quota_evictions == {b"x": 2, b"y": 1}
+    assert cache.tenants.blocks == {b"w": 2, b"x": 1, b"y": 1}
     cache.check_integrity([newcomer])
 
 

@@ -18,7 +18,7 @@ from rtpkv.config import Settings
 from rtpkv.errors import ConfigError
 from rtpkv.fleet.publisher import END_SEQ
 from rtpkv.fleet.view import ReplicaView
-from rtpkv.cache.manager import tenant_label
+from rtpkv.cache.tenants import tenant_label
 from rtpkv.fleet.wire import salted_token_ids, wire_hash
 from rtpkv.model_factory import ModelConfig, ModelFactory
 from rtpkv.pipeline import Pipeline

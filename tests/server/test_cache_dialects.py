@@ -408,7 +408,7 @@ def test_tenant_metrics_have_a_bounded_label_set(keyed, monkeypatch):
     labels = [line.split('"')[1] for line in text.splitlines()
               if line.startswith("rtpkv_cache_tenant_blocks{")]
     assert len(labels) == 3 and labels[-1] == "other" and "t4" not in text
-    from rtpkv.cache.manager import tenant_label
+    from rtpkv.cache.tenants import tenant_label
     assert tenant_label(b"t4") in labels   # the tenant holding the most blocks, by its digest
 
 

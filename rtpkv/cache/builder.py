@@ -1,0 +1,124 @@
+"""build_cache: the cache the configuration asks for, and how many blocks its pool gets.
+
+Pool sizing lives here for both devices. CUDA follows TensorRT-LLM's rule: the pool takes
+`kv_cache_free_gpu_mem_fraction` (KV_CACHE_FREE_GPU_MEM_FRACTION, 0.9) of the memory free once
+the weights are loaded, and KV_CACHE_MAX_TOKENS caps it: the smaller wins (rtp-llm's seed 001);
+KV_CACHE_MEM_MB, when given, is one more cap. The CPU takes KV_CACHE_MEM_MB and
+KV_CACHE_MAX_TOKENS (the smaller wins when both are set), else a fixed fraction of available
+memory. With no cap given, neither pool is larger than CONCURRENCY_LIMIT sequences of
+max_seq_len need. Token counts are tokens of every layer: with KV cache groups
+(rtpkv/cache/groups.py), that many tokens' blocks in each group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from rtpkv.cache.events import KVEventBuffer
+from rtpkv.cache.groups import KVGroup, kv_groups, slots
+from rtpkv.cache.kv_memory import KVMemory
+from rtpkv.cache.manager import KVCacheManager
+from rtpkv.cache.prefix_index import PrefixIndex
+from rtpkv.cache.tenants import TenantQuotas
+from rtpkv.cache.tiers.factory import build_tiers
+from rtpkv.errors import ConfigError
+from rtpkv.torch_threads import serial_torch
+
+if TYPE_CHECKING:
+    from rtpkv.config import RuntimeConfig
+    from rtpkv.model_factory.factory import Model
+
+log = logging.getLogger("rtpkv")
+
+DEFAULT_CPU_MEMORY_FRACTION = 0.10   # of available host memory, when KV_CACHE_MEM_MB is unset
+
+
+def build_cache(model: "Model", config: "RuntimeConfig",
+                window: Optional[int]) -> KVCacheManager:
+    """The cache the configuration asks for: the pool sized by `pool_blocks`, the KV memory,
+    the event buffer, the tiers and the tenants' quotas."""
+    spec, B = model.spec, config.seq_size_per_block
+    tiers = build_tiers(config, model, B)
+    groups = kv_groups(spec.layer_windows, window,
+                       split=not tiers and not config.enable_partial_reuse)
+    if len(set(spec.layer_windows)) > 1 and len(groups) == 1:
+        log.info("KV cache groups off (tiers or partial reuse are on): one block table "
+                 "keeps every layer's blocks, each layer attending over its own window")
+    num_blocks = pool_blocks(model, config, groups)
+    with serial_torch():
+        memory = KVMemory(slots(groups), num_blocks, B, spec.num_kv_heads, spec.head_dim,
+                          model.kv_dtype, model.device)
+    cache = KVCacheManager(num_blocks, B, PrefixIndex(model.fingerprint, B), memory=memory,
+                           reuse_enabled=config.reuse_cache,
+                           partial_reuse=config.enable_partial_reuse,
+                           events=KVEventBuffer(config.kv_cache_event_buffer_max_size),
+                           tiers=tiers,
+                           offload_min_priority=config.secondary_offload_min_priority,
+                           window=window, ghosts=config.kv_cache_ghost_blocks,
+                           quota=TenantQuotas.from_config(config), groups=groups)
+    if len(groups) > 1:
+        log.info("KV cache groups: %s (%d layers a block)", ", ".join(
+            f"{g.kind}{'' if g.window is None else f' {g.window}'} layers "
+            f"{list(g.layers)}" for g in groups), slots(groups))
+    log.info("reuse_cache: %s, partial reuse: %s", config.reuse_cache,
+             config.enable_partial_reuse)
+    log.info("KV pool: %d blocks of %d tokens (%.1f MiB%s)", num_blocks, B,
+             memory.nbytes / 2**20, ", int8 with a float32 scale per token and head"
+             if memory.int8 else "")
+    return cache
+
+
+def pool_blocks(model: "Model", config: "RuntimeConfig",
+                groups: Sequence[KVGroup] = ()) -> int:
+    """Blocks in the pool, each holding `slots(groups)` layers (every layer without groups).
+    CUDA: `gpu_pool_blocks` over the device's free memory. CPU: from kv_cache_mem_mb and
+    kv_cache_max_tokens (the smaller wins when both are set), else a fixed fraction of available
+    memory, never above what concurrency_limit sequences of max_seq_len could use."""
+    spec, B = model.spec, config.seq_size_per_block
+    layers = slots(groups) if groups else spec.num_layers
+    share = max(1, len(groups))
+    per_block = KVMemory.bytes_per_block(layers, B, spec.num_kv_heads, spec.head_dim,
+                                         model.kv_dtype)
+    if model.device.type == "cuda":
+        import torch
+
+        return gpu_pool_blocks(torch.cuda.mem_get_info(model.device)[0], per_block, config,
+                               share)
+    limits = []
+    if config.kv_cache_mem_mb:
+        limits.append(int(config.kv_cache_mem_mb * 2**20) // per_block)
+    if config.kv_cache_max_tokens:
+        limits.append(config.kv_cache_max_tokens // B * share)
+    if not limits:
+        useful = config.concurrency_limit * -(-config.max_seq_len // B) * share
+        limits = [min(_available_bytes() // per_block, useful)]
+    return max(1, min(limits))
+
+
+def gpu_pool_blocks(free_bytes: int, bytes_per_block: int, config: "RuntimeConfig",
+                    share: int = 1) -> int:
+    """Blocks for a CUDA pool when `free_bytes` of device memory are free; ConfigError when the
+    fraction of it holds no block. `share`: the KV cache groups a token's K/V is spread over,
+    which the token counts are multiplied by."""
+    B, fraction = config.seq_size_per_block, config.kv_cache_free_gpu_mem_fraction
+    by_memory = int(free_bytes * fraction) // bytes_per_block
+    if by_memory < 1:
+        raise ConfigError(
+            f"KV_CACHE_FREE_GPU_MEM_FRACTION={fraction} of the {free_bytes / 2**20:.0f} MiB free "
+            f"on the device holds no KV block ({bytes_per_block} bytes each): raise it or free "
+            "device memory")
+    limits = [by_memory]
+    if config.kv_cache_max_tokens:
+        limits.append(config.kv_cache_max_tokens // B * share)
+    if config.kv_cache_mem_mb:
+        limits.append(int(config.kv_cache_mem_mb * 2**20) // bytes_per_block)
+    if len(limits) == 1:
+        limits.append(config.concurrency_limit * -(-config.max_seq_len // B) * share)
+    return max(1, min(limits))
+
+
+def _available_bytes() -> int:
+    pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(pages * DEFAULT_CPU_MEMORY_FRACTION)
