@@ -100,10 +100,10 @@ def _library() -> Optional[ctypes.CDLL]:
 def runs_plan(plan: Any, head_dim: int) -> bool:
     """Whether decoder.c computes `plan`: every layer the same Llama layer (attention without an
     output gate, two plain RMSNorms of one epsilon, SwiGLU, the 1/sqrt(head_dim) scale, no
-    soft-cap, no q/k norm, one RoPE table and one window), no embedding scale, no final
-    soft-cap. Any other plan is refused whole: the C code has no op for the rest (Gemma's
-    offset and sandwich norms, GeGLU, soft-caps, per-layer windows and RoPE tables, recurrent
-    layers)."""
+    soft-cap, no q/k norm, one RoPE table and one window, no residual scale), no embedding
+    scale, no final soft-cap nor logits divisor. Any other plan is refused whole: the C code
+    has no op for the rest (Gemma's offset and sandwich norms, GeGLU, soft-caps, per-layer
+    windows and RoPE tables, recurrent layers, attention without RoPE, Granite's multipliers)."""
     first = plan.layers[0]
     attention = first.attention
     return (all(layer == first for layer in plan.layers) and len(plan.ropes) == 1
@@ -111,7 +111,9 @@ def runs_plan(plan: Any, head_dim: int) -> bool:
             and not first.sandwich and first.mlp == "silu" and not first.norm.offset
             and plan.final_norm == first.norm and attention.softcap is None
             and not attention.qk_norm and attention.scale == head_dim ** -0.5
-            and plan.embedding_scale is None and plan.final_softcap is None)
+            and attention.positional and first.residual_scale is None
+            and plan.embedding_scale is None and plan.final_softcap is None
+            and plan.logits_divisor is None)
 
 
 def linear_args(layer: torch.nn.Module) -> LinearArgs:
@@ -163,7 +165,7 @@ class FusedDecoder:
         """The fused decoder of `module`, or None where it does not run end to end on the C
         kernels (then its layers run one by one)."""
         spec, backbone = module.spec, module.model
-        if spec.moe is not None or spec.linear_attention is not None:
+        if spec.moe is not None or spec.linear_attention is not None or spec.mamba is not None:
             return None   # csrc/decoder.c has no mixture-of-experts nor recurrent layer
         weight = backbone.embed_tokens.weight
         linears = [m for layer in backbone.layers

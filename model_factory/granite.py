@@ -29,7 +29,7 @@ from rtpkv.errors import ConfigError
 from rtpkv.model_factory.mamba2 import Mamba2Spec
 
 ARCHITECTURE = "GraniteMoeHybridForCausalLM"
-MAMBA2 = "linear_attention"          # a layer_types entry: a Mamba2 layer
+MAMBA2 = "linear_attention"   # a layer_types entry (spec.LINEAR_ATTENTION): a Mamba2 layer
 _LEGACY_TYPES = {"mamba": MAMBA2, "attention": "full_attention"}
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(block_sparse_moe|shared_mlp)\.(.+)\.weight$")

@@ -3,7 +3,9 @@ Qwen2: model_factory/qwen.py) over a paged KV cache, built from and running thei
 (model_factory/plan.py), the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral), whose
 sparse layers' MLP is model_factory/moe.py's, and the Gated DeltaNet hybrids (Qwen3-Next, its
 MLP a mixture too, and Qwen3.5), whose linear-attention layers are recurrent layers
-(model_factory/gated_delta.py) with their state in a StatePool (model_factory/recurrent.py).
+(model_factory/gated_delta.py) with their state in a StatePool (model_factory/recurrent.py), and
+the Mamba2 hybrid Granite 4.0-H, whose Mamba2 layers are recurrent layers too
+(model_factory/mamba2.py; its config and names: model_factory/granite.py).
 
 Parameter names follow the Hugging Face checkpoints so a state dict loads as is; `fuse()` then
 concatenates q/k/v and gate/up projections so each layer runs two fewer matmuls.
@@ -30,7 +32,8 @@ from rtpkv.kernels.gated_delta import sigmoid_gate_
 from rtpkv.kernels.linear import InferenceLinear, linear_path
 from rtpkv.model_factory.gated_delta import INTERLEAVED_ARCHITECTURES, GatedDeltaNet
 from rtpkv.model_factory.moe import SparseMoe
-from rtpkv.model_factory.plan import (GATED_DELTA, GLOBAL_ROPE, LayerPlan, ModelPlan, NormPlan,
+from rtpkv.model_factory.mamba2 import Mamba2Mixer
+from rtpkv.model_factory.plan import (GATED_DELTA, GLOBAL_ROPE, MAMBA2, LayerPlan, ModelPlan, NormPlan,
                                       capped_window, model_plan)
 from rtpkv.model_factory.recurrent import RecurrentBatch, StateSpec
 from rtpkv.model_factory.spec import ModelSpec
@@ -70,6 +73,7 @@ class Attention(nn.Module):
         self.kv_size = spec.num_kv_heads * spec.head_dim
         attention = plan.attention
         self.output_gate = attention.output_gate   # q_proj computes a gate beside each head
+        self.positional = attention.positional     # RoPE (Granite 4.0-H's attention has none)
         self.q_out = self.q_size * (2 if self.output_gate else 1)
         self.q_proj = nn.Linear(spec.hidden_size, self.q_out, bias=spec.qkv_bias)
         self.k_proj = nn.Linear(spec.hidden_size, self.kv_size, bias=spec.qkv_bias)
@@ -111,9 +115,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         rotary = rope[0].shape[-1]
-        if rotary == self.head_dim:
+        if self.positional and rotary == self.head_dim:
             apply_rope_(q, k, rope[0], rope[1], positions)
-        else:   # partial RoPE: the first `rotary` dimensions of each head, in place
+        elif self.positional:   # partial RoPE: the first `rotary` dimensions of each head, in place
             apply_rope_(q[..., :rotary], k[..., :rotary], rope[0], rope[1], positions)
         if self.softcap is None:
             out = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale)
@@ -165,11 +169,14 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, spec: ModelSpec, index: int, plan: LayerPlan):
         super().__init__()
-        self.recurrent = plan.mixer == GATED_DELTA
-        if self.recurrent:
+        self.recurrent = plan.recurrent
+        self.residual_scale = plan.residual_scale
+        if plan.mixer == GATED_DELTA:
             self.linear_attn = GatedDeltaNet(spec.hidden_size, spec.linear_attention,
                                              spec.rms_norm_eps,
                                              spec.architecture in INTERLEAVED_ARCHITECTURES)
+        elif plan.mixer == MAMBA2:
+            self.mamba = Mamba2Mixer(spec.hidden_size, spec.mamba, spec.rms_norm_eps)
         else:
             self.self_attn = Attention(spec, plan)
         self.mlp: nn.Module = (
@@ -183,6 +190,11 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, plan.norm)
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, plan.norm)
 
+    @property
+    def recurrent_layer(self) -> nn.Module:
+        """A recurrent layer's token mixer (model_factory/recurrent.py's RecurrentLayer)."""
+        return self.linear_attn if hasattr(self, "linear_attn") else self.mamba
+
     def forward(self, residual: torch.Tensor, h: Optional[torch.Tensor], positions: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], kv: Any, meta: Any,
                 attention: AttentionBackend) -> torch.Tensor:
@@ -191,9 +203,12 @@ class DecoderLayer(nn.Module):
         tensors and its `meta` the RecurrentBatch."""
         x = self.input_layernorm(residual) if h is None else self.input_layernorm(h, residual)
         if self.recurrent:
-            h = self.linear_attn(x, meta, kv)
+            h = self.recurrent_layer(x, meta, kv)
         else:
             h = self.self_attn(x, positions, rope, kv, meta, attention)
+        if self.residual_scale is not None:   # Granite: both outputs scaled before their adds
+            h = h * self.residual_scale
+            return self.mlp(self.post_attention_layernorm(h, residual)) * self.residual_scale
         if not self.sandwich:
             return self.mlp(self.post_attention_layernorm(h, residual))
         x = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
@@ -259,7 +274,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             mlp = layer.mlp
             if layer.recurrent:
-                layer.linear_attn.convert(convert)
+                layer.recurrent_layer.convert(convert)
             else:
                 attn = layer.self_attn
                 attn.fuse()
@@ -296,7 +311,7 @@ class CausalLM(nn.Module):
     def state_specs(self) -> list[tuple[StateSpec, ...]]:
         """Each recurrent layer's state tensors, in layer order (empty: no recurrent layer):
         what a StatePool for this model holds."""
-        return [layer.linear_attn.state_specs() for layer in self.model.layers
+        return [layer.recurrent_layer.state_specs() for layer in self.model.layers
                 if layer.recurrent]
 
     def layer_caches(self, kv_caches: list[Any], states: list[list[torch.Tensor]]) -> list[Any]:
@@ -317,7 +332,7 @@ class CausalLM(nn.Module):
         metas = []
         attending = iter(layer_batches) if layer_batches is not None else None
         for layer in self.plan.layers:
-            if layer.mixer == GATED_DELTA:
+            if layer.recurrent:
                 metas.append(recurrent)
                 continue
             seen = batch if attending is None else next(attending)
@@ -360,6 +375,8 @@ class CausalLM(nn.Module):
         cap = self.plan.final_softcap
         if cap is not None:   # in the model's dtype, as transformers
             logits = torch.tanh(logits / cap) * cap
+        if self.plan.logits_divisor is not None:
+            logits = logits / self.plan.logits_divisor
         return logits.float()
 
     def forward_logits(self, ids: list[int], positions: list[int],

@@ -1,9 +1,9 @@
 """The layer plan: what each decoder layer computes, as data.
 
-A `ModelPlan` is per-layer specs (the token mixer: attention or Gated DeltaNet; norms and where
-they sit, attention window, softmax scale, logit soft-cap, which RoPE table, q/k norm, output
-gate, MLP kind) plus the model-wide constants (embedding
-scale, final soft-cap). `CausalLM` builds its modules from it and its forward executes it; the
+A `ModelPlan` is per-layer specs (the token mixer: attention, Gated DeltaNet or Mamba2; norms
+and where they sit, attention window, softmax scale, logit soft-cap, which RoPE table if any, q/k
+norm, output gate, MLP kind, residual scale) plus the model-wide constants (embedding scale,
+final soft-cap, logits divisor). `CausalLM` builds its modules from it and its forward executes it; the
 fused C decoder (kernels/fused_decoder.py) runs a plan only where every layer is one it
 computes, and refuses the model otherwise. A new architecture is a new plan, read from its
 config by `model_plan`, not a new walk over the modules.
@@ -22,6 +22,7 @@ LOCAL_ROPE = "local"   # Gemma 3's sliding layers (rope_local_base_freq)
 
 ATTENTION = "attention"        # a layer's token mixer: paged attention over the KV pool
 GATED_DELTA = "gated_delta"    # Gated DeltaNet, a recurrent layer (model_factory/gated_delta.py)
+MAMBA2 = "mamba2"              # a Mamba2 mixer, a recurrent layer (model_factory/mamba2.py)
 
 
 @dataclass(frozen=True)
@@ -41,17 +42,24 @@ class AttentionPlan:
     qk_norm: bool              # an RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
     # the output times sigmoid(a gate q_proj computes beside each query head) (Qwen3-Next)
     output_gate: bool = False
+    positional: bool = True    # RoPE on q and k; False: none (Granite 4.0-H)
 
 
 @dataclass(frozen=True)
 class LayerPlan:
-    attention: AttentionPlan   # a GATED_DELTA layer's is unused
+    attention: AttentionPlan   # a recurrent layer's is unused
     mlp: str                   # "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gelu_pytorch_tanh)
     norm: NormPlan
     # Gemma 2/3's four norms: the attention output and the MLP output are normalized before
     # their residual adds, and the MLP input by a norm of its own; otherwise Llama's two
     sandwich: bool
-    mixer: str = ATTENTION     # ATTENTION or GATED_DELTA
+    mixer: str = ATTENTION     # ATTENTION, GATED_DELTA or MAMBA2
+    # the mixer's and the MLP's outputs times this before their residual adds (Granite)
+    residual_scale: Optional[float] = None
+
+    @property
+    def recurrent(self) -> bool:
+        return self.mixer != ATTENTION
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,7 @@ class ModelPlan:
     embedding_scale: Optional[float]     # embeddings times this, in the model's dtype (Gemma)
     final_softcap: Optional[float]       # logits become cap * tanh(logit / cap) (Gemma)
     final_norm: NormPlan
+    logits_divisor: Optional[float] = None   # logits divided by this (Granite's logits_scaling)
 
     @property
     def softcapped_attention(self) -> bool:
@@ -81,6 +90,10 @@ def model_plan(spec: ModelSpec) -> ModelPlan:
     offset = gemma or spec.architecture in LINEAR_ATTENTION_ARCHITECTURES
     norm = NormPlan(spec.rms_norm_eps, offset=offset)
     scale = (spec.query_pre_attn_scalar if gemma else spec.head_dim) ** -0.5
+    granite = spec.granite_scales
+    if granite is not None:
+        scale = granite.attention
+    recurrent = MAMBA2 if spec.mamba is not None else GATED_DELTA
     ropes = {GLOBAL_ROPE: spec.rope}
     if spec.local_rope is not None:
         ropes[LOCAL_ROPE] = spec.local_rope
@@ -91,10 +104,14 @@ def model_plan(spec: ModelSpec) -> ModelPlan:
                 window=windows.get(i), scale=scale, softcap=spec.attn_logit_softcapping,
                 rope=(LOCAL_ROPE if kind == "sliding_attention" and LOCAL_ROPE in ropes
                       else GLOBAL_ROPE),
-                qk_norm=spec.qk_norm, output_gate=spec.attention_output_gate),
+                qk_norm=spec.qk_norm, output_gate=spec.attention_output_gate,
+                positional=spec.attention_rope),
             mlp=spec.hidden_activation, norm=norm, sandwich=gemma,
-            mixer=GATED_DELTA if kind == LINEAR_ATTENTION else ATTENTION)
+            mixer=recurrent if kind == LINEAR_ATTENTION else ATTENTION,
+            residual_scale=granite.residual if granite is not None else None)
         for i, kind in enumerate(spec.layer_types))
-    return ModelPlan(layers=layers, ropes=ropes,
-                     embedding_scale=spec.hidden_size ** 0.5 if gemma else None,
-                     final_softcap=spec.final_logit_softcapping, final_norm=norm)
+    embedding_scale = (spec.hidden_size ** 0.5 if gemma
+                       else granite.embedding if granite is not None else None)
+    return ModelPlan(layers=layers, ropes=ropes, embedding_scale=embedding_scale,
+                     final_softcap=spec.final_logit_softcapping, final_norm=norm,
+                     logits_divisor=granite.logits if granite is not None else None)

@@ -14,7 +14,9 @@ import torch
 
 from rtpkv.errors import ConfigError
 from rtpkv.kernels.gated_delta import MAX_HEAD_DIM, DeltaShape
-from rtpkv.model_factory import qwen
+from rtpkv.model_factory import granite, qwen
+from rtpkv.model_factory.granite import GraniteScales
+from rtpkv.model_factory.mamba2 import Mamba2Spec
 from rtpkv.model_factory.moe import MOE_ARCHITECTURES, MoeSpec
 
 SUPPORTED_ARCHITECTURES = (
@@ -27,6 +29,7 @@ SUPPORTED_ARCHITECTURES = (
     "QWenLMHeadModel",
     *MOE_ARCHITECTURES,
     "Qwen3_5ForCausalLM",
+    granite.ARCHITECTURE,
 )
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -41,7 +44,8 @@ _EVERY_LAYER_WINDOWED = _ALWAYS_WINDOWED + ("Qwen3MoeForCausalLM",)
 
 _ROPE_TYPES = ("default", "llama3", "linear")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
-LINEAR_ATTENTION = "linear_attention"   # a layer_types entry: a Gated DeltaNet layer
+# a layer_types entry: a Gated DeltaNet layer, or Granite 4.0-H's Mamba2 layer (granite.MAMBA2)
+LINEAR_ATTENTION = "linear_attention"
 # MLP activations by their transformers names -> the plan's MLP kinds (model_factory/plan.py)
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -81,6 +85,11 @@ class ModelSpec:
     linear_attention: Optional[DeltaShape] = None
     rotary_dim: Optional[int] = None     # None: the whole head
     attention_output_gate: bool = False
+    # Mamba2 hybrids (Granite 4.0-H): the Mamba2 layers' shape (its linear_attention layers),
+    # the four multipliers, and whether attention applies RoPE at all
+    mamba: Optional[Mamba2Spec] = None
+    granite_scales: Optional[GraniteScales] = None
+    attention_rope: bool = True
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelSpec":
@@ -101,7 +110,9 @@ class ModelSpec:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         sliding = _sliding_window(cfg, arch)
         linear = arch in LINEAR_ATTENTION_ARCHITECTURES
+        is_granite = arch == granite.ARCHITECTURE
         types = tuple(_hybrid_layer_types(cfg, layers, source) if linear
+                      else granite.layer_types(cfg, layers, source) if is_granite
                       else _layer_types(cfg, arch, layers, sliding, source))
         gemma = arch in GEMMA_ARCHITECTURES
         head_dim = int(cfg.get("head_dim") or hidden // heads)
@@ -117,7 +128,9 @@ class ModelSpec:
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            # Granite's dense MLP is its shared_mlp (its experts' size is intermediate_size)
+            intermediate_size=int(cfg["shared_intermediate_size" if is_granite
+                                      else "intermediate_size"]),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -151,6 +164,9 @@ class ModelSpec:
             linear_attention=_delta_shape(cfg, source) if linear else None,
             rotary_dim=_rotary_dim(cfg, rope, head_dim, source) if linear else None,
             attention_output_gate=linear,
+            mamba=granite.mamba2_spec(cfg, source) if is_granite else None,
+            granite_scales=granite.GraniteScales.from_config(cfg, source) if is_granite else None,
+            attention_rope=granite.uses_rope(cfg, source) if is_granite else True,
         )
 
     @property
