@@ -30,9 +30,7 @@ GEMMA_WINDOW = 32
 # top-k weights or not, Qwen2-MoE's gated shared expert, Mixtral's layout; Gemma 2's alternating
 # sliding and full layers, query_pre_attn_scalar and both soft-caps; Gemma 3's five-to-one
 # pattern (shortened), q/k norm, two RoPE tables (a local base, a linearly scaled global one) and
-# a head_dim apart from hidden / heads; Granite 4.0-H's Mamba2 layers around an attention layer,
-# with its four multipliers, a mixture of experts beside its shared MLP and RoPE, or dense
-# without RoPE (its published form), the Mamba2 chunk shorter than the prompts.
+# a head_dim apart from hidden / heads.
 ARCHITECTURES = {
     "llama": dict(architecture="LlamaForCausalLM", rope_scaling=LLAMA3_ROPE),
     "mistral": dict(architecture="MistralForCausalLM", tie_word_embeddings=True),
@@ -62,20 +60,6 @@ ARCHITECTURES = {
                                               "rope_theta": 1_000_000.0},
                            "sliding_attention": {"rope_type": "default",
                                                  "rope_theta": 10_000.0}})),
-    "granite_hybrid": dict(
-        architecture="GraniteMoeHybridForCausalLM", num_layers=3,
-        config_overrides=dict(
-            layer_types=["linear_attention", "full_attention", "linear_attention"],
-            shared_intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
-            mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16,
-            mamba_chunk_size=16, position_embedding_type="rope", embedding_multiplier=2.0,
-            residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0)),
-    "granite_hybrid_dense": dict(
-        architecture="GraniteMoeHybridForCausalLM", num_layers=3,
-        config_overrides=dict(
-            layer_types=["linear_attention", "linear_attention", "full_attention"],
-            shared_intermediate_size=96, num_local_experts=0, mamba_n_heads=8,
-            mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16)),
 }
 
 
@@ -93,6 +77,24 @@ HYBRID_ARCHITECTURES = {
                                 shared_expert_intermediate_size=48, norm_topk_prob=True,
                                 mlp_only_layers=[1])),
     "qwen3_5": dict(LINEAR_ATTENTION, architecture="Qwen3_5ForCausalLM"),
+    # Granite 4.0-H (tests/model/test_granite_hybrid.py): Mamba2 layers around an attention
+    # layer, its four multipliers away from 1, a mixture of experts beside its shared MLP and
+    # RoPE; or dense without RoPE (its published form); transformers' Mamba2 chunk shorter than
+    # the prompts
+    "granite_hybrid": dict(
+        architecture="GraniteMoeHybridForCausalLM", num_layers=3,
+        config_overrides=dict(
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            shared_intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+            mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16,
+            mamba_chunk_size=16, position_embedding_type="rope", embedding_multiplier=2.0,
+            residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0)),
+    "granite_hybrid_dense": dict(
+        architecture="GraniteMoeHybridForCausalLM", num_layers=3,
+        config_overrides=dict(
+            layer_types=["linear_attention", "linear_attention", "full_attention"],
+            shared_intermediate_size=96, num_local_experts=0, mamba_n_heads=8,
+            mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16)),
 }
 
 
