@@ -95,7 +95,7 @@ def mix(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[int], lens:
     sequences whose rows of `proj` (T, projection size; sequence s owns rows starts[s] ..
     starts[s] + lens[s]) continue the states in slot slots[s] of `conv_state` (slots, conv
     channels, kernel - 1) and `ssm_state` (slots, heads, head_dim, state), both float32 and
-    advanced in place. `saves[s]`: (k, slot) pairs, k ascending in 1 .. lens[s]: the states
+    advanced in place. `saves[s]`: (k, slot) pairs, k in 1 .. lens[s]: the states
     after the sequence's first k rows are copied into `slot` of both pools (model_factory/
     recurrent.py's snapshots). The C kernel where it builds, else `mix_reference`."""
     saves = _checked(weights, proj, starts, lens, slots, conv_state, ssm_state, saves)
@@ -161,7 +161,7 @@ def mix_reference(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[i
             gated = (y.reshape(I) * F.silu(z)).view(G, I // G)
             normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + weights.norm_eps)
             out[t] = weights.norm_weight * normed.reshape(I)
-            if pending and pending[0][0] == k:
+            while pending and pending[0][0] == k:
                 target = pending.pop(0)[1]
                 for j, column in enumerate(window):
                     conv_state[target, :, j] = column
@@ -195,7 +195,7 @@ def _checked(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[int],
                 or not pool.is_contiguous()):
             raise ValueError(f"{name} is {pool.dtype} {tuple(pool.shape)}: expected contiguous "
                              f"float32 (slots, {', '.join(map(str, shape))})")
-    saves = saves or [()] * len(slots)
+    saves = [sorted(pairs) for pairs in saves] if saves else [[]] * len(slots)
     if len(saves) != len(slots):
         raise ValueError(f"{len(saves)} save lists for {len(slots)} sequences")
     targets = [slot for pairs in saves for _, slot in pairs]
@@ -210,7 +210,7 @@ def _checked(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[int],
     for s, pairs in enumerate(saves):
         rows = lens[s]
         offsets = [k for k, _ in pairs]
-        if any(not 1 <= k <= rows for k in offsets) or offsets != sorted(set(offsets)):
-            raise ValueError(f"sequence {s}: save offsets {offsets} must ascend, each in "
-                             f"1..{rows} (its rows)")
+        if any(not 1 <= k <= rows for k in offsets):
+            raise ValueError(f"sequence {s}: save offsets {offsets} must each be in 1..{rows} "
+                             "(its rows)")
     return saves

@@ -18,8 +18,8 @@
  *   xbc (T, CD) scratch: the convolution's outputs after SiLU
  *   out (T, I)  the normalized, gated scan outputs (the out projection's input)
  * Checkpoints: for each j in save_starts[s] .. save_starts[s + 1], sequence s copies its
- * states after its first saved[j] rows (ascending, 1 .. its row count) into slot
- * save_slots[j] of both pools (a slot no sequence of the call runs in).
+ * states after its first saved[j] rows (non-decreasing, 1 .. its row count) into slot
+ * save_slots[j] of both pools (a slot no sequence of the call runs in nor another save names).
  */
 #include <math.h>
 #include <stdint.h>
@@ -80,7 +80,7 @@ static void convolve(const mamba2_layer *m, int64_t S, const int64_t *starts, co
                 }
                 xbc[t * CD + c] = silu(acc);
                 memmove(window, window + 1, (size_t)(K - 1) * sizeof(float));
-                if (next_save < save_starts[s + 1] && saved[next_save] == t - starts[s] + 1) {
+                while (next_save < save_starts[s + 1] && saved[next_save] == t - starts[s] + 1) {
                     memcpy(conv_state + (save_slots[next_save] * CD + c) * (K - 1), window,
                            (size_t)(K - 1) * sizeof(float));
                     next_save++;
@@ -121,7 +121,7 @@ static void scan(const mamba2_layer *m, int64_t S, const int64_t *starts, const 
                     }
                     y[p] = dot8(row, C, N) + D * x[p];
                 }
-                if (next_save < save_starts[s + 1] && saved[next_save] == t - starts[s] + 1) {
+                while (next_save < save_starts[s + 1] && saved[next_save] == t - starts[s] + 1) {
                     memcpy(ssm_state + (save_slots[next_save] * H + h) * P * N, state,
                            (size_t)(P * N) * sizeof(float));
                     next_save++;
