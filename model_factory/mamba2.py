@@ -1,5 +1,6 @@
-"""The Mamba2 mixer of the Mamba2 hybrids (IBM Granite 4.0-H: GraniteMoeHybridForCausalLM):
-config facts (`Mamba2Spec`) and the layer (`Mamba2Mixer`).
+"""The Mamba2 mixer of the Mamba2 hybrids (IBM Granite 4.0-H: GraniteMoeHybridForCausalLM): its
+dimensions (`Mamba2Spec`) and the layer (`Mamba2Mixer`), a recurrent layer of
+model_factory/recurrent.py.
 
 A mixer keeps no per-token KV: each sequence has a convolution state (the last kernel - 1
 inputs of the x, B, C channels) and a recurrent state (heads x head_dim x state size), both
