@@ -44,6 +44,12 @@ owns, with the source held by a reference while it is copied, so nothing can evi
 meanwhile (the copy happens in `admit`, on the engine thread, before the step's forward). A
 shared or indexed block is never written.
 
+A recurrent model (Qwen3-Next, Qwen3.5) also has a state group (`state_group`, state_group.py,
+vLLM's "mamba" kind): a live state slot per running request and saved states (checkpoints) at
+every LINEAR_STEP-th block boundary of a prompt, keyed like the attention blocks they end. A hit
+is then the longest prefix whose attention blocks are held and whose end has a checkpoint
+(`lookup` cuts it there), and admission copies that checkpoint into the request's live slot.
+
 Its other rooms: `build_cache` (builder.py) builds it from the configuration and sizes the
 pool; `tenants` (tenants.py) counts each salt's blocks and holds the quotas; what it says about
 itself, read-only (reuse stops, stats, the integrity check), is `CacheDiagnostics`
@@ -70,6 +76,7 @@ from rtpkv.cache.prefix_index import KeyChain, PrefixIndex
 from rtpkv.cache.retention import KvCacheRetentionConfig
 from rtpkv.cache.sequence import (RELEASED, CacheSequence, GroupTable, GroupView,
                                   PinnedPrefix)
+from rtpkv.cache.state_group import StateGroup
 from rtpkv.cache.tenants import Quota, Tenants
 from rtpkv.cache.tiers.base import BlockMeta
 from rtpkv.cache.tiers.ladder import TierHit, TierLadder
@@ -97,6 +104,7 @@ class PrefixMatch:
     revived: int = 0                     # device hits that are cached (unreferenced) now
     partial: Optional[PartialHit] = None
     groups: list[list[int]] = field(default_factory=list)
+    state: Optional[int] = None          # a recurrent model's checkpoint at the hit's end
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -123,8 +131,11 @@ class KVCacheManager(CacheDiagnostics):
                  window: Optional[int] = None, ghosts: Optional[int] = None,
                  quota: Optional[Quota] = None,
                  groups: Sequence[KVGroup] = (),
+                 state_group: Optional[StateGroup] = None,
                  clock: Callable[[], float] = time.monotonic):
-        """`groups`: the KV cache groups (groups.py); none: one group with `window`."""
+        """`groups`: the KV cache groups (groups.py); none: one group with `window`.
+        `state_group`: a recurrent model's states (state_group.py), its events' group index
+        after the attention groups'."""
         if tiers and memory is None:
             raise ValueError("tiers need the KV memory to copy blocks from and to")
         if partial_reuse and memory is None:
@@ -150,9 +161,12 @@ class KVCacheManager(CacheDiagnostics):
         self.window = groups[0].window    # group 0's: tokens each query attends to; None: all
         grouped = len(groups) > 1
         self.roots = [group_root(index.root, g, grouped, index.hash_fn) for g in groups]
-        if grouped:   # vLLM's fields of each group, on every event of its blocks
+        self.state_group = state_group
+        if grouped or state_group is not None:   # vLLM's fields of each group, on its events
             events.groups = tuple({"group_idx": g.index, "kv_cache_spec_kind": g.kind,
                                    "kv_cache_spec_sliding_window": g.window} for g in groups)
+            if state_group is not None:
+                events.groups += (state_group.event_fields,)
             events.group_roots = frozenset(self.roots)
         self._init_counters()
 
@@ -170,6 +184,8 @@ class KVCacheManager(CacheDiagnostics):
         subscribed after those blocks were announced (Dynamo's relay subscribes only once the
         worker has started)."""
         self.pool.announce()
+        if self.state_group is not None:
+            self.state_group.pool.announce()
         self.ladder.announce()
 
     @property
@@ -280,8 +296,25 @@ class KVCacheManager(CacheDiagnostics):
     def lookup(self, seq: CacheSequence, cap: Optional[int] = None) -> PrefixMatch:
         """The longest cached prefix of `seq`'s first `cap` tokens in the device pool (by
         default all but its last token, whose logits are needed): the pinned task prefix, then
-        device hits, then (partial reuse) a partial-block hit. Read-only."""
+        device hits, then (partial reuse) a partial-block hit; with a state group, cut to the
+        longest of them with a checkpoint at its end. Read-only."""
         cap = seq.num_tokens - 1 if cap is None else cap
+        match = self._attention_lookup(seq, cap)
+        if self.state_group is None:
+            return match
+        handle = seq.prefix_handle
+        pinned = ((len(handle.block_ids), handle.state_block)
+                  if handle is not None and handle.state_block is not None else None)
+        while True:   # a shorter prefix may need other sliding-window blocks: look up again
+            j, state = self.state_group.hit(self._chain(seq), len(match.device), pinned,
+                                            self.reuse_applies(seq))
+            if j == len(match.device):
+                match.state = state
+                return match
+            match = self._attention_lookup(seq, j * self.block_size)
+
+    def _attention_lookup(self, seq: CacheSequence, cap: int) -> PrefixMatch:
+        """`lookup` over the attention groups alone."""
         limit = cap // self.block_size
         if len(self.groups) > 1:
             return self._group_lookup(seq, limit)
@@ -446,7 +479,9 @@ class KVCacheManager(CacheDiagnostics):
                 seq.block_table.append(block_id)
                 seq.block_keys.append(self.pool.blocks[block_id].key)
             reused = {"local": len(match.device) * B}
-            if self.ladder and self.reuse_applies(seq):
+            if self.state_group is not None:   # the tiers hold no state: device hits only
+                self.state_group.start(seq, match.state)
+            elif self.ladder and self.reuse_applies(seq):
                 start = len(match.device)
                 hits = self.ladder.walk(self._metas(seq, start), start, seq.allows_tier,
                                         seq.tier_plan)
@@ -479,6 +514,8 @@ class KVCacheManager(CacheDiagnostics):
                         self.pool.acquire(block_id)
                     view.block_table.append(block_id)
                     view.block_keys.append(chain.key(i))
+            if self.state_group is not None:
+                self.state_group.start(seq, match.state)
         except BaseException:
             self.free(seq)
             raise
@@ -529,6 +566,8 @@ class KVCacheManager(CacheDiagnostics):
         for view, need in zip(views, needs):
             for _ in range(need):
                 view.block_table.append(self.pool.allocate())
+        if self.state_group is not None and (self.reuse_applies(seq) or seq.prefill_only):
+            self.state_group.plan(seq, self._chain(seq), num_tokens)
         return True
 
     def _offload(self, block: Block) -> None:
@@ -547,6 +586,8 @@ class KVCacheManager(CacheDiagnostics):
             return
         for group, view in self._views(seq):
             self._commit_group(view, group.index)
+        if self.state_group is not None:
+            self.state_group.commit(seq, self._chain(seq), seq.retention or _DEFAULT_RETENTION)
 
     def _commit_group(self, seq: CacheSequence, group: int) -> None:
         B = self.block_size
@@ -610,6 +651,8 @@ class KVCacheManager(CacheDiagnostics):
                     self._release_entry(view, i, retention, tiers)
             view.block_table.clear()
             view.block_keys.clear()
+        if self.state_group is not None:
+            self.state_group.release(seq)
 
     def _keep_tail(self, seq: CacheSequence) -> None:
         """Keep `seq`'s partly filled last block as a partial-hit source when its computed
@@ -650,9 +693,12 @@ class KVCacheManager(CacheDiagnostics):
             assert RELEASED not in ids, "a task prompt's blocks are never released"
             for block_id in ids:
                 self.pool.pin(block_id)
-        return PinnedPrefix(tables[0], n * self.block_size, tuple(tables[1:]))
+        state = self.state_group.pin(self._chain(seq), n) if self.state_group else None
+        return PinnedPrefix(tables[0], n * self.block_size, tuple(tables[1:]), state)
 
     def unpin(self, handle: PinnedPrefix) -> None:
+        if handle.state_block is not None:
+            self.state_group.unpin(handle.state_block)
         for ids in reversed([handle.block_ids, *handle.group_block_ids]):
             for block_id in reversed(ids):
                 self.pool.unpin(block_id)

@@ -43,7 +43,6 @@ from rtpkv.errors import EngineStoppedError, RequestTimeoutError
 from rtpkv.log_limit import RateLimitedLog
 from rtpkv.torch_threads import engine_threads
 from rtpkv.model_factory.factory import Model
-from rtpkv.model_factory.recurrent import StatePool
 
 log = logging.getLogger("rtpkv")
 
@@ -62,21 +61,13 @@ class Engine:
         self.config = config
         self.block_size = config.seq_size_per_block
         self.window = attention_window(config, model.spec)
-        specs = model.module.state_specs
-        if specs and config.reuse_cache:
-            log.info("reuse_cache off: a model with recurrent layers cannot resume a prefix "
-                     "without its state")
-            config = config.replace(reuse_cache=False)
         self.cache = build_cache(model, config, self.window.tokens)
         self.events = self.cache.events
-        # the recurrent layers' states: a live slot per running request
-        self.states = (StatePool(specs, config.concurrency_limit, model.device) if specs
-                       else None)
-        self.scheduler = Scheduler(config, self.cache, self.states)
+        self.scheduler = Scheduler(config, self.cache)
         self.runner = ModelRunner(model.module, self.cache.memory, self.window.tokens,
                                   config.concurrency_limit, config.enforce_eager,
                                   self.cache.groups, self.cache.layer_slots,
-                                  self.cache.layer_groups, self.states)
+                                  self.cache.layer_groups, self.cache.state_group)
         self.lock = threading.RLock()
         self.step_log: deque[list[tuple[int, int, str]]] = deque(maxlen=STEP_LOG_SIZE)
         self.steps = 0

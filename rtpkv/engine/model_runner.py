@@ -18,30 +18,33 @@ import torch
 
 from rtpkv.cache import KVMemory
 from rtpkv.cache.groups import KVGroup
+from rtpkv.cache.state_group import StateGroup
 from rtpkv.engine.cuda_graphs import DecodeGraphs, decode_graphs
 from rtpkv.engine.scheduler import ScheduledChunk
 from rtpkv.kernels import AttentionBatch
 from rtpkv.model_factory.llama import CausalLM
-from rtpkv.model_factory.recurrent import RecurrentBatch, StatePool
+from rtpkv.model_factory.recurrent import RecurrentBatch
 
 
 class ModelRunner:
     def __init__(self, module: CausalLM, memory: KVMemory, window: Optional[int] = None,
                  max_decode_rows: int = 1, enforce_eager: bool = True,
                  groups: Sequence[KVGroup] = (), layer_slots: Optional[Sequence[int]] = None,
-                 layer_groups: Sequence[int] = (), states: Optional[StatePool] = None):
+                 layer_groups: Sequence[int] = (), state_group: Optional[StateGroup] = None):
         """`max_decode_rows` (CONCURRENCY_LIMIT): the largest decode batch a CUDA graph is
         captured for; `enforce_eager` (ENFORCE_EAGER): no graphs. `groups`: the KV cache groups
         past group 0 have their own tables (groups.py); `layer_slots` and `layer_groups`: each
-        attention layer's pool slot and group. `states`: the recurrent layers' state pool."""
+        attention layer's pool slot and group. `state_group`: a recurrent model's states (the
+        live slots its layers advance, the checkpoints they write)."""
         self.module = module
         self.window = window          # tokens each query attends to (AttentionBatch.window)
         self.groups = tuple(groups)
         self.layer_groups = list(layer_groups)
         self.memory = memory
-        self.states = states
-        self.kv_caches = module.layer_caches(memory.layer_caches(layer_slots),
-                                             states.tensors if states is not None else [])
+        self.state_group = state_group
+        self.kv_caches = module.layer_caches(
+            memory.layer_caches(layer_slots),
+            state_group.states.tensors if state_group is not None else [])
         self.block_size = memory.block_size
         self.device = memory.kv.device
         self.kv_heads = memory.kv.shape[2]
@@ -99,12 +102,15 @@ class ModelRunner:
 
     def _recurrent_batch(self, chunks: list[ScheduledChunk], batch: AttentionBatch
                          ) -> Optional[RecurrentBatch]:
-        """The recurrent layers' view of the batch: each chunk's rows and its request's live
-        state slot; None for a model without recurrent layers."""
-        if self.states is None:
+        """The recurrent layers' view of the batch: each chunk's rows, its request's live state
+        slot and the checkpoints to write inside it; None for a model without recurrent
+        layers."""
+        group = self.state_group
+        if group is None:
             return None
         return RecurrentBatch(batch.query_start, batch.query_len,
-                              [c.request.state_slot for c in chunks])
+                              [c.request.state_slot for c in chunks],
+                              [group.snapshots(c.request, c.start, c.num_tokens) for c in chunks])
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:

@@ -13,9 +13,7 @@ With an attention window, blocks that fell out of it are released after each ste
 reservations count the blocks a request holds at once (the window's), not its whole length.
 
 Blocks are the KVCacheManager's: the scheduler asks it to look up, admit, grow, commit, pin and
-free, and never touches a block itself. A model with recurrent layers also gives each running
-request a live state slot of its StatePool, taken at admission and given back when the request
-is paused, fails or ends. Whatever fails while a request is admitted fails that
+free, and never touches a block itself. Whatever fails while a request is admitted fails that
 request alone, with its blocks released (`take_failed` hands such requests to the engine).
 """
 
@@ -32,7 +30,6 @@ from rtpkv.config import CapacitySchedulerPolicy, ContextChunkingPolicy, Runtime
 from rtpkv.engine.request import FinishReason, Request
 from rtpkv.engine.stop import check_stop
 from rtpkv.errors import CapacityError
-from rtpkv.model_factory.recurrent import StatePool
 
 log = logging.getLogger("rtpkv")
 
@@ -51,12 +48,9 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, config: RuntimeConfig, cache: KVCacheManager,
-                 states: Optional[StatePool] = None):
-        """`states`: a recurrent model's state pool, CONCURRENCY_LIMIT live slots at least."""
+    def __init__(self, config: RuntimeConfig, cache: KVCacheManager):
         self.config = config
         self.cache = cache
-        self.states = states
         self.block_size = cache.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []       # in admission order
@@ -182,7 +176,6 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         """Pause: free the request's blocks (full ones stay cached) and queue it first."""
         self.cache.free(req)
-        self._release_state(req)
         req.num_computed = 0
         req.num_preemptions += 1
         self.running.remove(req)
@@ -195,12 +188,6 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.cache.free(req)
-        self._release_state(req)
-
-    def _release_state(self, req: Request) -> None:
-        if req.state_slot is not None:
-            self.states.free(req.state_slot)
-            req.state_slot = None
 
     # ------------------------------------------------------------------ after the step
     def postprocess(self, chunks: list[ScheduledChunk], sampled: list[ScheduledChunk],
@@ -264,7 +251,6 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self.cache.free(req)
-        self._release_state(req)
         req.error, req.finish_reason = exc, FinishReason.ERROR
         self._failed.append(req)
 
@@ -292,9 +278,6 @@ class Scheduler:
         if not fits:
             return False
         reused = self.cache.admit(req, match)
-        if self.states is not None:   # the state before the first token to compute
-            req.state_slot = self.states.allocate()
-            self.states.zero(req.state_slot)
         self.waiting.remove(req)
         if req.local_reuse_len is None:
             req.local_reuse_len = reused.pop("local")

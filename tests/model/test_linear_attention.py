@@ -122,7 +122,8 @@ def test_greedy_tokens_and_logits_match_transformers(checkpoints, make_pipeline,
         together = list(stream)[-1]
         assert together.output_ids == res.output_ids
         assert torch.equal(together.logits, res.logits)
-    assert pipe.engine.states.num_free == pipe.engine.states.num_slots
+    states = pipe.engine.cache.state_group.states
+    assert states.num_free == states.num_slots - pipe.engine.cache.state_group.pool.num_blocks
 
 
 def test_no_state_slot_outlives_its_request(checkpoints, make_pipeline):
@@ -131,9 +132,9 @@ def test_no_state_slot_outlives_its_request(checkpoints, make_pipeline):
     next(iter(stream))
     stream.close()   # cancelled mid-decode
     run(pipe, _prompt(12, 6), max_new_tokens=3)
-    states = pipe.engine.states
-    assert states.num_slots == 2 and states.num_free == 2
-    assert states.bytes_per_slot == 3 * (4 * (2 * 32 + 64) * 3 + 4 * 4 * 16 * 16)
+    group = pipe.engine.cache.state_group
+    assert group.live_slots == 2 and group.states.num_free == 2
+    assert group.states.bytes_per_slot == 3 * (4 * (2 * 32 + 64) * 3 + 4 * 4 * 16 * 16)
 
 
 BASE = {"architectures": ["Qwen3_5ForCausalLM"], "vocab_size": 64, "hidden_size": 32,

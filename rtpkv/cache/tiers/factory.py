@@ -34,7 +34,7 @@ def tier_layout(model: Any, block_size: int) -> TierLayout:
     pool holds them (int8 rows with their scales for the int8 cache)."""
     spec = model.spec
     return TierLayout(fingerprint=model.fingerprint, block_size=block_size, dtype=model.kv_dtype,
-                      shape=(2, spec.num_layers, spec.num_kv_heads, block_size,
+                      shape=(2, spec.num_kv_layers, spec.num_kv_heads, block_size,
                              row_width(spec.head_dim, model.kv_dtype)))
 
 
@@ -122,7 +122,7 @@ def _connector_tier(config: Any, layout: TierLayout, model: Any):
             raise ConfigError(str(exc)) from None
     if spec is None:
         return None
-    context = ConnectorContext(layout=layout, num_layers=model.spec.num_layers,
+    context = ConnectorContext(layout=layout, num_layers=model.spec.num_kv_layers,
                                num_staging_blocks=CONNECTOR_STAGING_BLOCKS)
     try:
         tier = make_connector_tier(spec, context)
