@@ -1,14 +1,17 @@
 """Granite 4.0-H, the Mamba2 hybrid (model_factory/granite.py, model_factory/mamba2.py): greedy
 tokens and logits equal transformers' (float32) on tiny random checkpoints (a mixture of experts
 with RoPE and every multiplier away from 1; dense without RoPE), prompts shorter and longer than
-a prefill chunk, alone and batched (the bits of alone), reuse off and on; what its config must
-hold is refused by name; no state slot outlives its request."""
+a prefill chunk, alone and batched (the bits of alone), reuse off and on; with state
+checkpoints (rtpkv/cache/state_group.py) reuse on gives the bits of reuse off, a hit ends on the
+last saved boundary, a state saved inside a chunk has the bits of one pass; what its config must
+hold is refused by name; no state slot nor checkpoint outlives its request."""
 
 import pytest
 import torch
 import transformers
 
 from conftest import hf_reference, random_prompt, run
+from rtpkv.cache.prefix_index import KeyChain
 from rtpkv.errors import ConfigError
 from rtpkv.model_factory.spec import ModelSpec
 
@@ -41,7 +44,8 @@ def test_greedy_tokens_and_logits_match_transformers(checkpoints, make_pipeline,
         together = list(stream)[-1]
         assert together.output_ids == res.output_ids
         assert torch.equal(together.logits, res.logits)
-    assert pipe.engine.states.num_free == pipe.engine.states.num_slots
+    states = pipe.engine.cache.state_group.states
+    assert states.num_free == states.num_slots - pipe.engine.cache.state_group.pool.num_blocks
 
 
 def test_no_state_slot_outlives_its_request(checkpoints, make_pipeline):
@@ -50,10 +54,10 @@ def test_no_state_slot_outlives_its_request(checkpoints, make_pipeline):
     next(iter(stream))
     stream.close()   # cancelled mid-decode
     run(pipe, random_prompt(12, 6), max_new_tokens=3)
-    states = pipe.engine.states
-    assert states.num_slots == 2 and states.num_free == 2
+    group = pipe.engine.cache.state_group
+    assert group.live_slots == 2 and group.states.num_free == 2
     # two Mamba2 layers: a conv window of 3 over 128 + 2 x 8 channels, 8 x 16 x 8 SSM state
-    assert states.bytes_per_slot == 2 * 4 * (3 * 144 + 8 * 16 * 8)
+    assert group.states.bytes_per_slot == 2 * 4 * (3 * 144 + 8 * 16 * 8)
 
 
 BASE = {"architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 64, "hidden_size": 32,
@@ -88,3 +92,63 @@ def test_config_is_read_as_transformers_reads_it():
 def test_bad_config_is_refused_by_name(field, value, message):
     with pytest.raises(ConfigError, match=message):
         ModelSpec.from_config({**MOE, field: value})
+
+
+# State checkpoints (rtpkv/cache/state_group.py): a Mamba2 layer's saved states serve reuse
+B, STEP = 4, 2               # a checkpoint every 8 tokens
+CHECKPOINTED = dict(seq_size_per_block=B, linear_step=STEP, max_num_batched_tokens=16)
+
+
+def _chat(pipe, turns=3, seed=3):
+    history, outs = [], []
+    for turn in range(turns):
+        history += random_prompt(11, seed + turn)
+        res = run(pipe, history, max_new_tokens=5, return_logits=True)
+        outs.append((len(history), res))
+        history += res.output_ids
+    return outs
+
+
+@pytest.mark.parametrize("arch", ["granite_hybrid", "granite_hybrid_dense"])
+def test_reuse_from_saved_states_gives_the_bits_of_no_reuse(checkpoints, make_pipeline, arch):
+    """A chat: each turn hits the previous prompt's last saved boundary, and its tokens and
+    logits are the bits of a run without reuse."""
+    path = checkpoints(arch)
+    plain = _chat(make_pipeline(path, **CHECKPOINTED))
+    reused = _chat(make_pipeline(path, reuse_cache=True, **CHECKPOINTED))
+    for (_, a), (_, b) in zip(plain, reused):
+        assert a.output_ids == b.output_ids and torch.equal(a.logits, b.logits)
+    assert reused[0][1].aux_info["reuse_len"] == 0
+    for (previous, _), (_, res) in zip(reused, reused[1:]):
+        assert res.aux_info["reuse_len"] == previous // (B * STEP) * (B * STEP) > 0
+
+
+def test_no_checkpoint_nor_slot_outlives_a_cancelled_request(checkpoints, make_pipeline):
+    pipe = make_pipeline(checkpoints("granite_hybrid_dense"), reuse_cache=True,
+                         concurrency_limit=2, **CHECKPOINTED)
+    stream = pipe(random_prompt(40, 8), top_k=1, ignore_eos=True, max_new_tokens=200)
+    next(iter(stream))
+    stream.close()   # cancelled mid-decode, its prompt's states saved
+    again = run(pipe, random_prompt(40, 8) + [7], max_new_tokens=2)
+    assert again.aux_info["reuse_len"] == 40
+    stats = pipe.cache_stats()["state_group"]
+    assert stats["checkpoints_in_use"] == 0 and stats["live_slots_free"] == 2
+
+
+def test_a_state_saved_inside_a_chunk_has_the_bits_of_one_pass(checkpoints, make_pipeline):
+    path = checkpoints("granite_hybrid_dense")
+    prompt = random_prompt(45, 9)
+    saved = []
+    for chunk in (16, 256):   # chunks of 16 tokens, then one pass
+        pipe = make_pipeline(path, reuse_cache=True,
+                             **{**CHECKPOINTED, "max_num_batched_tokens": chunk})
+        run(pipe, prompt, max_new_tokens=1)
+        cache = pipe.engine.cache
+        chain = KeyChain(cache.index, prompt, b"", 0, root=cache.roots[0])
+        blocks = {i: cache.state_group.pool.cached(chain.key(i)) for i in range(len(prompt) // B)}
+        saved.append({i: [t.clone() for t in cache.state_group.states.read_slot(b.block_id)]
+                      for i, b in blocks.items() if b is not None})
+    chunked, whole = saved
+    assert sorted(chunked) == sorted(whole) == [1, 3, 5, 7, 9]   # every STEP-th block
+    for i in chunked:
+        assert all(torch.equal(x, y) for x, y in zip(chunked[i], whole[i]))
