@@ -152,3 +152,21 @@ def test_a_state_saved_inside_a_chunk_has_the_bits_of_one_pass(checkpoints, make
     assert sorted(chunked) == sorted(whole) == [1, 3, 5, 7, 9]   # every STEP-th block
     for i in chunked:
         assert all(torch.equal(x, y) for x, y in zip(chunked[i], whole[i]))
+
+
+def test_a_task_prompt_pins_the_state_at_its_end(checkpoints, make_pipeline):
+    """MULTI_TASK_PROMPT: the Mamba2 states at the task prompt's last whole block are pinned
+    (LINEAR_STEP or not) and serve its requests with the bits of the prompt computed in full."""
+    path = checkpoints("granite_hybrid")
+    system = "You are a helpful assistant: answer every question about the river city."
+    pipe = make_pipeline(path, tasks=[{"task_id": "t", "prompt": system}], **CHECKPOINTED)
+    plain = make_pipeline(path, **CHECKPOINTED)
+    tok = pipe.tokenizer
+    question = "what is the river called?"
+    with_task = run(pipe, question, task_id="t", max_new_tokens=6, return_logits=True)
+    concat = tok(system).input_ids + tok(question, add_special_tokens=False).input_ids
+    alone = run(plain, concat, max_new_tokens=6, return_logits=True)
+    assert with_task.output_ids == alone.output_ids
+    assert torch.equal(with_task.logits, alone.logits)
+    assert with_task.aux_info["reuse_len"] == len(tok(system).input_ids) // B * B > 0
+    assert pipe.cache_stats()["state_group"]["checkpoints_pinned"] == 1
