@@ -13,6 +13,7 @@ import transformers
 from conftest import hf_reference, random_prompt, run
 from rtpkv.cache.prefix_index import KeyChain
 from rtpkv.errors import ConfigError
+from rtpkv.kernels import mamba2
 from rtpkv.model_factory.spec import ModelSpec
 
 CHUNK = 32   # MAX_NUM_BATCHED_TOKENS: prompts of 20 and 75 tokens, one chunk and three
@@ -170,3 +171,23 @@ def test_a_task_prompt_pins_the_state_at_its_end(checkpoints, make_pipeline):
     assert torch.equal(with_task.logits, alone.logits)
     assert with_task.aux_info["reuse_len"] == len(tok(system).input_ids) // B * B > 0
     assert pipe.cache_stats()["state_group"]["checkpoints_pinned"] == 1
+
+
+def test_the_torch_reference_keeps_reuse_and_batching_exact(checkpoints, make_pipeline,
+                                                           monkeypatch):
+    """Where the C kernels do not build, the Mamba2 layers run kernels/mamba2.py's torch
+    reference: reuse on still gives the bits of reuse off, batched the bits of alone."""
+    monkeypatch.setattr(mamba2, "_library", lambda: None)
+    path = checkpoints("granite_hybrid_dense")
+    plain = _chat(make_pipeline(path, **CHECKPOINTED), turns=2)
+    reused = make_pipeline(path, reuse_cache=True, **CHECKPOINTED)
+    for (_, a), (_, b) in zip(plain, _chat(reused, turns=2)):
+        assert a.output_ids == b.output_ids and torch.equal(a.logits, b.logits)
+    prompts = [random_prompt(13, 30), random_prompt(21, 31)]
+    alone = [run(reused, p, max_new_tokens=4, return_logits=True) for p in prompts]
+    streams = [reused(p, top_k=1, ignore_eos=True, max_new_tokens=4, return_logits=True)
+               for p in prompts]
+    for res, stream in zip(alone, streams):
+        together = list(stream)[-1]
+        assert together.output_ids == res.output_ids
+        assert torch.equal(together.logits, res.logits)
