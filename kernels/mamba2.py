@@ -173,8 +173,8 @@ def mix_reference(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[i
 
 
 def _checked(weights: Mamba2Weights, proj: torch.Tensor, starts: Sequence[int],
-             lens: Sequence[int], slots: Sequence[int], conv_state: torch.Tensor, ssm_state: torch.Tensor,
-             saves: Saves) -> Sequence[Sequence[tuple[int, int]]]:
+             lens: Sequence[int], slots: Sequence[int], conv_state: torch.Tensor,
+             ssm_state: torch.Tensor, saves: Saves) -> Sequence[Sequence[tuple[int, int]]]:
     """What the C kernel reads unchecked (shapes, row ranges, slots, saves) checked; `saves`,
     one list per sequence."""
     if proj.dim() != 2 or proj.shape[1] != weights.projection_size:

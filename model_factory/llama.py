@@ -33,8 +33,8 @@ from rtpkv.kernels.linear import InferenceLinear, linear_path
 from rtpkv.model_factory.gated_delta import INTERLEAVED_ARCHITECTURES, GatedDeltaNet
 from rtpkv.model_factory.moe import SparseMoe
 from rtpkv.model_factory.mamba2 import Mamba2Mixer
-from rtpkv.model_factory.plan import (GATED_DELTA, GLOBAL_ROPE, MAMBA2, LayerPlan, ModelPlan, NormPlan,
-                                      capped_window, model_plan)
+from rtpkv.model_factory.plan import (GATED_DELTA, GLOBAL_ROPE, MAMBA2, LayerPlan, ModelPlan,
+                                      NormPlan, capped_window, model_plan)
 from rtpkv.model_factory.recurrent import RecurrentBatch, StateSpec
 from rtpkv.model_factory.spec import ModelSpec
 

@@ -3,8 +3,8 @@
 A `ModelPlan` is per-layer specs (the token mixer: attention, Gated DeltaNet or Mamba2; norms
 and where they sit, attention window, softmax scale, logit soft-cap, which RoPE table if any, q/k
 norm, output gate, MLP kind, residual scale) plus the model-wide constants (embedding scale,
-final soft-cap, logits divisor). `CausalLM` builds its modules from it and its forward executes it; the
-fused C decoder (kernels/fused_decoder.py) runs a plan only where every layer is one it
+final soft-cap, logits divisor). `CausalLM` builds its modules from it and its forward executes
+it; the fused C decoder (kernels/fused_decoder.py) runs a plan only where every layer is one it
 computes, and refuses the model otherwise. A new architecture is a new plan, read from its
 config by `model_plan`, not a new walk over the modules.
 """

@@ -157,8 +157,8 @@ static void gated_norm(const mamba2_layer *m, int64_t T, const float *proj, floa
 }
 
 void rtpkv_mamba2_mix(const mamba2_layer *m, int64_t T, int64_t S, const int64_t *starts,
-                      const int64_t *lens, const int64_t *slots, const float *proj, float *conv_state,
-                      float *ssm_state, float *xbc, float *out, const int64_t *save_starts,
+                      const int64_t *lens, const int64_t *slots, const float *proj,
+                      float *conv_state, float *ssm_state, float *xbc, float *out, const int64_t *save_starts,
                       const int64_t *saved, const int64_t *save_slots) {
     convolve(m, S, starts, lens, slots, proj, conv_state, xbc, save_starts, saved, save_slots);
     scan(m, S, starts, lens, slots, proj, ssm_state, xbc, out, save_starts, saved, save_slots);
