@@ -161,15 +161,23 @@ def test_linear_step_is_checked_and_named(monkeypatch):
         Settings.from_env()
 
 
-def test_with_a_host_tier_hits_come_from_device_states_only(checkpoints, make_pipeline):
-    """The tiers hold no state: blocks are still offloaded, a hit ends on a device checkpoint,
-    and the answers are those without reuse."""
+def test_a_host_tier_hit_is_cut_back_to_the_last_saved_state_on_the_device(checkpoints,
+                                                                          make_pipeline):
+    """The tiers hold no state: a prefix whose blocks were offloaded to host memory while its
+    saved states stayed on the device is onboarded up to the last of them, and answers as
+    without reuse."""
     path = checkpoints("qwen3_5")
     tiered = dict(OPTIONS, kv_cache_max_tokens=64, enable_memory_cache=True,
                   memory_cache_size_mb=4)
     pipe = make_pipeline(path, reuse_cache=True, **tiered)
     plain = make_pipeline(path, **OPTIONS)
-    for (_, a), (_, b) in zip(_chat(pipe), _chat(plain)):
-        _same(a, b)
-        assert a.aux_info["memory_reuse_len"] == 0
-    assert pipe.cache_stats()["evictions"] > 0
+    prompt = _tokens(35, 80)             # 8 whole blocks, states after blocks 1, 3, 5, 7
+    run(pipe, prompt, max_new_tokens=1)
+    for seed in range(3):                # blocks without states, taking the pool's 16 blocks
+        run(pipe, _tokens(50, 81 + seed), max_new_tokens=1, reuse_cache=False)
+    again = prompt + _tokens(6, 90)
+    res = run(pipe, again, max_new_tokens=4, return_logits=True)
+    _same(res, run(plain, again, max_new_tokens=4, return_logits=True))
+    assert res.aux_info["reuse_len"] == 32
+    assert res.aux_info["memory_reuse_len"] + res.aux_info["local_reuse_len"] == 32
+    assert res.aux_info["memory_reuse_len"] > 0
