@@ -181,3 +181,13 @@ def test_a_host_tier_hit_is_cut_back_to_the_last_saved_state_on_the_device(check
     assert res.aux_info["reuse_len"] == 32
     assert res.aux_info["memory_reuse_len"] + res.aux_info["local_reuse_len"] == 32
     assert res.aux_info["memory_reuse_len"] > 0
+
+
+@pytest.mark.parametrize("mode", [dict(dtype="bfloat16"), dict(weight_type="INT8")])
+def test_reuse_stays_exact_in_bfloat16_and_with_int8_weights(checkpoints, make_pipeline, mode):
+    path = checkpoints("qwen3_next")
+    plain = _chat(make_pipeline(path, **mode, **OPTIONS), turns=3)
+    reused = _chat(make_pipeline(path, reuse_cache=True, **mode, **OPTIONS), turns=3)
+    for (_, a), (_, b) in zip(plain, reused):
+        _same(a, b)
+    assert reused[-1][1].aux_info["reuse_len"] > 0
