@@ -152,6 +152,10 @@ def test_saved_states_are_events_of_a_mamba_group(checkpoints, make_pipeline):
     # a state is keyed like the attention block its prefix ends on
     assert [e["block_hashes"] for e in states] == [blocks[1]["block_hashes"],
                                                    blocks[3]["block_hashes"]]
+    # announced again for a late subscriber: each in its own group
+    pipe.engine.announce_contents()
+    again = [e for e in pipe.engine.events.drain() if e["type"] == "stored"]
+    assert sorted(e["group_idx"] for e in again) == [0] * 5 + [1] * 2
 
 
 def test_linear_step_is_checked_and_named(monkeypatch):
