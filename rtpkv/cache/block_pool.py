@@ -228,7 +228,7 @@ class BlockPool:
         a consumer that subscribed late learns the pool's contents."""
         for block in parents_first(b for b in self.blocks if b.indexed):
             self.events.stored([block.key], block.parent_key, [block.tokens], block.priority,
-                               extra=block.extra)
+                               extra=block.extra, group=block.group)
 
     # ------------------------------------------------------------------ internals
     def _fill(self, block: Block, key: bytes, parent_key: bytes, parent_serial: int,

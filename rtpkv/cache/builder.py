@@ -54,8 +54,8 @@ def build_cache(model: "Model", config: "RuntimeConfig",
         partial = False
     tiers = build_tiers(config, model, B)
     if specs and tiers:
-        log.info("tiers hold no recurrent state: this model's hits come from the device pool's "
-                 "saved states only (its blocks are still offloaded)")
+        log.info("tiers hold no recurrent state: a hit through them is cut back to the last "
+                 "state saved in the device pool (LINEAR_STEP)")
     groups = kv_groups(spec.layer_windows, window, split=not tiers and not partial)
     if len(set(spec.layer_windows)) > 1 and len(groups) == 1:
         log.info("KV cache groups off (tiers or partial reuse are on): one block table "

@@ -49,6 +49,8 @@ vLLM's "mamba" kind): a live state slot per running request and saved states (ch
 every LINEAR_STEP-th block boundary of a prompt, keyed like the attention blocks they end. A hit
 is then the longest prefix whose attention blocks are held and whose end has a checkpoint
 (`lookup` cuts it there), and admission copies that checkpoint into the request's live slot.
+The tiers hold no state: their hits are cut back to the last checkpoint on the device
+(`_cut_to_state`).
 
 Its other rooms: `build_cache` (builder.py) builds it from the configuration and sizes the
 pool; `tenants` (tenants.py) counts each salt's blocks and holds the quotas; what it says about
@@ -302,9 +304,7 @@ class KVCacheManager(CacheDiagnostics):
         match = self._attention_lookup(seq, cap)
         if self.state_group is None:
             return match
-        handle = seq.prefix_handle
-        pinned = ((len(handle.block_ids), handle.state_block)
-                  if handle is not None and handle.state_block is not None else None)
+        pinned = self._pinned_state(seq)
         while True:   # a shorter prefix may need other sliding-window blocks: look up again
             j, state = self.state_group.hit(self._chain(seq), len(match.device), pinned,
                                             self.reuse_applies(seq))
@@ -312,6 +312,14 @@ class KVCacheManager(CacheDiagnostics):
                 match.state = state
                 return match
             match = self._attention_lookup(seq, j * self.block_size)
+
+    @staticmethod
+    def _pinned_state(seq: CacheSequence) -> Optional[tuple[int, int]]:
+        """(blocks, checkpoint) of the task prompt `seq` starts from, where it pinned a state."""
+        handle = seq.prefix_handle
+        if handle is None or handle.state_block is None:
+            return None
+        return len(handle.block_ids), handle.state_block
 
     def _attention_lookup(self, seq: CacheSequence, cap: int) -> PrefixMatch:
         """`lookup` over the attention groups alone."""
@@ -456,7 +464,8 @@ class KVCacheManager(CacheDiagnostics):
         never waits on the network (`prefetched` says when)."""
         if not self.ladder or not self.reuse_applies(seq):
             return
-        start = len(self.lookup(seq).device)
+        start = len((self.lookup(seq) if self.state_group is None   # the walk's start (admit)
+                     else self._attention_lookup(seq, seq.num_tokens - 1)).device)
         seq.tier_plan = self.ladder.begin(self._metas(seq, start), start, seq.allows_tier)
 
     def prefetched(self, seq: CacheSequence) -> bool:
@@ -474,15 +483,18 @@ class KVCacheManager(CacheDiagnostics):
             return self._group_admit(seq, match)
         partial = 0
         try:
-            for block_id in match.device:
+            device = match.device
+            if self.state_group is not None and self.ladder and self.reuse_applies(seq):
+                # tiers hold no state: the walk continues the whole device chain, and the hit
+                # is cut back afterwards to the last saved state it covers (_cut_to_state)
+                device = self._attention_lookup(seq, seq.num_tokens - 1).device
+            for block_id in device:
                 self.pool.acquire(block_id)
                 seq.block_table.append(block_id)
                 seq.block_keys.append(self.pool.blocks[block_id].key)
-            reused = {"local": len(match.device) * B}
-            if self.state_group is not None:   # the tiers hold no state: device hits only
-                self.state_group.start(seq, match.state)
-            elif self.ladder and self.reuse_applies(seq):
-                start = len(match.device)
+            reused = {"local": len(device) * B}
+            if self.ladder and self.reuse_applies(seq):
+                start = len(seq.block_table)
                 hits = self.ladder.walk(self._metas(seq, start), start, seq.allows_tier,
                                         seq.tier_plan)
                 for hit in hits:
@@ -492,6 +504,8 @@ class KVCacheManager(CacheDiagnostics):
                     if loaded < len(hit.metas):
                         break
             seq.tier_plan = None
+            if self.state_group is not None:
+                self._cut_to_state(seq, reused)
             if self.partial_reuse and self.reuse_applies(seq):
                 partial = self._copy_partial(seq)
         except BaseException:
@@ -521,6 +535,24 @@ class KVCacheManager(CacheDiagnostics):
             raise
         seq.num_computed = len(match.device) * self.block_size
         return {"local": seq.num_computed}
+
+    def _cut_to_state(self, seq: CacheSequence, reused: dict[str, int]) -> None:
+        """A recurrent model's table, device and tier hits alike, cut back to the longest
+        prefix with a saved state at its end (the blocks past it released: they stay cached),
+        `reused` cut with it (device first, then each tier in the walk's order), and the
+        request's live slot started from that state."""
+        j, state = self.state_group.hit(self._chain(seq), len(seq.block_table),
+                                        self._pinned_state(seq), self.reuse_applies(seq))
+        for block_id in reversed(seq.block_table[j:]):
+            self.pool.release(block_id)
+        del seq.block_table[j:], seq.block_keys[j:]
+        left = j * self.block_size
+        for source in list(reused):
+            reused[source] = min(reused[source], left)
+            left -= reused[source]
+            if not reused[source] and source != "local":
+                del reused[source]
+        self.state_group.start(seq, state)
 
     def _copy_partial(self, seq: CacheSequence) -> int:
         """Copy the partial-block hit at the end of `seq`'s table (found again: tiers may

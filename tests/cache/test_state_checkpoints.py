@@ -152,6 +152,10 @@ def test_saved_states_are_events_of_a_mamba_group(checkpoints, make_pipeline):
     # a state is keyed like the attention block its prefix ends on
     assert [e["block_hashes"] for e in states] == [blocks[1]["block_hashes"],
                                                    blocks[3]["block_hashes"]]
+    # announced again for a late subscriber: each in its own group
+    pipe.engine.announce_contents()
+    again = [e for e in pipe.engine.events.drain() if e["type"] == "stored"]
+    assert sorted(e["group_idx"] for e in again) == [0] * 5 + [1] * 2
 
 
 def test_linear_step_is_checked_and_named(monkeypatch):
@@ -161,15 +165,33 @@ def test_linear_step_is_checked_and_named(monkeypatch):
         Settings.from_env()
 
 
-def test_with_a_host_tier_hits_come_from_device_states_only(checkpoints, make_pipeline):
-    """The tiers hold no state: blocks are still offloaded, a hit ends on a device checkpoint,
-    and the answers are those without reuse."""
+def test_a_host_tier_hit_is_cut_back_to_the_last_saved_state_on_the_device(checkpoints,
+                                                                          make_pipeline):
+    """The tiers hold no state: a prefix whose blocks were offloaded to host memory while its
+    saved states stayed on the device is onboarded up to the last of them, and answers as
+    without reuse."""
     path = checkpoints("qwen3_5")
     tiered = dict(OPTIONS, kv_cache_max_tokens=64, enable_memory_cache=True,
                   memory_cache_size_mb=4)
     pipe = make_pipeline(path, reuse_cache=True, **tiered)
     plain = make_pipeline(path, **OPTIONS)
-    for (_, a), (_, b) in zip(_chat(pipe), _chat(plain)):
+    prompt = _tokens(35, 80)             # 8 whole blocks, states after blocks 1, 3, 5, 7
+    run(pipe, prompt, max_new_tokens=1)
+    for seed in range(3):                # blocks without states, taking the pool's 16 blocks
+        run(pipe, _tokens(50, 81 + seed), max_new_tokens=1, reuse_cache=False)
+    again = prompt + _tokens(6, 90)
+    res = run(pipe, again, max_new_tokens=4, return_logits=True)
+    _same(res, run(plain, again, max_new_tokens=4, return_logits=True))
+    assert res.aux_info["reuse_len"] == 32
+    assert res.aux_info["memory_reuse_len"] + res.aux_info["local_reuse_len"] == 32
+    assert res.aux_info["memory_reuse_len"] > 0
+
+
+@pytest.mark.parametrize("mode", [dict(dtype="bfloat16"), dict(weight_type="INT8")])
+def test_reuse_stays_exact_in_bfloat16_and_with_int8_weights(checkpoints, make_pipeline, mode):
+    path = checkpoints("qwen3_next")
+    plain = _chat(make_pipeline(path, **mode, **OPTIONS), turns=3)
+    reused = _chat(make_pipeline(path, reuse_cache=True, **mode, **OPTIONS), turns=3)
+    for (_, a), (_, b) in zip(plain, reused):
         _same(a, b)
-        assert a.aux_info["memory_reuse_len"] == 0
-    assert pipe.cache_stats()["evictions"] > 0
+    assert reused[-1][1].aux_info["reuse_len"] > 0
