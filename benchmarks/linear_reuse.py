@@ -1,9 +1,12 @@
 """Prefix reuse on a linear-attention hybrid: an 8-turn chat on a Qwen3-Next-shaped model (three
-Gated DeltaNet layers to one gated full-attention layer) against a dense model of the same size
-(Qwen3: the same hidden size, layers, heads and MLP, every layer attending).
+Gated DeltaNet layers to one gated full-attention layer), or with `--hybrid granite` a Granite
+4.0-H-shaped one (three Mamba2 layers to one attention layer; Mamba2 heads of 64, a state size
+of 128), against a dense model of the same size (Qwen3: the same hidden size, layers, heads and
+MLP, every layer attending).
 
-    python benchmarks/linear_reuse.py [--hidden 512] [--layers 8] [--turns 8] [--turn 256]
-                                      [--new 16] [--block 16] [--linear-step 4] [--experts 0]
+    python benchmarks/linear_reuse.py [--hybrid qwen3_next|granite] [--hidden 512] [--layers 8]
+                                      [--turns 8] [--turn 256] [--new 16] [--block 16]
+                                      [--linear-step 4] [--experts 0]
 
 Each turn appends `--turn` user tokens to the history, asks for `--new` greedy tokens and
 appends them. Per turn and model: reuse_len with REUSE_CACHE=1, and TTFT with REUSE_CACHE=0 and
@@ -39,11 +42,22 @@ def checkpoints(root: Path, args) -> tuple[Path, Path]:
     moe = (dict(num_experts=args.experts, num_experts_per_tok=2,
                 moe_intermediate_size=args.hidden, shared_expert_intermediate_size=args.hidden)
            if args.experts else dict(num_experts=0))
-    hybrid = build_tiny_checkpoint(
-        root / "hybrid", "Qwen3NextForCausalLM", moe=moe, **common,
-        config_overrides=dict(head_dim=head_dim, linear_num_key_heads=max(1, heads // 2),
-                              linear_num_value_heads=heads, linear_key_head_dim=head_dim,
-                              linear_value_head_dim=head_dim))
+    if args.hybrid == "granite":
+        kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                 for i in range(args.layers)]
+        hybrid = build_tiny_checkpoint(
+            root / "hybrid", "GraniteMoeHybridForCausalLM", **common,
+            config_overrides=dict(
+                head_dim=head_dim, layer_types=kinds, shared_intermediate_size=args.hidden * 3,
+                num_local_experts=args.experts, num_experts_per_tok=2,
+                mamba_n_heads=max(1, 2 * args.hidden // 64), mamba_d_head="auto",
+                mamba_d_state=128, mamba_n_groups=1, position_embedding_type="rope"))
+    else:
+        hybrid = build_tiny_checkpoint(
+            root / "hybrid", "Qwen3NextForCausalLM", moe=moe, **common,
+            config_overrides=dict(head_dim=head_dim, linear_num_key_heads=max(1, heads // 2),
+                                  linear_num_value_heads=heads, linear_key_head_dim=head_dim,
+                                  linear_value_head_dim=head_dim))
     dense = build_tiny_checkpoint(root / "dense", "Qwen3ForCausalLM", **common,
                                   config_overrides=dict(head_dim=head_dim))
     return hybrid, dense
@@ -92,6 +106,9 @@ def gain(result: dict) -> float:
 
 def main() -> None:
     parser = bench_parser(__doc__, block=16)
+    parser.add_argument("--hybrid", choices=("qwen3_next", "granite"), default="qwen3_next",
+                        help="the recurrent layers: Gated DeltaNet (Qwen3-Next) or Mamba2 "
+                             "(Granite 4.0-H)")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--turns", type=int, default=8)
@@ -108,7 +125,8 @@ def main() -> None:
     rows = [(turn + 1, hybrid["reuse_len"][turn], hybrid["off"][turn], hybrid["on"][turn],
              dense["reuse_len"][turn], dense["off"][turn], dense["on"][turn])
             for turn in range(args.turns)]
-    print(f"{args.turns} turns of {args.turn} user + {args.new} generated tokens, "
+    print(f"{args.hybrid} hybrid; {args.turns} turns of {args.turn} user + {args.new} "
+          "generated tokens, "
           f"hidden {args.hidden}, {args.layers} layers, SEQ_SIZE_PER_BLOCK={args.block}, "
           f"LINEAR_STEP={args.linear_step}, medians of {args.runs}")
     print(table(["turn", "hybrid reuse_len", "hybrid TTFT off (s)", "hybrid TTFT on (s)",
