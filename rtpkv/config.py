@@ -174,7 +174,7 @@ class RuntimeConfig(BaseModel):
     # its own cached blocks evicted first; cache_salt_quotas overrides it per salt ("" = no salt)
     cache_salt_quota_blocks: Optional[int] = Field(None, ge=0)
     # a recurrent model's (Qwen3-Next, Qwen3.5) saved states: one every LINEAR_STEP blocks of a
-    # prompt (rtpkv.cache.state_group), and the pool's memory split one state per that many blocks
+    # request (rtpkv.cache.state_group), and the pool's memory split one per that many blocks
     linear_step: int = 8
     cache_salt_quotas: Optional[dict[str, int]] = None
     multi_task_prompt: Optional[str] = None

@@ -46,7 +46,7 @@ shared or indexed block is never written.
 
 A recurrent model (Qwen3-Next, Qwen3.5) also has a state group (`state_group`, state_group.py,
 vLLM's "mamba" kind): a live state slot per running request and saved states (checkpoints) at
-every LINEAR_STEP-th block boundary of a prompt, keyed like the attention blocks they end. A hit
+every LINEAR_STEP-th block boundary, keyed like the attention blocks they end. A hit
 is then the longest prefix whose attention blocks are held and whose end has a checkpoint
 (`lookup` cuts it there), and admission copies that checkpoint into the request's live slot.
 The tiers hold no state: their hits are cut back to the last checkpoint on the device

@@ -6,9 +6,10 @@ every token, so a cached prefix is reusable only where the state at its end was 
 has two kinds of slots in one StatePool:
 - live slots, one per running request (CONCURRENCY_LIMIT of them): taken at admission (zeroed,
   or a copy of the checkpoint the hit ends on) and given back when the request leaves;
-- checkpoints, the group's blocks: the state of every recurrent layer after block i of a prompt,
-  for every LINEAR_STEP-th block boundary (and the last whole block of a task prompt, which a
-  pin holds), keyed by the same chained key as block i of the attention groups. They live in a
+- checkpoints, the group's blocks: the state of every recurrent layer after block i of a
+  request, for every LINEAR_STEP-th block boundary, in its prompt and in what it generates (so a
+  chat's next turn resumes within its last answer), and after the last whole block of a task
+  prompt, which a pin holds; keyed by the same chained key as block i of the attention groups. They live in a
   BlockPool of their own, so indexing, retention priorities, eviction (lowest priority first,
   LRU within), salts (the key chains through them), pins and KV events (vLLM's group fields,
   `kv_cache_spec_kind` "mamba") follow the pool's rules, each checkpoint block id being its
@@ -85,10 +86,8 @@ class StateGroup:
 
     # ------------------------------------------------------------------ checkpoints
     def _wanted(self, seq: CacheSequence, i: int) -> bool:
-        """Whether the state after block i of `seq` is to be saved: every `step`-th block of
-        the prompt, and a prefill-only prompt's last whole block (a task prompt's pin)."""
-        if (i + 1) * self.block_size > seq.num_prompt:
-            return False
+        """Whether the state after block i of `seq` is to be saved: every `step`-th block,
+        and a prefill-only prompt's last whole block (a task prompt's pin)."""
         return (i + 1) % self.step == 0 or (
             seq.prefill_only and i + 1 == seq.num_prompt // self.block_size)
 

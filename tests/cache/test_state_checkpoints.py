@@ -22,11 +22,12 @@ def _tokens(n, seed):
 
 
 def _chat(pipe, turns=4, seed=3):
+    """(tokens computed, response) per turn: the prompt and every new token but the last."""
     history, outs = [], []
     for turn in range(turns):
         history += _tokens(11, seed + turn)
-        res = run(pipe, history, max_new_tokens=5, return_logits=True)
-        outs.append((len(history), res))
+        res = run(pipe, history, max_new_tokens=7, return_logits=True)
+        outs.append((len(history) + 6, res))
         history += res.output_ids
     return outs
 
@@ -45,10 +46,13 @@ def test_reuse_gives_the_bits_of_no_reuse_and_ends_on_the_last_saved_state(
     for (_, a), (_, b) in zip(plain, reused):
         _same(a, b)
     assert reused[0][1].aux_info["reuse_len"] == 0
-    for (previous, _), (_, res) in zip(reused, reused[1:]):
-        # the previous prompt's last saved boundary (its answer's blocks have no state)
-        assert res.aux_info["reuse_len"] == previous // (B * STEP) * (B * STEP) > 0
-        assert res.aux_info["reuse_stop"] == "state"
+    for (computed, _), (_, res) in zip(reused, reused[1:]):
+        # the last boundary the previous turn saved: inside its answer (11 + 6 tokens: 16,
+        # where its prompt's last is 8), or its prompt
+        assert res.aux_info["reuse_len"] == computed // (B * STEP) * (B * STEP) > 0
+        held = computed // B * B   # whole blocks the previous turn cached
+        stop = "state" if held > res.aux_info["reuse_len"] else "partial_block"
+        assert res.aux_info["reuse_stop"] == stop
 
 
 def test_a_batch_with_hits_gives_the_bits_of_each_request_alone(checkpoints, make_pipeline):
