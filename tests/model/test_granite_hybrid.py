@@ -101,27 +101,29 @@ CHECKPOINTED = dict(seq_size_per_block=B, linear_step=STEP, max_num_batched_toke
 
 
 def _chat(pipe, turns=3, seed=3):
+    """(tokens computed, response) per turn: the prompt and every new token but the last."""
     history, outs = [], []
     for turn in range(turns):
         history += random_prompt(11, seed + turn)
-        res = run(pipe, history, max_new_tokens=5, return_logits=True)
-        outs.append((len(history), res))
+        res = run(pipe, history, max_new_tokens=7, return_logits=True)
+        outs.append((len(history) + 6, res))
         history += res.output_ids
     return outs
 
 
 @pytest.mark.parametrize("arch", ["granite_hybrid", "granite_hybrid_dense"])
 def test_reuse_from_saved_states_gives_the_bits_of_no_reuse(checkpoints, make_pipeline, arch):
-    """A chat: each turn hits the previous prompt's last saved boundary, and its tokens and
-    logits are the bits of a run without reuse."""
+    """A chat: each turn hits the last boundary the previous turn saved (inside its answer:
+    states are saved as decode steps cross boundaries too), and its tokens and logits are the
+    bits of a run without reuse."""
     path = checkpoints(arch)
     plain = _chat(make_pipeline(path, **CHECKPOINTED))
     reused = _chat(make_pipeline(path, reuse_cache=True, **CHECKPOINTED))
     for (_, a), (_, b) in zip(plain, reused):
         assert a.output_ids == b.output_ids and torch.equal(a.logits, b.logits)
     assert reused[0][1].aux_info["reuse_len"] == 0
-    for (previous, _), (_, res) in zip(reused, reused[1:]):
-        assert res.aux_info["reuse_len"] == previous // (B * STEP) * (B * STEP) > 0
+    for (computed, _), (_, res) in zip(reused, reused[1:]):
+        assert res.aux_info["reuse_len"] == computed // (B * STEP) * (B * STEP) > 0
 
 
 def test_no_checkpoint_nor_slot_outlives_a_cancelled_request(checkpoints, make_pipeline):
