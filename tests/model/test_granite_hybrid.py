@@ -193,3 +193,13 @@ def test_the_torch_reference_keeps_reuse_and_batching_exact(checkpoints, make_pi
         together = list(stream)[-1]
         assert together.output_ids == res.output_ids
         assert torch.equal(together.logits, res.logits)
+
+
+@pytest.mark.parametrize("mode", [dict(dtype="bfloat16"), dict(weight_type="INT8")])
+def test_reuse_stays_exact_in_bfloat16_and_with_int8_weights(checkpoints, make_pipeline, mode):
+    path = checkpoints("granite_hybrid")
+    plain = _chat(make_pipeline(path, **mode, **CHECKPOINTED), turns=2)
+    reused = _chat(make_pipeline(path, reuse_cache=True, **mode, **CHECKPOINTED), turns=2)
+    for (_, a), (_, b) in zip(plain, reused):
+        assert a.output_ids == b.output_ids and torch.equal(a.logits, b.logits)
+    assert reused[-1][1].aux_info["reuse_len"] > 0
