@@ -203,3 +203,23 @@ def test_reuse_stays_exact_in_bfloat16_and_with_int8_weights(checkpoints, make_p
     for (_, a), (_, b) in zip(plain, reused):
         assert a.output_ids == b.output_ids and torch.equal(a.logits, b.logits)
     assert reused[-1][1].aux_info["reuse_len"] > 0
+
+
+def test_a_batch_with_hits_gives_the_bits_of_each_request_alone(checkpoints, make_pipeline):
+    path = checkpoints("granite_hybrid")
+    shared = random_prompt(29, 7)
+    prompts = [shared + random_prompt(n, 10 + n) for n in (3, 12, 21)]
+    results = []
+    for batched in (False, True):
+        pipe = make_pipeline(path, reuse_cache=True, **CHECKPOINTED)
+        run(pipe, shared + [5], max_new_tokens=1)   # saves the states after 8, 16 and 24 tokens
+        if batched:
+            streams = [pipe(p, top_k=1, ignore_eos=True, max_new_tokens=6, return_logits=True)
+                       for p in prompts]
+            results.append([list(stream)[-1] for stream in streams])
+        else:
+            results.append([run(pipe, p, max_new_tokens=6, return_logits=True) for p in prompts])
+    for alone, together in zip(*results):
+        assert together.output_ids == alone.output_ids
+        assert torch.equal(together.logits, alone.logits)
+        assert together.aux_info["reuse_len"] == alone.aux_info["reuse_len"] == 24
