@@ -199,3 +199,23 @@ def test_reuse_stays_exact_in_bfloat16_and_with_int8_weights(checkpoints, make_p
     for (_, a), (_, b) in zip(plain, reused):
         _same(a, b)
     assert reused[-1][1].aux_info["reuse_len"] > 0
+
+
+def test_paused_requests_resume_from_their_saved_states(checkpoints, make_pipeline):
+    """MAX_UTILIZATION on a small pool pauses requests (their live slots and planned states
+    given back) and resumes them from what they saved: the answers of each request alone."""
+    path = checkpoints("qwen3_5")
+    shared = _tokens(20, 100)
+    prompts = [shared + _tokens(9, 101 + i) for i in range(6)]
+    alone = make_pipeline(path, **OPTIONS)
+    expected = [run(alone, p, max_new_tokens=24, return_logits=True) for p in prompts]
+    pipe = make_pipeline(path, reuse_cache=True, capacity_scheduler_policy="MAX_UTILIZATION",
+                         **dict(OPTIONS, kv_cache_max_tokens=96, concurrency_limit=4))
+    streams = [pipe(p, top_k=1, ignore_eos=True, max_new_tokens=24, return_logits=True)
+               for p in prompts]
+    results = [list(s)[-1] for s in streams]
+    for want, got in zip(expected, results):
+        _same(want, got)
+    assert sum(r.aux_info["num_preemptions"] for r in results) > 0
+    stats = pipe.cache_stats()["state_group"]
+    assert stats["checkpoints_in_use"] == 0 and stats["live_slots_free"] == 4
