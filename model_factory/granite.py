@@ -30,6 +30,7 @@ from rtpkv.model_factory.mamba2 import Mamba2Spec
 
 ARCHITECTURE = "GraniteMoeHybridForCausalLM"
 MAMBA2 = "linear_attention"   # a layer_types entry (spec.LINEAR_ATTENTION): a Mamba2 layer
+MAX_CONV_KERNEL = 64
 _LEGACY_TYPES = {"mamba": MAMBA2, "attention": "full_attention"}
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(block_sparse_moe|shared_mlp)\.(.+)\.weight$")
@@ -84,10 +85,13 @@ def mamba2_spec(cfg: dict[str, Any], source: str = "config.json") -> Mamba2Spec:
     if groups < 1 or heads % groups:
         raise ConfigError(f"{source}: mamba_n_groups={groups} is invalid: it must divide "
                           f"mamba_n_heads ({heads})")
-    for name, default in (("mamba_d_conv", 4), ("mamba_d_state", 256)):
-        if int(cfg.get(name, default)) < 1:
-            raise ConfigError(f"{source}: {name}={cfg.get(name)} is invalid: accepted values "
-                              "are 1 and above")
+    kernel = int(cfg.get("mamba_d_conv", 4))
+    if not 1 <= kernel <= MAX_CONV_KERNEL:   # csrc/mamba2.c keeps a window on the stack
+        raise ConfigError(f"{source}: mamba_d_conv={kernel} is invalid: accepted range is "
+                          f"1..{MAX_CONV_KERNEL}")
+    if int(cfg.get("mamba_d_state", 256)) < 1:
+        raise ConfigError(f"{source}: mamba_d_state={cfg.get('mamba_d_state')} is invalid: "
+                          "accepted values are 1 and above")
     dt_min, dt_max = _time_step_limit(cfg)
     if not 0 <= dt_min <= dt_max:
         raise ConfigError(f"{source}: time_step_limit={[dt_min, dt_max]} is invalid: two "
@@ -96,7 +100,7 @@ def mamba2_spec(cfg: dict[str, Any], source: str = "config.json") -> Mamba2Spec:
         raise ConfigError(f"{source}: hidden_act={cfg.get('hidden_act')!r} is not supported "
                           f"for {ARCHITECTURE} (supported: silu)")
     return Mamba2Spec(heads, head_dim, int(cfg.get("mamba_d_state", 256)), groups,
-                      int(cfg.get("mamba_d_conv", 4)), bool(cfg.get("mamba_conv_bias", True)),
+                      kernel, bool(cfg.get("mamba_conv_bias", True)),
                       bool(cfg.get("mamba_proj_bias", False)), dt_min, dt_max)
 
 
