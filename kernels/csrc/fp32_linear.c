@@ -148,35 +148,45 @@ static inline __attribute__((always_inline)) void panel_rows(
     }
 }
 
-/* x: (M, K) row-major; w: packed (panels, K, PANEL) of float32 or bf16 (`bf16`); bias: N values or NULL (read up to the padded width: the caller pads it); y: (M, N)
+/* A call's share of work: with few rows a streaming tile's group of panels (4 panels for one
+ * row, else 2), with more a panel swept by every row; `units` of them, each computed whole by
+ * one thread. Whatever thread runs a unit, its outputs are the same chains. */
+static inline int64_t units(int64_t M, int64_t N) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, group = M == 1 ? 4 : 2;
+    if (M <= 0) return 0;
+    return M < FEW_ROWS ? (panels + group - 1) / group : panels;
+}
+
+/* Unit u of y = x W^T + b. x: (M, K) row-major; w: packed (panels, K, PANEL) of float32 or bf16
+ * (`bf16`); bias: N values or NULL (read up to the padded width: the caller pads it); y: (M, N)
  * row-major. */
+static inline __attribute__((always_inline)) void unit(
+        const int bf16, const float *x, int64_t M, int64_t K, const void *w, int64_t N,
+        const float *bias, float *y, int64_t u) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, esize = bf16 ? 2 : 4;
+    if (M < FEW_ROWS) {
+        const int64_t group = M == 1 ? 4 : 2;    /* panels per streaming tile */
+        const int64_t p = u * group;
+        const int64_t np = panels - p < group ? panels - p : group;
+        const int64_t c0 = p * PANEL, ncols = N - c0 < np * PANEL ? N - c0 : np * PANEL;
+        few_rows(M, np, bf16, x, K, (const char *)w + p * K * PANEL * esize, y + c0, N,
+                 bias ? bias + c0 : 0, ncols);
+        return;
+    }
+    const int64_t c0 = u * PANEL, ncols = N - c0 < PANEL ? N - c0 : PANEL;
+    for (int64_t m = 0; m < M; m += TILE_ROWS) {
+        const int64_t mr = M - m < TILE_ROWS ? M - m : TILE_ROWS;
+        panel_rows(mr, bf16, x + m * K, K, (const char *)w + u * K * PANEL * esize,
+                   y + m * N + c0, N, bias ? bias + c0 : 0, ncols);
+    }
+}
+
 static inline __attribute__((always_inline)) void linear(
         const int bf16, const float *x, int64_t M, int64_t K, const void *w, int64_t N,
         const float *bias, float *y) {
-    const int64_t panels = (N + PANEL - 1) / PANEL, esize = bf16 ? 2 : 4;
-    if (M <= 0) return;
-    if (M < FEW_ROWS) {
-        const int64_t group = M == 1 ? 4 : 2;    /* panels per streaming tile */
-        const int64_t groups = (panels + group - 1) / group;
+    const int64_t n = units(M, N);
 #pragma omp parallel for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t p = g * group;
-            const int64_t np = panels - p < group ? panels - p : group;
-            const int64_t c0 = p * PANEL, ncols = N - c0 < np * PANEL ? N - c0 : np * PANEL;
-            few_rows(M, np, bf16, x, K, (const char *)w + p * K * PANEL * esize, y + c0, N,
-                     bias ? bias + c0 : 0, ncols);
-        }
-        return;
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t c0 = p * PANEL, ncols = N - c0 < PANEL ? N - c0 : PANEL;
-        for (int64_t m = 0; m < M; m += TILE_ROWS) {
-            const int64_t mr = M - m < TILE_ROWS ? M - m : TILE_ROWS;
-            panel_rows(mr, bf16, x + m * K, K, (const char *)w + p * K * PANEL * esize,
-                       y + m * N + c0, N, bias ? bias + c0 : 0, ncols);
-        }
-    }
+    for (int64_t u = 0; u < n; u++) unit(bf16, x, M, K, w, N, bias, y, u);
 }
 
 void rtpkv_fp32_linear(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
@@ -187,4 +197,22 @@ void rtpkv_fp32_linear(const float *x, int64_t M, int64_t K, const float *w, int
 void rtpkv_bf16w_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
                         const float *bias, float *y) {
     linear(1, x, M, K, w, N, bias, y);
+}
+
+/* `count` linear layers of one shape (K inputs, N outputs, no bias) in one parallel region: a
+ * mixture's experts, each over its own rows (layer i: x[i], M[i] rows, weights w[i], into
+ * y[i]). Every output is the chain rtpkv_fp32_linear (or, `bf16`, rtpkv_bf16w_linear) computes
+ * for it: the same units, only shared out over one team instead of one team per layer, which
+ * for one-row calls costs more in fork and join than the units themselves. */
+void rtpkv_linear_many(int64_t count, const float *const *x, const int64_t *M, int64_t K,
+                       const void *const *w, int64_t N, float *const *y, int bf16) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < count; i++) total += units(M[i], N);
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < total; g++) {
+        int64_t i = 0, u = g;
+        while (u >= units(M[i], N)) u -= units(M[i++], N);
+        if (bf16) unit(1, x[i], M[i], K, w[i], N, NULL, y[i], u);
+        else unit(0, x[i], M[i], K, w[i], N, NULL, y[i], u);
+    }
 }
