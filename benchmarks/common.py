@@ -37,23 +37,40 @@ def bench_parser(doc: str, *, block: int | None = 64) -> argparse.ArgumentParser
     return parser
 
 
+# libgomp's spin-or-sleep settings: a benchmark passes them to rtpkv (in process) only; peers in
+# their own processes get the default unless a benchmark gives them these explicitly
+WAIT_POLICY_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
 def setup_threads(threads: int = 2) -> None:
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
+def wait_policy() -> str:
+    """libgomp's wait policy as this process started with it (read when torch loads libgomp,
+    so only the environment the process was started with counts)."""
+    given = [f"{k}={os.environ[k]}" for k in WAIT_POLICY_VARIABLES if k in os.environ]
+    return " ".join(given) or "libgomp's default"
+
+
 def kernel_paths(module) -> str:
     """What a figure measured: the CPU kind, the kernels' ISA level, each layer's linear path,
-    the attention backend and whether the fused decoder ran."""
+    the attention backend (the paged kernel's query rows per vector), whether the fused
+    decoder ran, and the OpenMP wait policy."""
+    from rtpkv.kernels.cpu_attention import vector_lanes
     from rtpkv.kernels.cpu_build import cpu_kind, isa
 
     layer = module.model.layers[0]
     paths = sorted({getattr(m, "path", type(m).__name__) for m in
                     (layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up,
                      layer.mlp.down_proj)})
+    attention = module.attention_name
+    if attention == "cpu-paged":
+        attention += f" ({isa()}, {vector_lanes()} query rows a vector)"
     return (f"CPU: {cpu_kind()}; kernels built for {isa()}; linear layers: {', '.join(paths)}; "
-            f"attention: {module.attention_name}; fused decoder: "
-            f"{'on' if module.fused is not None else 'off'}")
+            f"attention: {attention}; fused decoder: "
+            f"{'on' if module.fused is not None else 'off'}; OpenMP wait: {wait_policy()}")
 
 
 def bench_checkpoint(counts: bool = False) -> Path:

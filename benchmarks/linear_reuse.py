@@ -12,8 +12,8 @@ Each turn appends `--turn` user tokens to the history, asks for `--new` greedy t
 appends them. Per turn and model: reuse_len with REUSE_CACHE=1, and TTFT with REUSE_CACHE=0 and
 =1 (medians of `--runs` conversations, each on a fresh pipeline). The hybrid can reuse only up to
 its last saved state (every LINEAR_STEP blocks of the conversation), the dense model up to its
-last whole block, so per turn it recomputes up to LINEAR_STEP blocks more. "gain" is the share of the TTFT
-that reuse saves over the turns after the first; the issue's goal is a hybrid gain of at least
+last whole block, so per turn it recomputes up to LINEAR_STEP blocks more. "gain" is the share
+of the TTFT that reuse saves over the turns after the first; the issue's goal is a hybrid gain of at least
 0.7 times the dense one. State memory: one request's live state (every recurrent layer's conv
 window and recurrent matrices) and the saved states the chat left in the pool, against the
 dense model's K/V per token.

@@ -1,9 +1,10 @@
 """One stream's decode speed of a mixture of experts shaped like Qwen3-30B-A3B, scaled down to fit
 a small machine, against a dense Qwen3 with as many active parameters per token (its MLP as wide
-as the experts a token runs), and against llama.cpp on GGUF conversions of the same checkpoints.
+as the experts a token runs), and against llama.cpp on GGUF conversions of the same checkpoints,
+in one sitting.
 
     python benchmarks/moe.py [--runs 3] [--weight-type auto] [--threads 2] [--tiny]
-                             [--llama-cpp VENV/bin/python --gguf MOE.gguf,DENSE.gguf]
+                             [--llama-cpp VENV/bin/python --llama-cpp-src LLAMA_CPP_DIR]
 
 Qwen3-30B-A3B: hidden 2048, 48 layers, 32 query and 4 KV heads of 128, 128 experts of 768 of
 which 8 run per token, vocabulary 151,936. Scaled: hidden 512, 8 layers, 8 query and 1 KV heads
@@ -14,19 +15,24 @@ parameters per token but the router's (1.6%). `--tiny` runs both at a toy size t
 script works (its figures mean nothing).
 
 Workload: one 128-token prompt alone, 64 new tokens, greedy, EOS ignored; decode tok/s is the
-tokens after the first over the time after the first (benchmarks/token_timing.py). Both Qwen3
-models run their layers one by one from Python (kernels/fused_decoder.py takes neither q/k norms
-nor experts); a dense Llama of the same shape (no q/k norms) runs as in service, on the fused C
-decoder, to show what that path is worth beside them. The ratio column is to the dense Qwen3.
-The checkpoints are built once into the user cache; their paths are
-printed, for llama.cpp's converter (docs/BENCHMARKS.md, "Running a peer engine"): `--gguf`
-takes the mixture's file first, then the dense one's. Runs alternate between the engines;
-figures are medians.
+tokens after the first over the time after the first (benchmarks/token_timing.py). Both rtpkv
+models run as in service: each decode step one C call (kernels/fused_decoder.py; the mixture's
+sparse layers through kernels/moe_experts.py). The checkpoints are built once into the user
+cache (their paths are printed). With `--llama-cpp` (the interpreter of a venv with
+llama-cpp-python) and `--llama-cpp-src` (a llama.cpp source tree: llama-cpp-python's sdist
+vendors one), each checkpoint is converted once to a float32 GGUF beside it by that tree's
+converter (benchmarks/gguf_convert.py), and llama.cpp decodes the same prompt on it (2 threads,
+as rtpkv); its greedy tokens are compared with rtpkv's, which shows the two run the same
+weights. Runs alternate between the engines; figures are medians. Ratios: each row's decode
+speed over rtpkv's dense Qwen3 (the 0.8x goal of the mixture) and, for llama.cpp's rows,
+rtpkv's on the same checkpoint over llama.cpp's (the 1.5x goal).
 """
 
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +41,7 @@ from common import bench_parser, random_ids, setup_threads, table
 from token_timing import token_timing
 
 PROMPT, NEW = 128, 64
+MOE, DENSE = "rtpkv mixture Qwen3-MoE", "rtpkv dense Qwen3"
 
 MOE_SHAPE = dict(architecture="Qwen3MoeForCausalLM", vocab_size=8000, hidden_size=512,
                  intermediate_size=1536, num_layers=8, num_heads=8, num_kv_heads=1,
@@ -57,11 +64,25 @@ def dense_shape(moe_shape: dict[str, Any]) -> dict[str, Any]:
 
 
 def shapes(moe_shape: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The checkpoints of a sitting, by engine label: the mixture, the dense Qwen3, the dense
-    Llama of the same shape."""
-    dense = dense_shape(moe_shape)
-    return {"mixture Qwen3-MoE": moe_shape, "dense Qwen3": dense,
-            "dense Llama": dict(dense, architecture="LlamaForCausalLM")}
+    """The checkpoints of a sitting, by engine label: the mixture and the dense Qwen3."""
+    return {MOE: moe_shape, DENSE: dense_shape(moe_shape)}
+
+
+def gguf(checkpoint: Path, llama_cpp_src: str) -> Path:
+    """The checkpoint's float32 GGUF, converted once beside it by llama.cpp's converter."""
+    out = checkpoint / "model-f32.gguf"
+    if not out.exists():
+        tmp = checkpoint / "model-f32.gguf.part"
+        subprocess.run([sys.executable, str(Path(__file__).with_name("gguf_convert.py")),
+                        llama_cpp_src, str(checkpoint), str(tmp), "--outtype", "f32"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        tmp.replace(out)
+    return out
+
+
+def agreeing_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy answers share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def parameters(spec) -> tuple[int, int]:
@@ -80,15 +101,16 @@ def parameters(spec) -> tuple[int, int]:
     return total, active
 
 
-def decode_speed(pipe, prompt: list[int]) -> dict[str, float]:
-    """Workload figures of one request: each token's arrival after submission."""
+def decode_speed(pipe, prompt: list[int]) -> dict[str, Any]:
+    """Workload figures of one request: each token's arrival after submission; its tokens."""
     t0 = time.perf_counter()
-    times, seen = [], 0
+    times, seen, tokens = [], 0, []
     for res in pipe(prompt, top_k=1, ignore_eos=True, max_new_tokens=NEW):
         while seen < len(res.output_ids):
             times.append(time.perf_counter() - t0)
             seen += 1
-    return token_timing(times)
+        tokens = list(res.output_ids)
+    return {**token_timing(times), "outputs": [tokens]}
 
 
 def main() -> None:
@@ -98,9 +120,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="toy shapes: proves the script runs")
     parser.add_argument("--llama-cpp", help="python of a venv with llama-cpp-python installed")
-    parser.add_argument("--gguf", default="", help="the mixture's GGUF, then the dense one's, "
-                                                    "comma-separated")
+    parser.add_argument("--llama-cpp-src", help="a llama.cpp source tree (its converter)")
     args = parser.parse_args()
+    if bool(args.llama_cpp) != bool(args.llama_cpp_src):
+        parser.error("--llama-cpp and --llama-cpp-src go together")
     setup_threads(args.threads)
 
     from rtpkv.model_factory import ModelConfig, ModelFactory
@@ -118,30 +141,34 @@ def main() -> None:
     for name, path in paths.items():
         model = ModelFactory.from_huggingface(path, ModelConfig(**options), show_progress=False)
         engines[name] = Pipeline(model, model.tokenizer)
-        path_name = "fused decoder" if model.module.fused is not None else "layers one by one"
-        if any(getattr(layer.mlp, "kernel", None) for layer in model.module.model.layers):
-            path_name += ", experts in one C call"
+        path_name = ("one C call a step" if model.module.fused is not None
+                     else "layers one by one")
         rows_info[name] = (*parameters(model.spec), path_name)
         print(f"{name} checkpoint: {path}")
-    spec = engines["mixture Qwen3-MoE"].model.spec
-    print(f"mixture: {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_heads} query "
-          f"and {spec.num_kv_heads} KV heads of {spec.head_dim}, {spec.moe.num_experts} experts "
-          f"of {spec.moe.expert_intermediate_size}, top {spec.moe.experts_per_token}, vocabulary "
-          f"{spec.vocab_size}; dense: MLP {sitting['dense Qwen3']['intermediate_size']}; "
+    spec = engines[MOE].model.spec
+    print(f"shape (Qwen3-30B-A3B scaled down): {spec.num_layers} layers, hidden "
+          f"{spec.hidden_size}, {spec.num_heads} query and {spec.num_kv_heads} KV heads of "
+          f"{spec.head_dim}, {spec.moe.num_experts} experts of "
+          f"{spec.moe.expert_intermediate_size}, top {spec.moe.experts_per_token}, vocabulary "
+          f"{spec.vocab_size}; dense: MLP {sitting[DENSE]['intermediate_size']}; "
           f"{options.get('weight_type', 'float32')} weights, {args.threads} threads")
     peers: dict[str, Any] = {}
+    same_weights: dict[str, str] = {}   # a llama.cpp row -> the rtpkv row of its checkpoint
     if args.llama_cpp:
         from peers import PeerWorker
 
-        for name, gguf in zip(("mixture Qwen3-MoE", "dense Qwen3"), args.gguf.split(",")):
-            label = f"llama.cpp {name} ({Path(gguf).name})"
+        for name, path in paths.items():
+            label = name.replace("rtpkv", "llama.cpp")
+            file = gguf(path, args.llama_cpp_src)
+            print(f"{label}: {file}")
             peers[label] = PeerWorker(args.llama_cpp, "peers_llamacpp.py",
-                                      [gguf, str(args.threads)], {}, ("d",))
-            rows_info[label] = (*rows_info[name][:2], "llama.cpp")
+                                      [str(file), str(args.threads)], {}, ("d",))
+            rows_info[label] = (*rows_info[name][:2], "llama.cpp, float32 GGUF")
+            same_weights[label] = name
     prompt = random_ids(PROMPT, seed=11, vocab=spec.vocab_size)
     for pipe in engines.values():   # warm-up: kernels built, GEMM probes run
         decode_speed(pipe, prompt[:16])
-    results: dict[str, list[dict[str, float]]] = {label: [] for label in [*engines, *peers]}
+    results: dict[str, list[dict[str, Any]]] = {label: [] for label in [*engines, *peers]}
     labels = list(results)
     for run in range(args.runs):
         for label in (labels if run % 2 == 0 else labels[::-1]):
@@ -153,15 +180,20 @@ def main() -> None:
         pipe.stop()
     for peer in peers.values():
         peer.close()
-    dense = statistics.median(r["decode_tok_s"] for r in results["dense Qwen3"])
+    speeds = {label: statistics.median(r["decode_tok_s"] for r in runs)
+              for label, runs in results.items()}
     rows = []
     for label, runs in results.items():
-        speed = statistics.median(r["decode_tok_s"] for r in runs)
         total, active, path_name = rows_info[label]
-        rows.append([label, path_name, f"{total / 1e6:.1f}M", f"{active / 1e6:.1f}M", speed,
-                     statistics.median(r["itl_p50"] for r in runs), speed / dense])
+        rtpkv = same_weights.get(label)
+        rows.append([label, path_name, f"{total / 1e6:.1f}M", f"{active / 1e6:.1f}M",
+                     speeds[label], statistics.median(r["itl_p50"] for r in runs),
+                     speeds[label] / speeds[DENSE],
+                     speeds[rtpkv] / speeds[label] if rtpkv else "",
+                     f"{agreeing_prefix(runs[0]['outputs'][0], results[rtpkv][0]['outputs'][0])}"
+                     f"/{NEW}" if rtpkv else ""])
     print(table(["engine", "path", "parameters", "active", "decode tok/s", "ITL p50 ms",
-                 "x dense Qwen3"], rows))
+                 "x rtpkv dense", "rtpkv x this", "greedy = rtpkv's"], rows))
 
 
 if __name__ == "__main__":

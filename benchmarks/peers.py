@@ -27,10 +27,14 @@ decoding with EOS ignored, prefix reuse on, 2 threads. Runs alternate between th
 which goes first) so that drift in the machine's speed falls on both alike; figures are
 medians. vLLM runs in its own interpreter (`--vllm`), one engine process per dtype, with
 OMP_NUM_THREADS=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2
-VLLM_ENABLE_V1_MULTIPROCESSING=0. `--check-reuse a,b` also runs rtpkv with reuse off once per
-dtype on those workloads and reports whether greedy outputs are identical. `--llama-cpp` runs
-workload d on llama.cpp (llama-cpp-python, 2 threads) for each `--gguf` file, in the float32
-sitting, named by the file's last dash-separated part (bench-q8_0.gguf: "llama.cpp q8_0").
+VLLM_ENABLE_V1_MULTIPROCESSING=0. OMP_WAIT_POLICY and GOMP_SPINCOUNT in the environment reach
+rtpkv (in this process) only: the peers run with libgomp's defaults, so one setting can be
+compared against vLLM's default in one sitting. `--check-reuse a,b` also runs rtpkv with reuse
+off once per dtype on those workloads and reports whether greedy outputs are identical.
+`--llama-cpp` runs workload d on llama.cpp (llama-cpp-python, 2 threads) for each `--gguf` file,
+in the float32 sitting, named by the file's last dash-separated part (bench-q8_0.gguf:
+"llama.cpp q8_0"). Each rtpkv engine's line names the CPU, the ISA level, the linear and
+attention paths (the attention kernel's query rows per vector) and the OpenMP wait policy.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from common import (bench_checkpoint, kernel_paths, pipeline, random_ids, setup_threads, table,
-                    timed_request)
+from common import (WAIT_POLICY_VARIABLES, bench_checkpoint, kernel_paths, pipeline, random_ids,
+                    setup_threads, table, timed_request)
 from token_timing import token_timing
 
 A_NEW, B_NEW, C_NEW, D_NEW = 16, 32, 64, 128
@@ -121,7 +125,7 @@ class PeerWorker:
     def __init__(self, python: str, script: str, argv: list[str], env: dict[str, str],
                  workloads: tuple[str, ...] = ("a", "b", "c", "d")):
         worker = Path(__file__).with_name(script)
-        env = {**os.environ, **env}
+        env = {**{k: v for k, v in os.environ.items() if k not in WAIT_POLICY_VARIABLES}, **env}
         env.pop("PYTHONPATH", None)
         self.workloads = workloads
         self.proc = subprocess.Popen([python, str(worker), *argv],

@@ -9,7 +9,8 @@ from `pydoc_data/topics.py`; 11,018 SmolLM2 tokens), scored in consecutive windo
 scored). The mean absolute difference of each token's negative log-likelihood from float32's
 measures how far a mode moves the model (perplexity alone can move either way by chance).
 Greedy agreement: the 20 chat prompts below, 32 new tokens each, batched; a prompt
-agrees when all 32 tokens equal float32's. Modes: float32, WEIGHT_TYPE=INT8, WEIGHT_TYPE=W8A8_INT8
+agrees when all 32 tokens equal float32's. Modes: float32, WEIGHT_TYPE=BF16 (bfloat16 weights,
+float32 activations), WEIGHT_TYPE=INT8, WEIGHT_TYPE=W8A8_INT8
 (int8 activations too), the int8 KV cache
 (KV_CACHE_DTYPE=int8: every score and value of a window reads the quantized K/V) and both, as
 shipped; `--variants` adds the int8 granularities that were measured to choose it (per output
@@ -125,6 +126,7 @@ def greedy(model) -> list[list[int]]:
 def modes(variants: bool) -> dict[str, tuple[dict, Optional[Callable]]]:
     """name -> (load options, change applied after loading)."""
     shipped = {"float32": ({"dtype": "float32"}, None),
+               "bfloat16 weights (WEIGHT_TYPE=BF16)": ({"weight_type": "BF16"}, None),
                "int8 (WEIGHT_TYPE=INT8)": ({"weight_type": "INT8"}, None),
                "int8 weights and activations (W8A8_INT8)": ({"weight_type": "W8A8_INT8"}, None),
                "int8 KV cache (KV_CACHE_DTYPE=int8)": ({"dtype": "float32",

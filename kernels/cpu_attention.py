@@ -34,11 +34,19 @@ class _Args(ctypes.Structure):
 
 
 _SIGNATURES: Signatures = {"rtpkv_paged_attention": ([ctypes.POINTER(_Args), _P, _I], None),
-                           "rtpkv_tile_limit": (None, _I), "rtpkv_head_dim_multiple": (None, _I)}
+                           "rtpkv_tile_limit": (None, _I), "rtpkv_head_dim_multiple": (None, _I),
+                           "rtpkv_attention_lanes": (None, _I)}
 
 
 def _library() -> Optional[ctypes.CDLL]:
     return bound_library("paged_attention", _SIGNATURES)
+
+
+def vector_lanes() -> Optional[int]:
+    """Query rows per vector of the kernel built for the current ISA level (16 at avx512, 8 at
+    avx2); None where it cannot be built. Benchmarks print it beside their figures."""
+    lib = _library()
+    return None if lib is None else int(lib.rtpkv_attention_lanes())
 
 
 def available(head_dim: int) -> bool:

@@ -1,10 +1,12 @@
 """A forward's decoder layers in one C call (csrc/decoder.c) where the model runs on the C
 kernels end to end: float32 on the CPU, linear layers all on the avx2, the bf16-weight, the
 int8 or the w8a8 kernel, the CPU paged-attention backend (over a float32 or an int8 KV cache),
-the fused ops, no mixture of experts, and a layer plan (model_factory/plan.py) of Llama's layers
-only (`runs_plan`). It calls the same kernels the per-layer Python path calls, in the same order,
-so the two give the same bits (tests/kernels/test_fused_decoder.py); it only removes the Python
-between them, which dominates the small kernels of a one-token decode step. `FusedDecoder.build`
+the fused ops, each sparse layer's mixture of experts in its own C call (kernels/moe_experts.py,
+which decoder.c calls by address), and a layer plan (model_factory/plan.py) of Llama's layers,
+with or without Qwen3's q/k norms (`runs_plan`). It calls the same kernels the per-layer Python
+path calls, in the same order, so the two give the same bits (tests/kernels/test_fused_decoder.py);
+it only removes the Python between them, which dominates the small kernels of a one-token decode
+step. `FusedDecoder.build`
 returns None for any other model, and CausalLM then runs its layers one by one.
 
 `logits` is the engine's call: from token ids to the LM head's logits of the rows that sample
@@ -53,8 +55,9 @@ class LinearArgs(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", LinearArgs), ("o", LinearArgs),
-                ("gate_up", LinearArgs), ("down", LinearArgs), ("k_cache", _P), ("v_cache", _P)]
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
+                ("qkv", LinearArgs), ("o", LinearArgs), ("gate_up", LinearArgs),
+                ("down", LinearArgs), ("moe", _P), ("k_cache", _P), ("v_cache", _P)]
 
 
 class _Model(ctypes.Structure):
@@ -94,26 +97,32 @@ _SIGNATURES: Signatures = {
 
 def _library() -> Optional[ctypes.CDLL]:
     return bound_library("decoder", _SIGNATURES, "fused_ops", "fp32_linear", "int8_linear",
-                         "w8a8_linear", "paged_attention")
+                         "w8a8_linear", "paged_attention", "moe_experts")
 
 
 def runs_plan(plan: Any, head_dim: int) -> bool:
     """Whether decoder.c computes `plan`: every layer the same Llama layer (attention without an
     output gate, two plain RMSNorms of one epsilon, SwiGLU, the 1/sqrt(head_dim) scale, no
-    soft-cap, no q/k norm, one RoPE table and one window, no residual scale), no embedding
-    scale, no final soft-cap nor logits divisor. Any other plan is refused whole: the C code
-    has no op for the rest (Gemma's offset and sandwich norms, GeGLU, soft-caps, per-layer
-    windows and RoPE tables, recurrent layers, attention without RoPE, Granite's multipliers)."""
+    soft-cap, one RoPE table and one window; q/k norms or none; no residual scale), no embedding
+    scale, no final soft-cap nor logits divisor. Any other plan is refused whole: the C code has
+    no op for the rest (Gemma's offset and sandwich norms, GeGLU, soft-caps, per-layer windows
+    and RoPE tables, recurrent layers, attention without RoPE, Granite's multipliers)."""
     first = plan.layers[0]
     attention = first.attention
     return (all(layer == first for layer in plan.layers) and len(plan.ropes) == 1
             and first.mixer == "attention" and not attention.output_gate
             and not first.sandwich and first.mlp == "silu" and not first.norm.offset
             and plan.final_norm == first.norm and attention.softcap is None
-            and not attention.qk_norm and attention.scale == head_dim ** -0.5
+            and attention.scale == head_dim ** -0.5
             and attention.positional and first.residual_scale is None
             and plan.embedding_scale is None and plan.final_softcap is None
             and plan.logits_divisor is None)
+
+
+def _sparse(mlp: torch.nn.Module) -> bool:
+    """Whether a layer's MLP is a mixture of experts (model_factory/moe.py's SparseMoe, whose
+    `kernel` is the layer's C call, or None where it has none)."""
+    return hasattr(mlp, "experts")
 
 
 def linear_args(layer: torch.nn.Module) -> LinearArgs:
@@ -141,7 +150,7 @@ class FusedDecoder:
                   self.hidden, 2 * inter, inter)
         self.scratch_starts = [sum(widths[:i]) for i in range(len(widths))]
         self.scratch_width = sum(widths)
-        first = backbone.layers[0].mlp.gate_up
+        first = backbone.layers[0].self_attn.qkv
         kind, panel_rows = LINEAR_KINDS[first.path]
         self.model = _Model(
             len(backbone.layers), self.hidden, self.heads, self.kv_heads, self.head_dim,
@@ -165,16 +174,20 @@ class FusedDecoder:
         """The fused decoder of `module`, or None where it does not run end to end on the C
         kernels (then its layers run one by one)."""
         spec, backbone = module.spec, module.model
-        if spec.moe is not None or spec.linear_attention is not None or spec.mamba is not None:
-            return None   # csrc/decoder.c has no mixture-of-experts nor recurrent layer
+        if spec.linear_attention is not None or spec.mamba is not None:
+            return None   # csrc/decoder.c has no recurrent layer
         weight = backbone.embed_tokens.weight
         linears = [m for layer in backbone.layers
-                   for m in (layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up,
-                             layer.mlp.down_proj)] + [module.lm_head]
+                   for m in (layer.self_attn.qkv, layer.self_attn.o_proj,
+                             *(() if _sparse(layer.mlp) else (layer.mlp.gate_up,
+                                                              layer.mlp.down_proj)))]
+        linears.append(module.lm_head)
         eligible = (
             weight.device.type == "cpu" and weight.dtype == torch.float32
             and weight.is_contiguous()
             and isinstance(module.attention, CpuPagedAttention)
+            and all(layer.mlp.kernel is not None for layer in backbone.layers
+                    if _sparse(layer.mlp))
             and runs_plan(module.plan, spec.head_dim)
             and len({m.path for m in linears}) == 1 and linears[0].path in LINEAR_KINDS
             and spec.head_dim % fused_ops.ROPE_MULTIPLE == 0
@@ -199,8 +212,15 @@ class FusedDecoder:
                 attn, mlp = layer.self_attn, layer.mlp
                 entry.input_norm = layer.input_layernorm.weight.data_ptr()
                 entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+                if attn.qk_norm:
+                    entry.q_norm = attn.q_norm.weight.data_ptr()
+                    entry.k_norm = attn.k_norm.weight.data_ptr()
                 entry.qkv, entry.o = linear_args(attn.qkv), linear_args(attn.o_proj)
-                entry.gate_up, entry.down = linear_args(mlp.gate_up), linear_args(mlp.down_proj)
+                if _sparse(mlp):
+                    entry.moe = mlp.kernel.address
+                else:
+                    entry.gate_up = linear_args(mlp.gate_up)
+                    entry.down = linear_args(mlp.down_proj)
                 entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
             cached = self._table = (key, table)
         return cached[1]

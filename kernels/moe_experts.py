@@ -1,17 +1,16 @@
-"""Bindings of csrc/moe_experts.c: a mixture-of-experts layer's experts in one C call, over the
-(token, weight) pairs its router chose, grouped by expert (model_factory/moe.py). It runs the
-kernels the per-layer torch path runs (the avx2, bf16-weight, int8 or w8a8 linear layers,
-SiLU-and-mul), in the same order on the same rows, so the two give the same bits; a one-token
-decode step then makes one call for its experts where it made about six torch calls per
-expert."""
+"""Bindings of csrc/moe_experts.c: a mixture-of-experts layer (router, routing, chosen experts,
+shared expert) in one C call (model_factory/moe.py), on the kernels the per-layer torch path
+runs (the avx2, bf16-weight, int8 or w8a8 linear layers, SiLU-and-mul). A one-token decode step
+then makes one call per sparse layer where the torch path makes a dozen ops for the routing and
+grouping alone; the fused decoder (kernels/fused_decoder.py) calls the same C function, by the
+address of this layer's table (`address`), so a decode step makes no Python call at all."""
 
 from __future__ import annotations
 
 import ctypes
-from typing import Optional, Sequence
+from typing import Any, Optional
 
 import torch
-from torch import nn
 
 from rtpkv.kernels import fused_ops
 from rtpkv.kernels.cpu_build import Signatures, bound_library
@@ -26,13 +25,14 @@ class _Expert(ctypes.Structure):
     _fields_ = [("gate_up", LinearArgs), ("down", LinearArgs)]
 
 
-class _Experts(ctypes.Structure):
-    _fields_ = [("num_experts", _I), ("hidden", _I), ("inter", _I), ("linear_kind", _I),
-                ("int8_group", _I), ("panel_rows", _I), ("experts", ctypes.POINTER(_Expert))]
+class _Layer(ctypes.Structure):
+    _fields_ = [("num_experts", _I), ("top_k", _I), ("hidden", _I), ("inter", _I),
+                ("linear_kind", _I), ("int8_group", _I), ("panel_rows", _I),
+                ("experts", ctypes.POINTER(_Expert)), ("router", _P), ("normalize", _I),
+                ("shared_inter", _I), ("shared", _Expert), ("shared_gate", LinearArgs)]
 
 
-_SIGNATURES: Signatures = {
-    "rtpkv_moe_experts": ([ctypes.POINTER(_Experts), _P, _P, _P, _P, _P, _P], None)}
+_SIGNATURES: Signatures = {"rtpkv_moe_forward": ([_P, _P, _I, _P], None)}
 
 
 def _library() -> Optional[ctypes.CDLL]:
@@ -40,47 +40,58 @@ def _library() -> Optional[ctypes.CDLL]:
                          "w8a8_linear")
 
 
-class ExpertKernel:
-    """One layer's experts (gated MLPs whose `gate_up` and `down_proj` are already converted)
-    as one C call; holds their weights' addresses, so it lives as long as they do."""
+def _expert(mlp: Any) -> _Expert:
+    return _Expert(linear_args(mlp.gate_up), linear_args(mlp.down_proj))
 
-    def __init__(self, experts: Sequence[nn.Module], lib: ctypes.CDLL):
-        first = experts[0].gate_up
+
+class ExpertKernel:
+    """One sparse layer (model_factory/moe.py's SparseMoe, its linear layers converted) as one
+    C call; holds its weights' addresses, so it lives as long as they do."""
+
+    def __init__(self, moe: Any, lib: ctypes.CDLL):
+        first = moe.experts[0].gate_up
         self.lib = lib
-        self.hidden, self.inter = first.in_features, first.out_features // 2
-        self.table = (_Expert * len(experts))(
-            *(_Expert(linear_args(e.gate_up), linear_args(e.down_proj)) for e in experts))
+        self.hidden = first.in_features
+        self.table = (_Expert * len(moe.experts))(*(_expert(e) for e in moe.experts))
         kind, panel_rows = LINEAR_KINDS[first.path]
-        self.layer = _Experts(len(experts), self.hidden, self.inter, kind,
-                              first.group_size if isinstance(first, Int8Linear) else 0,
-                              panel_rows, self.table)
+        shared = moe.shared_expert
+        self.layer = _Layer(
+            len(moe.experts), moe.top_k, self.hidden, first.out_features // 2, kind,
+            first.group_size if isinstance(first, Int8Linear) else 0, panel_rows, self.table,
+            moe.gate.packed.data_ptr(), int(moe.normalize_top_k),
+            0 if shared is None else shared.gate_up.out_features // 2,
+            _Expert() if shared is None else _expert(shared),
+            LinearArgs() if shared is None else linear_args(moe.shared_expert_gate))
+        self.address = ctypes.addressof(self.layer)
 
     @classmethod
-    def build(cls, experts: Sequence[nn.Module]) -> Optional["ExpertKernel"]:
-        """The kernel of `experts`, or None where the per-layer torch path must run them: a
-        linear layer off the C kernels (oneDNN, native, bfloat16), an intermediate size the C
-        SiLU-and-mul does not take, or no compiler."""
-        linears = [m for e in experts for m in (e.gate_up, e.down_proj)]
+    def build(cls, moe: Any) -> Optional["ExpertKernel"]:
+        """The kernel of sparse layer `moe`, or None where the per-layer torch path must run it:
+        a linear layer off the C kernels (oneDNN, native, bfloat16), experts on different ones,
+        a router off the float32 C kernel, a bias anywhere, routing other than a softmax over
+        every expert then top-k (gpt-oss's and Granite's softmax after the top-k), a shared
+        expert without a gate (Granite's), experts other than SwiGLU ones (MLP.kind "silu"), an
+        intermediate size the C SiLU-and-mul does not take, or no compiler."""
+        if moe.softmax_after_top_k or (moe.shared_expert is not None
+                                       and moe.shared_expert_gate is None):
+            return None
+        mlps = [*moe.experts, *([] if moe.shared_expert is None else [moe.shared_expert])]
+        linears = [m for e in mlps for m in (e.gate_up, e.down_proj)]
+        if moe.shared_expert is not None:
+            linears.append(moe.shared_expert_gate)
         first = linears[0]
         if (len({m.path for m in linears}) != 1 or first.path not in LINEAR_KINDS
-                or (first.out_features // 2) % fused_ops.ROW_MULTIPLE):
+                or getattr(moe.gate, "path", None) != "avx2" or moe.gate.bias is not None
+                or any(getattr(e, "kind", None) != "silu" for e in mlps)
+                or any(m.bias is not None for m in linears)
+                or any((e.gate_up.out_features // 2) % fused_ops.ROW_MULTIPLE for e in mlps)):
             return None
         lib = _library()
-        return None if lib is None else cls(experts, lib)
+        return None if lib is None else cls(moe, lib)
 
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor, tokens: torch.Tensor,
-                 weights: torch.Tensor) -> torch.Tensor:
-        """x: (T, hidden) float32; counts: (num_experts,) int64 tokens per expert; tokens and
-        weights: the pairs grouped by expert in ascending order (int64 rows of x, float32).
-        Returns each row's experts' outputs, scaled and added in ascending expert order."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output for x: (T, hidden) float32."""
         x = x.contiguous()
-        counts = counts.to(torch.int64).contiguous()
-        tokens = tokens.to(torch.int64).contiguous()
-        weights = weights.to(torch.float32).contiguous()
-        out = torch.zeros_like(x)
-        widest = int(counts.max()) if counts.numel() else 0
-        scratch = torch.empty(widest * (2 * self.hidden + 3 * self.inter), dtype=torch.float32)
-        self.lib.rtpkv_moe_experts(ctypes.byref(self.layer), x.data_ptr(), counts.data_ptr(),
-                                   tokens.data_ptr(), weights.data_ptr(), out.data_ptr(),
-                                   scratch.data_ptr())
+        out = torch.empty_like(x)
+        self.lib.rtpkv_moe_forward(self.address, x.data_ptr(), x.shape[0], out.data_ptr())
         return out

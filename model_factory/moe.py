@@ -15,8 +15,12 @@ onto zeros (transformers' order too): the order depends on the token's own choic
 every kernel on the way computes a row from that row alone (the linear layers are
 batch-invariant, kernels/linear.py; the shared expert's gate is `_sigmoid`), so a token's
 output does not depend on which other tokens share the forward (reuse on == off, alone ==
-batched, bit for bit). Where every expert runs on the C linear kernels (avx2, int8, w8a8), the
-experts run in one C call (kernels/moe_experts.py) that gives the torch loop's bits.
+batched, bit for bit). Where every expert runs on the C linear kernels (avx2, bf16 weights,
+int8, w8a8) and the router on the float32 one, the whole layer (router, routing, experts,
+shared expert) runs in one C call (kernels/moe_experts.py), which the fused decoder calls too:
+the same experts and the same order, its softmax's last bit libm's rather than torch's, and
+experts whose probabilities tie exactly taken lowest index first (torch.topk's pick among exact
+ties is its sort's, unspecified; distinct router rows tie with probability zero).
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ class MoeSpec:
     sparse_layers: tuple[int, ...]       # the layers whose MLP is the mixture
     # Granite 4.0-H: the weights are a softmax over the top-k logits (not the top-k of a
     # softmax over all experts) and its shared expert is added ungated
-    softmax_of_top_k: bool = False
+    softmax_after_top_k: bool = False
     gated_shared_expert: bool = True
 
     @classmethod
@@ -108,7 +112,7 @@ class MoeSpec:
                               f"range is 1..{experts} (num_local_experts)")
         return cls(experts, per_token, int(cfg["intermediate_size"]), False, False,
                    int(cfg["shared_intermediate_size"]),
-                   tuple(range(int(cfg["num_hidden_layers"]))), softmax_of_top_k=True,
+                   tuple(range(int(cfg["num_hidden_layers"]))), softmax_after_top_k=True,
                    gated_shared_expert=False)
 
 
@@ -135,9 +139,9 @@ class SparseMoe(nn.Module):
         self.experts = nn.ModuleList(make_mlp(moe.expert_intermediate_size)
                                      for _ in range(moe.num_experts))
         self.shared_expert: Optional[nn.Module] = None
-        self.kernel: Optional[ExpertKernel] = None   # the experts as one C call, where they can be
+        self.kernel: Optional[ExpertKernel] = None   # the layer as one C call, where it can be
         self.shared_expert_gate: Optional[nn.Module] = None
-        self.softmax_of_top_k = moe.softmax_of_top_k
+        self.softmax_after_top_k = moe.softmax_after_top_k
         if moe.shared_expert_intermediate_size:
             self.shared_expert = make_mlp(moe.shared_expert_intermediate_size)
             if moe.gated_shared_expert:
@@ -148,19 +152,19 @@ class SparseMoe(nn.Module):
         """After loading: every expert's (and the shared expert's and its gate's) linear layers
         through `convert` (the model's GEMM path or int8 quantization), the router through
         `convert_router` (the float path: the choice of experts stays that of the float
-        weights); then the experts' C call where they all run on the C kernels."""
+        weights); then the layer's C call where it runs on the C kernels."""
         for expert in self.experts:
             expert.convert(convert)
-        self.kernel = ExpertKernel.build(self.experts)
         if self.shared_expert is not None:
             self.shared_expert.convert(convert)
         if self.shared_expert_gate is not None:
             self.shared_expert_gate = convert(self.shared_expert_gate)
         self.gate = convert_router(self.gate)
+        self.kernel = ExpertKernel.build(self)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts), each (tokens, top_k): transformers' routing, row by row."""
-        if self.softmax_of_top_k:
+        if self.softmax_after_top_k:
             logits, experts = torch.topk(self.gate(x).float(), self.top_k, dim=-1)
             return F.softmax(logits, dim=-1).to(x.dtype), experts
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
@@ -170,17 +174,14 @@ class SparseMoe(nn.Module):
         return (weights if self.scale_in_float32 else weights.to(x.dtype)), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.dtype == torch.float32:
+            return self.kernel(x)
         weights, experts = self.route(x)
         flat = experts.flatten()
         # (token, choice) pairs sorted by expert, tokens ascending within an expert
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=len(self.experts))
-        pair_weights = weights.flatten()[order]
-        tokens = order // self.top_k
-        if self.kernel is not None and x.dtype == torch.float32:
-            out = self.kernel(x, counts, tokens, pair_weights)
-        else:
-            out = self._experts(x, counts.tolist(), tokens, pair_weights)
+        out = self._experts(x, counts.tolist(), order // self.top_k, weights.flatten()[order])
         if self.shared_expert_gate is not None:
             out = out + _sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif self.shared_expert is not None:
@@ -189,7 +190,7 @@ class SparseMoe(nn.Module):
 
     def _experts(self, x: torch.Tensor, counts: list[int], tokens: torch.Tensor,
                  pair_weights: torch.Tensor) -> torch.Tensor:
-        """The experts in torch: what the C call computes (kernels/moe_experts.py)."""
+        """The experts in torch, in the order the C call adds them (csrc/moe_experts.c)."""
         out = torch.zeros_like(x)
         start = 0
         for index, count in enumerate(counts):

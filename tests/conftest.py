@@ -274,6 +274,25 @@ def make_pipeline(llama_path):
         pipe.stop()
 
 
+@pytest.fixture
+def make_one_table_pipeline(make_pipeline):
+    """make_one_table_pipeline(path, **options): a pipeline whose model is one KV cache group
+    whatever its layers' windows (one table holding every layer's blocks, each layer attending
+    over its own window): the reference KV cache groups are checked against."""
+    from rtpkv.cache import builder
+    from rtpkv.cache.groups import KVGroup
+
+    def make(path: Path, **options: Any) -> Pipeline:
+        grouped = builder.kv_groups
+        builder.kv_groups = lambda windows, window: (KVGroup(0, window, tuple(range(len(windows)))),)
+        try:
+            return make_pipeline(path, **options)
+        finally:
+            builder.kv_groups = grouped
+
+    return make
+
+
 def use_attention(backend: str, monkeypatch, request) -> None:
     """RTPKV_ATTENTION=backend for this test; "flash-attn" runs the CPU stand-in."""
     if backend == "flash-attn":

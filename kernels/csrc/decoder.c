@@ -1,13 +1,14 @@
 /* A forward's decoder layers in one call (kernels/fused_decoder.py): the token embeddings,
- * then for each layer RMSNorm with the residual add, the qkv projection, RoPE, the KV write,
- * paged attention, the output projection, RMSNorm, gate_up, SiLU-and-mul and the down
- * projection; then the final norm and the LM head on the rows that sample.
+ * then for each layer RMSNorm with the residual add, the qkv projection, the q/k heads' norms
+ * (Qwen3), RoPE, the KV write, paged attention, the output projection, RMSNorm, and gate_up,
+ * SiLU-and-mul and the down projection, or a sparse layer's mixture of experts (moe_experts.c);
+ * then the final norm and the LM head on the rows that sample.
  *
  * It calls the very kernels the per-layer path calls from Python (fused_ops.c, fp32_linear.c,
- * int8_linear.c, w8a8_linear.c, paged_attention.c, linked into this library), in the same
- * order on the same values, so its results are bit-identical to that path's: what it removes is
- * the Python between them, which in a one-token decode step costs more than the small kernels
- * it calls (docs/BENCHMARKS.md, "Single-stream decode").
+ * int8_linear.c, w8a8_linear.c, paged_attention.c, moe_experts.c, linked into this library),
+ * in the same order on the same values, so its results are bit-identical to that path's: what
+ * it removes is the Python between them, which in a one-token decode step costs more than the
+ * small kernels it calls (docs/BENCHMARKS.md, "Single-stream decode").
  *
  * `rtpkv_decoder_generate` runs several greedy decode steps of a batch in one call (the
  * engine's NUM_SCHEDULER_STEPS): each step is that same forward, its arg-max tokens the next
@@ -24,7 +25,11 @@
 
 typedef struct {                   /* one decoder layer, fixed at load */
     const float *input_norm, *post_norm;
+    const float *q_norm, *k_norm;  /* Qwen3's RMSNorm of each q and k head before RoPE; NULL:
+                                      none */
     linear_layer qkv, o, gate_up, down;
+    const moe_layer *moe;          /* a sparse layer's mixture of experts (moe_experts.c), in
+                                      place of gate_up and down; NULL: the dense MLP */
     void *k_cache, *v_cache;       /* the layer's pool: (KVH * S, D) floats, or int8 rows of
                                       D values and a float32 scale (attn.kv_int8) */
 } decoder_layer;
@@ -129,6 +134,10 @@ void rtpkv_decoder_forward(const decoder_model *m, decoder_step *s) {
         lap(s, SECONDS_ELEMENTWISE, &t);
         linear(m, &l->qkv, s->x, T, E, width, s->qkv);
         lap(s, SECONDS_LINEAR, &t);
+        if (l->q_norm) {
+            rtpkv_head_norm(s->qkv, T, width, m->heads, D, l->q_norm, m->eps);
+            rtpkv_head_norm(s->qkv + q_size, T, width, m->kv_heads, D, l->k_norm, m->eps);
+        }
         rtpkv_rope(s->qkv, s->qkv + q_size, T, m->heads, m->kv_heads, width, width, D, m->cos,
                    m->sin, s->positions, 0);
         lap(s, SECONDS_ELEMENTWISE, &t);
@@ -143,6 +152,11 @@ void rtpkv_decoder_forward(const decoder_model *m, decoder_step *s) {
         lap(s, SECONDS_LINEAR, &t);
         rtpkv_rms_norm(s->h, s->residual, l->post_norm, s->x, T, E, m->eps, 0);
         lap(s, SECONDS_ELEMENTWISE, &t);
+        if (l->moe) {   /* router, routing and experts: mostly the experts' GEMVs */
+            rtpkv_moe_forward(l->moe, s->x, T, s->h);
+            lap(s, SECONDS_LINEAR, &t);
+            continue;
+        }
         linear(m, &l->gate_up, s->x, T, E, 2 * I, s->gate_up);
         lap(s, SECONDS_LINEAR, &t);
         rtpkv_silu_and_mul(s->gate_up, s->act, T, I, 0);

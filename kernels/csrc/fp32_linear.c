@@ -27,10 +27,14 @@
  * Why not oneDNN: each of its calls costs ~30 us of set-up on the benchmarks' EPYC, a third of
  * a one-row GEMV of a 512x512 layer; a decode step makes one call per linear layer. Tiles: a
  * call with few rows streams the weights once, 1 row x 4 panels or 2-3 rows x 2 panels (8-12
- * independent FMA chains); a call with more rows sweeps each panel with 6 rows at a time (12
- * accumulators), the panel staying in cache while the rows pass.
+ * independent FMA chains); a call with more rows takes them in blocks of about 512 KiB of x
+ * (L2-resident: a prefill's x is read from memory once, not once per panel), and the threads
+ * split the block's panels, sweeping them 6 rows at a time: one panel at AVX2 (12
+ * accumulators), four at AVX-512 (24 of its 32 registers; one where the panels are too few to
+ * give each thread two groups). Neither the blocks nor the tiles change an output's chain.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -74,8 +78,12 @@ static inline vec vload_bf16(const uint16_t *p) {
 #define PANEL 16         /* output channels per packed panel */
 #define VPP (PANEL / LANES)  /* vectors per panel row */
 #define K_BLOCK 1024     /* inputs per partial chain (see the header) */
-#define TILE_ROWS 6      /* rows per tile when sweeping a panel */
+#define TILE_ROWS 6      /* rows per tile when sweeping panels */
 #define FEW_ROWS 4       /* below this many rows, the streaming tiles */
+/* panels a tile sweeps at once: 12 accumulators at AVX2 (2 vectors a panel row), 24 of
+ * AVX-512's 32 registers */
+#define SWEEP_PANELS (VPP == 1 ? 4 : 1)
+#define ROW_BLOCK_BYTES (512 * 1024)   /* the rows of x the panels sweep in turn: L2-resident */
 
 /* The weights of panel p, input k, vector j of a tile: float32 or bf16 (`bf16` is a constant in
  * every inlined call, so each kernel is compiled with its own load). */
@@ -134,47 +142,88 @@ static inline __attribute__((always_inline)) void few_rows(
     else tile(3, 1, bf16, x, K, w, y, ldy, bias, ncols);
 }
 
-/* Rows [0, mr <= TILE_ROWS) of one panel. */
+#define PANEL_ROWS_CASE(r) \
+    case r: \
+        if (np == 4) tile(r, 4, bf16, x, K, w, y, ldy, bias, ncols); \
+        else if (np == 3) tile(r, 3, bf16, x, K, w, y, ldy, bias, ncols); \
+        else if (np == 2) tile(r, 2, bf16, x, K, w, y, ldy, bias, ncols); \
+        else tile(r, 1, bf16, x, K, w, y, ldy, bias, ncols); \
+        break;
+
+/* Rows [0, mr <= TILE_ROWS) of panels [0, np <= SWEEP_PANELS). */
 static inline __attribute__((always_inline)) void panel_rows(
-        int64_t mr, const int bf16, const float *x, int64_t K, const void *w, float *y,
-        int64_t ldy, const float *bias, int64_t ncols) {
+        int64_t mr, int64_t np, const int bf16, const float *x, int64_t K, const void *w,
+        float *y, int64_t ldy, const float *bias, int64_t ncols) {
     switch (mr) {
-    case 6: tile(6, 1, bf16, x, K, w, y, ldy, bias, ncols); break;
-    case 5: tile(5, 1, bf16, x, K, w, y, ldy, bias, ncols); break;
-    case 4: tile(4, 1, bf16, x, K, w, y, ldy, bias, ncols); break;
-    case 3: tile(3, 1, bf16, x, K, w, y, ldy, bias, ncols); break;
-    case 2: tile(2, 1, bf16, x, K, w, y, ldy, bias, ncols); break;
-    default: tile(1, 1, bf16, x, K, w, y, ldy, bias, ncols); break;
+        PANEL_ROWS_CASE(6) PANEL_ROWS_CASE(5) PANEL_ROWS_CASE(4) PANEL_ROWS_CASE(3)
+        PANEL_ROWS_CASE(2) PANEL_ROWS_CASE(1)
     }
 }
 
-/* x: (M, K) row-major; w: packed (panels, K, PANEL) of float32 or bf16 (`bf16`); bias: N values or NULL (read up to the padded width: the caller pads it); y: (M, N)
+/* A call's share of work: with few rows a streaming tile's group of panels (4 panels for one
+ * row, else 2), with more a panel swept by every row; `units` of them, each computed whole by
+ * one thread. Whatever thread runs a unit, its outputs are the same chains. */
+static inline int64_t units(int64_t M, int64_t N) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, group = M == 1 ? 4 : 2;
+    if (M <= 0) return 0;
+    return M < FEW_ROWS ? (panels + group - 1) / group : panels;
+}
+
+/* Unit u of y = x W^T + b. x: (M, K) row-major; w: packed (panels, K, PANEL) of float32 or bf16
+ * (`bf16`); bias: N values or NULL (read up to the padded width: the caller pads it); y: (M, N)
  * row-major. */
+static inline __attribute__((always_inline)) void unit(
+        const int bf16, const float *x, int64_t M, int64_t K, const void *w, int64_t N,
+        const float *bias, float *y, int64_t u) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, esize = bf16 ? 2 : 4;
+    if (M < FEW_ROWS) {
+        const int64_t group = M == 1 ? 4 : 2;    /* panels per streaming tile */
+        const int64_t p = u * group;
+        const int64_t np = panels - p < group ? panels - p : group;
+        const int64_t c0 = p * PANEL, ncols = N - c0 < np * PANEL ? N - c0 : np * PANEL;
+        few_rows(M, np, bf16, x, K, (const char *)w + p * K * PANEL * esize, y + c0, N,
+                 bias ? bias + c0 : 0, ncols);
+        return;
+    }
+    const int64_t c0 = u * PANEL, ncols = N - c0 < PANEL ? N - c0 : PANEL;
+    for (int64_t m = 0; m < M; m += TILE_ROWS) {
+        const int64_t mr = M - m < TILE_ROWS ? M - m : TILE_ROWS;
+        panel_rows(mr, 1, bf16, x + m * K, K, (const char *)w + u * K * PANEL * esize,
+                   y + m * N + c0, N, bias ? bias + c0 : 0, ncols);
+    }
+}
+
+/* y = x W^T + b over the whole call: few rows by the streaming units, more in L2-sized row blocks
+ * whose panels (up to SWEEP_PANELS a tile) the threads split. */
 static inline __attribute__((always_inline)) void linear(
         const int bf16, const float *x, int64_t M, int64_t K, const void *w, int64_t N,
         const float *bias, float *y) {
-    const int64_t panels = (N + PANEL - 1) / PANEL, esize = bf16 ? 2 : 4;
     if (M <= 0) return;
     if (M < FEW_ROWS) {
-        const int64_t group = M == 1 ? 4 : 2;    /* panels per streaming tile */
-        const int64_t groups = (panels + group - 1) / group;
+        const int64_t n = units(M, N);
 #pragma omp parallel for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t p = g * group;
-            const int64_t np = panels - p < group ? panels - p : group;
-            const int64_t c0 = p * PANEL, ncols = N - c0 < np * PANEL ? N - c0 : np * PANEL;
-            few_rows(M, np, bf16, x, K, (const char *)w + p * K * PANEL * esize, y + c0, N,
-                     bias ? bias + c0 : 0, ncols);
-        }
+        for (int64_t u = 0; u < n; u++) unit(bf16, x, M, K, w, N, bias, y, u);
         return;
     }
+    /* Blocks of rows that stay in L2 while every panel sweeps them (x is read once from memory,
+     * each panel once per block); the threads split the panels of a block. */
+    const int64_t panels = (N + PANEL - 1) / PANEL, esize = bf16 ? 2 : 4;
+    int64_t block = ROW_BLOCK_BYTES / (K * (int64_t)sizeof(float)) / TILE_ROWS * TILE_ROWS;
+    if (block < TILE_ROWS) block = TILE_ROWS;
+    /* wide tiles only where every thread still gets two groups of panels */
+    const int64_t sweep = panels >= 2 * SWEEP_PANELS * omp_get_max_threads() ? SWEEP_PANELS : 1;
+    const int64_t groups = (panels + sweep - 1) / sweep;
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+        const int64_t m1 = M - m0 < block ? M : m0 + block;
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t c0 = p * PANEL, ncols = N - c0 < PANEL ? N - c0 : PANEL;
-        for (int64_t m = 0; m < M; m += TILE_ROWS) {
-            const int64_t mr = M - m < TILE_ROWS ? M - m : TILE_ROWS;
-            panel_rows(mr, bf16, x + m * K, K, (const char *)w + p * K * PANEL * esize,
-                       y + m * N + c0, N, bias ? bias + c0 : 0, ncols);
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t p = g * sweep, np = panels - p < sweep ? panels - p : sweep;
+            const int64_t c0 = p * PANEL, ncols = N - c0 < np * PANEL ? N - c0 : np * PANEL;
+            for (int64_t m = m0; m < m1; m += TILE_ROWS) {
+                const int64_t mr = m1 - m < TILE_ROWS ? m1 - m : TILE_ROWS;
+                panel_rows(mr, np, bf16, x + m * K, K, (const char *)w + p * K * PANEL * esize,
+                           y + m * N + c0, N, bias ? bias + c0 : 0, ncols);
+            }
         }
     }
 }
@@ -187,4 +236,22 @@ void rtpkv_fp32_linear(const float *x, int64_t M, int64_t K, const float *w, int
 void rtpkv_bf16w_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
                         const float *bias, float *y) {
     linear(1, x, M, K, w, N, bias, y);
+}
+
+/* `count` linear layers of one shape (K inputs, N outputs, no bias) in one parallel region: a
+ * mixture's experts, each over its own rows (layer i: x[i], M[i] rows, weights w[i], into
+ * y[i]). Every output is the chain rtpkv_fp32_linear (or, `bf16`, rtpkv_bf16w_linear) computes
+ * for it: the same units, only shared out over one team instead of one team per layer, which
+ * for one-row calls costs more in fork and join than the units themselves. */
+void rtpkv_linear_many(int64_t count, const float *const *x, const int64_t *M, int64_t K,
+                       const void *const *w, int64_t N, float *const *y, int bf16) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < count; i++) total += units(M[i], N);
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < total; g++) {
+        int64_t i = 0, u = g;
+        while (u >= units(M[i], N)) u -= units(M[i++], N);
+        if (bf16) unit(1, x[i], M[i], K, w[i], N, NULL, y[i], u);
+        else unit(0, x[i], M[i], K, w[i], N, NULL, y[i], u);
+    }
 }

@@ -54,31 +54,47 @@ static inline v8 exp8(v8 x) {
     return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, high, _CMP_GT_OQ));
 }
 
+/* One row of rtpkv_rms_norm: the `dim` values at offset o. */
+static inline void norm_row(const void *x, void *residual, const void *weight, void *out,
+                            int64_t o, int64_t dim, float eps, int bf16) {
+    v8 sq = _mm256_setzero_ps();
+    for (int64_t i = 0; i < dim; i += 8) {
+        v8 h = load8(x, o + i, bf16);
+        if (residual) {
+            h = as_dtype(_mm256_add_ps(load8(residual, o + i, bf16), h), bf16);
+            store8(residual, o + i, h, bf16);
+        }
+        sq = _mm256_fmadd_ps(h, h, sq);
+    }
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(sq), _mm256_extractf128_ps(sq, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    const v8 inv = _mm256_set1_ps(1.0f / sqrtf(_mm_cvtss_f32(s) / (float)dim + eps));
+    const void *src = residual ? residual : x;
+    for (int64_t i = 0; i < dim; i += 8) {
+        const v8 h = as_dtype(_mm256_mul_ps(load8(src, o + i, bf16), inv), bf16);
+        store8(out, o + i, _mm256_mul_ps(load8(weight, i, bf16), h), bf16);
+    }
+}
+
 /* out = weight * (h / sqrt(mean(h^2) + eps)) per row, where h = x, or h = residual + x written
  * back to residual when residual is not NULL. Rows of `dim` values; dim a multiple of 8. */
 void rtpkv_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows,
                     int64_t dim, float eps, int bf16) {
 #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t o = r * dim;
-        v8 sq = _mm256_setzero_ps();
-        for (int64_t i = 0; i < dim; i += 8) {
-            v8 h = load8(x, o + i, bf16);
-            if (residual) {
-                h = as_dtype(_mm256_add_ps(load8(residual, o + i, bf16), h), bf16);
-                store8(residual, o + i, h, bf16);
-            }
-            sq = _mm256_fmadd_ps(h, h, sq);
-        }
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(sq), _mm256_extractf128_ps(sq, 1));
-        s = _mm_hadd_ps(s, s);
-        s = _mm_hadd_ps(s, s);
-        const v8 inv = _mm256_set1_ps(1.0f / sqrtf(_mm_cvtss_f32(s) / (float)dim + eps));
-        const void *src = residual ? residual : x;
-        for (int64_t i = 0; i < dim; i += 8) {
-            const v8 h = as_dtype(_mm256_mul_ps(load8(src, o + i, bf16), inv), bf16);
-            store8(out, o + i, _mm256_mul_ps(load8(weight, i, bf16), h), bf16);
-        }
+    for (int64_t r = 0; r < rows; r++) norm_row(x, residual, weight, out, r * dim, dim, eps, bf16);
+}
+
+/* rtpkv_rms_norm in place, float32, over the first `heads` rows of `dim` values of each of T
+ * rows `stride` floats apart: the q (or k) heads of the fused decoder's qkv rows (q/k norms),
+ * each head computed as rtpkv_rms_norm computes a row, so as the per-layer path's norm of the
+ * heads made contiguous. */
+void rtpkv_head_norm(float *x, int64_t T, int64_t stride, int64_t heads, int64_t dim,
+                     const float *weight, float eps) {
+#pragma omp parallel for schedule(static)
+    for (int64_t w = 0; w < T * heads; w++) {
+        float *row = x + (w / heads) * stride;
+        norm_row(row, NULL, weight, row, (w % heads) * dim, dim, eps, 0);
     }
 }
 

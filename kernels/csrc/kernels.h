@@ -10,6 +10,8 @@
 /* fused_ops.c */
 void rtpkv_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows,
                     int64_t dim, float eps, int bf16);
+void rtpkv_head_norm(float *x, int64_t T, int64_t stride, int64_t heads, int64_t dim,
+                     const float *weight, float eps);
 void rtpkv_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int bf16);
 void rtpkv_rope(void *q, void *k, int64_t tokens, int64_t q_heads, int64_t k_heads,
                 int64_t q_stride, int64_t k_stride, int64_t dim, const void *cos, const void *sin,
@@ -23,6 +25,8 @@ void rtpkv_fp32_linear(const float *x, int64_t M, int64_t K, const float *w, int
                        const float *bias, float *y);
 void rtpkv_bf16w_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
                         const float *bias, float *y);
+void rtpkv_linear_many(int64_t count, const float *const *x, const int64_t *M, int64_t K,
+                       const void *const *w, int64_t N, float *const *y, int bf16);
 void rtpkv_int8_linear(const float *x, int64_t m, int64_t k, const int8_t *q, const float *s,
                        int64_t n, int64_t group, const float *bias, float *y, int64_t panel_rows);
 void rtpkv_w8a8_linear(const float *x, int64_t m, int64_t k, const int8_t *qw, const float *sw,
@@ -64,5 +68,27 @@ static inline void rtpkv_linear(int64_t kind, const linear_layer *l, const float
         abort();   /* the Python side sets one of LINEAR_* */
     }
 }
+
+/* A mixture-of-experts layer as moe_experts.c runs it (kernels/moe_experts.py), fixed at load;
+ * the fused decoder (decoder.c) calls it for its sparse layers. */
+typedef struct {
+    linear_layer gate_up, down;
+} expert_layer;
+
+typedef struct {
+    int64_t num_experts, top_k, hidden, inter;
+    int64_t linear_kind;           /* LINEAR_*: the kernel of every expert's linear layers */
+    int64_t int8_group;            /* LINEAR_INT8's group size */
+    int64_t panel_rows;            /* the fewest rows the int8 kernels' prefill tiles take */
+    const expert_layer *experts;   /* (num_experts,) */
+    const float *router;           /* hidden -> num_experts, float32 panels (fp32_linear.c) */
+    int64_t normalize;             /* renormalise the chosen experts' weights to sum to 1 */
+    int64_t shared_inter;          /* Qwen2-MoE's shared expert's intermediate size; 0: none */
+    expert_layer shared;
+    linear_layer shared_gate;      /* hidden -> 1 */
+} moe_layer;
+
+/* moe_experts.c: out (T, hidden) = the layer's MLP output of x (T, hidden). */
+void rtpkv_moe_forward(const moe_layer *m, const float *x, int64_t T, float *out);
 
 #endif

@@ -1,62 +1,182 @@
-/* A mixture-of-experts layer's experts in one call (kernels/moe_experts.py): for each expert in
- * ascending order, its tokens' rows gathered, the gate_up projection, SiLU-and-mul, the down
- * projection, each output row scaled by its routing weight and added onto that token's row of
- * `out` (zeros from the caller). A token's experts are thus added in ascending expert order,
- * onto zeros, each as one multiply then one add: what the per-layer path does in torch
- * (model_factory/moe.py), with the same kernels on the same rows (fused_ops.c, fp32_linear.c
- * with its bf16-weight variant, int8_linear.c, w8a8_linear.c, linked into this library), so
- * the two give the same bits and a token's output depends on its own row only. What it removes
- * is the Python around each expert's four kernels, which in a one-token decode step costs more
- * than they do.
+/* A mixture-of-experts layer in one call (kernels/moe_experts.py): the router, the routing, the
+ * chosen experts and the shared expert, so a decode step makes no Python call between a
+ * layer's attention and its next one (the fused decoder, csrc/decoder.c, calls this too).
+ *
+ * Routing, row by row as transformers computes it: the router's logits (the float32 kernel of
+ * fp32_linear.c), a float32 softmax, the top_k largest probabilities (ties to the lower expert
+ * index, torch.topk's choice), optionally renormalised to sum to 1. The float32 softmax's
+ * exp and sum are libm's and sequential, so a weight can differ from torch's in its last bit:
+ * the same experts, the same output within float32 rounding (tests/model/test_moe.py).
+ *
+ * Experts: the (token, weight) pairs grouped by expert, their rows gathered; each expert's
+ * gate_up projection, SiLU-and-mul and down projection over its rows (all experts' gate_up in
+ * one parallel region, then all their down projections, on the float32 kernels); then each
+ * output row scaled by its routing weight and added onto its token's row of `out` (zeroed
+ * here), experts in ascending order. A token's experts are thus added in
+ * ascending expert order, onto zeros, each as one multiply then one add: the per-layer torch
+ * loop's order (model_factory/moe.py), on the kernels its linear layers run (fp32_linear.c with
+ * its bf16-weight variant, int8_linear.c, w8a8_linear.c, fused_ops.c), so a token's output
+ * depends on its own row only, whatever else shares the call. Then Qwen2-MoE's shared expert:
+ * out + sigmoid(gate(x)) * shared(x), the sigmoid in double, rounded to float32.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
 
-typedef struct {
-    linear_layer gate_up, down;
-} expert_layer;
+static void *checked_malloc(size_t bytes) {
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) abort();
+    return p;
+}
 
-typedef struct {                   /* a layer's experts, fixed at load */
-    int64_t num_experts, hidden, inter;
-    int64_t linear_kind;           /* LINEAR_*: the kernel of every expert's linear layers */
-    int64_t int8_group;            /* LINEAR_INT8's group size */
-    int64_t panel_rows;            /* the fewest rows the int8 kernels' prefill tiles take */
-    const expert_layer *experts;   /* (num_experts,) */
-} moe_experts;
-
-
-static inline void linear(const moe_experts *m, const linear_layer *l, const float *x,
-                          int64_t T, int64_t K, int64_t N, float *y) {
+static inline void linear(const moe_layer *m, const linear_layer *l, const float *x, int64_t T,
+                          int64_t K, int64_t N, float *y) {
     rtpkv_linear(m->linear_kind, l, x, T, K, N, y, m->int8_group, m->panel_rows);
 }
 
-/* x: (T, hidden); counts: (num_experts,) tokens per expert; tokens, weights: the (token,
- * weight) pairs grouped by expert in ascending order; out: (T, hidden) zeros; scratch: at least
- * max(counts) * (2 * hidden + 3 * inter) floats. */
-void rtpkv_moe_experts(const moe_experts *m, const float *x, const int64_t *counts,
-                       const int64_t *tokens, const float *weights, float *out, float *scratch) {
-    const int64_t E = m->hidden, I = m->inter;
-    int64_t start = 0;
-    for (int64_t e = 0; e < m->num_experts; e++) {
-        const int64_t n = counts[e];
-        if (!n) continue;
-        float *xs = scratch, *gate_up = xs + n * E, *act = gate_up + n * 2 * I, *y = act + n * I;
-        for (int64_t r = 0; r < n; r++)
-            memcpy(xs + r * E, x + tokens[start + r] * E, (size_t)E * sizeof(float));
-        linear(m, &m->experts[e].gate_up, xs, n, E, 2 * I, gate_up);
-        rtpkv_silu_and_mul(gate_up, act, n, I, 0);
-        linear(m, &m->experts[e].down, act, n, I, E, y);
-        for (int64_t r = 0; r < n; r++) {
-            float *row = out + tokens[start + r] * E;
-            const float w = weights[start + r];
+/* Row t's experts and weights (top_k each) from its router logits (num_experts). */
+static void route_row(const moe_layer *m, const float *logits, float *probs, int64_t *chosen,
+                      float *weights) {
+    const int64_t NE = m->num_experts, K = m->top_k;
+    float top = logits[0];
+    for (int64_t e = 1; e < NE; e++)
+        if (logits[e] > top) top = logits[e];
+    float sum = 0.0f;
+    for (int64_t e = 0; e < NE; e++) {
+        probs[e] = expf(logits[e] - top);
+        sum += probs[e];
+    }
+    for (int64_t e = 0; e < NE; e++) probs[e] = probs[e] / sum;
+    float sum_chosen = 0.0f;
+    for (int64_t k = 0; k < K; k++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < NE; e++)
+            if (probs[e] >= 0.0f && (best < 0 || probs[e] > probs[best])) best = e;
+        chosen[k] = best;
+        weights[k] = probs[best];
+        sum_chosen += probs[best];
+        probs[best] = -1.0f;   /* taken */
+    }
+    if (m->normalize)
+        for (int64_t k = 0; k < K; k++) weights[k] = weights[k] / sum_chosen;
+}
+
+/* out[rows] += each row of y scaled by its weight: one multiply, then one add. */
+static void add_scaled(float *out, const float *y, const int64_t *rows, const float *weights,
+                       int64_t n, int64_t E) {
+    for (int64_t r = 0; r < n; r++) {
+        float *row = out + rows[r] * E;
+        const float w = weights[r];
+        for (int64_t j = 0; j < E; j++) {
+            const float scaled = y[r * E + j] * w;
+            row[j] = row[j] + scaled;
+        }
+    }
+}
+
+/* A gated MLP (gate_up, SiLU-and-mul, down) of `inter` over n rows of xs into y, through
+ * gate_up (n * 2 * inter floats) and act (n * inter). */
+static void expert(const moe_layer *m, const expert_layer *l, int64_t inter, const float *xs,
+                   int64_t n, float *gate_up, float *act, float *y) {
+    linear(m, &l->gate_up, xs, n, m->hidden, 2 * inter, gate_up);
+    rtpkv_silu_and_mul(gate_up, act, n, inter, 0);
+    linear(m, &l->down, act, n, inter, m->hidden, y);
+}
+
+/* The chosen experts over the pairs' rows xs (grouped by expert: counts[e] rows from expert
+ * e's start), into y. On the float32 and bf16-weight kernels all experts' gate_up projections
+ * are one parallel region, SiLU-and-mul one, their down projections one (rtpkv_linear_many:
+ * the same outputs as one call per expert); on the int8 kernels one call per expert. */
+static void experts(const moe_layer *m, const int64_t *counts, const float *xs, int64_t pairs,
+                    float *gate_up, float *act, float *y) {
+    const int64_t E = m->hidden, I = m->inter, NE = m->num_experts;
+    if (m->linear_kind != LINEAR_FP32 && m->linear_kind != LINEAR_BF16) {
+        for (int64_t e = 0, start = 0; e < NE; start += counts[e], e++)
+            if (counts[e])
+                expert(m, &m->experts[e], I, xs + start * E, counts[e], gate_up + start * 2 * I,
+                       act + start * I, y + start * E);
+        return;
+    }
+    const int bf16 = m->linear_kind == LINEAR_BF16;
+    const float **x = checked_malloc((size_t)NE * (2 * sizeof(float *) + sizeof(void *) +
+                                                   sizeof(int64_t)));
+    float **out = (float **)(x + NE);
+    const void **w = (const void **)(out + NE);
+    int64_t *rows = (int64_t *)(w + NE), used = 0;
+    for (int64_t e = 0, start = 0; e < NE; start += counts[e], e++) {
+        if (!counts[e]) continue;
+        x[used] = xs + start * E;
+        rows[used] = counts[e];
+        w[used] = m->experts[e].gate_up.weight;
+        out[used++] = gate_up + start * 2 * I;
+    }
+    rtpkv_linear_many(used, x, rows, E, w, 2 * I, out, bf16);
+    rtpkv_silu_and_mul(gate_up, act, pairs, I, 0);
+    used = 0;
+    for (int64_t e = 0, start = 0; e < NE; start += counts[e], e++) {
+        if (!counts[e]) continue;
+        x[used] = act + start * I;
+        w[used] = m->experts[e].down.weight;
+        out[used++] = y + start * E;
+    }
+    rtpkv_linear_many(used, x, rows, I, w, E, out, bf16);
+    free(x);
+}
+
+void rtpkv_moe_forward(const moe_layer *m, const float *x, int64_t T, float *out) {
+    const int64_t E = m->hidden, I = m->inter, NE = m->num_experts, K = m->top_k;
+    const int64_t pairs = T * K;
+    float *logits = checked_malloc((size_t)(T * NE + NE + 2 * pairs) * sizeof(float));
+    float *probs = logits + T * NE, *weights = probs + NE, *pair_weights = weights + pairs;
+    int64_t *ints = checked_malloc((size_t)(2 * pairs + 2 * NE) * sizeof(int64_t));
+    int64_t *chosen = ints, *pair_tokens = ints + pairs, *counts = ints + 2 * pairs,
+            *fill = counts + NE;
+
+    rtpkv_fp32_linear(x, T, E, m->router, NE, NULL, logits);
+    for (int64_t t = 0; t < T; t++)
+        route_row(m, logits + t * NE, probs, chosen + t * K, weights + t * K);
+
+    /* the (token, weight) pairs grouped by expert, tokens ascending within an expert */
+    memset(counts, 0, (size_t)NE * sizeof(int64_t));
+    for (int64_t i = 0; i < pairs; i++) counts[chosen[i]]++;
+    for (int64_t e = 0, start = 0; e < NE; e++) {
+        fill[e] = start;
+        start += counts[e];
+    }
+    for (int64_t i = 0; i < pairs; i++) {
+        const int64_t at = fill[chosen[i]]++;
+        pair_tokens[at] = i / K;
+        pair_weights[at] = weights[i];
+    }
+
+    float *xs = checked_malloc((size_t)(pairs * (2 * E + 3 * I)) * sizeof(float));
+    float *y = xs + pairs * E, *gate_up = y + pairs * E, *act = gate_up + pairs * 2 * I;
+    for (int64_t i = 0; i < pairs; i++)
+        memcpy(xs + i * E, x + pair_tokens[i] * E, (size_t)E * sizeof(float));
+    experts(m, counts, xs, pairs, gate_up, act, y);
+    memset(out, 0, (size_t)(T * E) * sizeof(float));
+    add_scaled(out, y, pair_tokens, pair_weights, pairs, E);   /* experts in ascending order */
+    free(xs);
+
+    const int64_t SI = m->shared_inter;
+    if (SI) {
+        float *shared = checked_malloc((size_t)(T * (E + 3 * SI + 1)) * sizeof(float));
+        float *ys = shared, *gate = ys + T * E, *work = gate + T;
+        expert(m, &m->shared, SI, x, T, work, work + T * 2 * SI, ys);
+        linear(m, &m->shared_gate, x, T, E, 1, gate);
+        for (int64_t t = 0; t < T; t++) {
+            const double v = gate[t];
+            const float g = (float)(v >= 0 ? 1.0 / (1.0 + exp(-v)) : exp(v) / (1.0 + exp(v)));
             for (int64_t j = 0; j < E; j++) {
-                const float scaled = y[r * E + j] * w;
-                row[j] = row[j] + scaled;
+                const float scaled = g * ys[t * E + j];
+                out[t * E + j] = out[t * E + j] + scaled;
             }
         }
-        start += n;
+        free(shared);
     }
+    free(ints);
+    free(logits);
 }

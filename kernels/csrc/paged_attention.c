@@ -18,13 +18,17 @@
  * and finally out[d] = acc[d] * (1 / l). Keys past a query's last one only ever add exact zeros.
  *
  * Two vectorisations compute exactly that. Tiles of at least 8 query rows (prefill) put 8 query
- * rows in the lanes of a vector, so K and V are read in place as broadcasts and the softmax runs
- * on 8 rows at once (a block that every row of the tile reads whole skips the mask: its scores
- * come out of the score tile scaled, with their row maxima); smaller tiles (decodes: the G query
+ * rows in the lanes of a vector (16 where the build has AVX-512: RTPKV_ISA, kernels/cpu_build.py),
+ * so K and V are read in place as broadcasts and the softmax runs on a vector of rows at once
+ * (a block that every row of the tile reads whole skips the mask: its scores come out of the
+ * score tile scaled, with their row maxima); smaller tiles (decodes: the G query
  * heads of one token) put the head dimension in the lanes, so a key's 8 partial chains are one
  * vector of FMAs over its row, read in place, and 4 keys' vectors are reduced by the tree above
  * at once with horizontal adds (hadd adds neighbouring lanes, and a sum's bits do not depend on
- * the order of its two operands); the values' 8 columns are in the lanes.
+ * the order of its two operands; with AVX-512 two keys share a vector, one per 8-lane half);
+ * the values' columns are in the lanes. Each lane computes its own row's (or chain's, or
+ * column's) arithmetic above whatever the vector width, so every ISA level gives the same bits
+ * (tests/kernels/test_isa_levels.py).
  *
  * Work items are (kv head, tile of up to TILE consecutive tokens of one sequence): the query
  * heads of a GQA group and the tile's tokens share each block read while it is in cache.
@@ -49,10 +53,7 @@
 #endif
 
 #define TILE 16
-#define NK_MAX 6   /* keys per score tile (2 query vectors) */
-#define ND_MAX 6   /* value columns per value tile (2 query vectors) */
 #define DIM_LANES_MAX_ROWS 7   /* tiles of fewer query rows put the head dimension in the lanes */
-
 
 typedef __m256 v8;
 
@@ -60,6 +61,84 @@ typedef __m256 v8;
 #define st _mm256_storeu_ps
 #define bcast _mm256_set1_ps
 #define fmadd _mm256_fmadd_ps
+
+/* exp(x) for x <= 0 on 8 lanes; exactly 0 below -87 and for -inf. */
+static inline v8 exp_nonpos(v8 x) {
+    const v8 low = bcast(-87.0f);
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, low, _CMP_LT_OQ), exp_clamped(_mm256_max_ps(x, low)));
+}
+
+/* The query-lanes path's vectors: LANES query rows each, 16 where the build has AVX-512 (its
+ * 32 registers also take wider score and value tiles), else 8. Each lane does its row's
+ * arithmetic of the header whatever the width, so the width changes the speed only. */
+#if defined(__AVX512F__)
+typedef __m512 vec;
+typedef __m512i ivec;
+#define LANES 16
+#define NK_MAX 12   /* keys per score tile (2 query vectors: 24 accumulators) */
+#define ND_MAX 12   /* value columns per value tile (2 query vectors) */
+#define vld _mm512_loadu_ps
+#define vst _mm512_storeu_ps
+#define vset1 _mm512_set1_ps
+#define vfma _mm512_fmadd_ps
+#define vadd _mm512_add_ps
+#define vsub _mm512_sub_ps
+#define vmul _mm512_mul_ps
+#define vmax _mm512_max_ps
+#define vzero _mm512_setzero_ps
+#define ild(p) _mm512_loadu_si512((const void *)(p))
+#define iset1 _mm512_set1_epi32
+#define isub _mm512_sub_epi32
+
+static inline vec vexp_nonpos(vec x) {
+    const vec low = vset1(-87.0f);
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, low, _CMP_NLT_UQ),
+                               exp_clamped16(_mm512_max_ps(x, low)));
+}
+
+/* m, with -inf replaced by 0 (the softmax's shift z) */
+static inline vec zero_if_ninf(vec m) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, vset1(-INFINITY), _CMP_NEQ_UQ), m);
+}
+
+/* s in the lanes whose key j is in range (from <= j < hi), -inf in the others */
+static inline vec keep_in_range(vec s, ivec from, ivec hi, int32_t j) {
+    const ivec jj = iset1(j);
+    const __mmask16 in = _kandn_mask16(_mm512_cmpgt_epi32_mask(from, jj),
+                                       _mm512_cmpgt_epi32_mask(hi, jj));
+    return _mm512_mask_blend_ps(in, vset1(-INFINITY), s);
+}
+#else
+typedef __m256 vec;
+typedef __m256i ivec;
+#define LANES 8
+#define NK_MAX 6
+#define ND_MAX 6
+#define vld _mm256_loadu_ps
+#define vst _mm256_storeu_ps
+#define vset1 _mm256_set1_ps
+#define vfma _mm256_fmadd_ps
+#define vadd _mm256_add_ps
+#define vsub _mm256_sub_ps
+#define vmul _mm256_mul_ps
+#define vmax _mm256_max_ps
+#define vzero _mm256_setzero_ps
+#define ild(p) _mm256_loadu_si256((const __m256i *)(p))
+#define iset1 _mm256_set1_epi32
+#define isub _mm256_sub_epi32
+
+#define vexp_nonpos exp_nonpos
+
+static inline vec zero_if_ninf(vec m) {
+    return _mm256_andnot_ps(_mm256_cmp_ps(m, vset1(-INFINITY), _CMP_EQ_OQ), m);
+}
+
+static inline vec keep_in_range(vec s, ivec from, ivec hi, int32_t j) {
+    const ivec jj = iset1(j);
+    const ivec in = _mm256_andnot_si256(_mm256_cmpgt_epi32(from, jj), _mm256_cmpgt_epi32(hi, jj));
+    return _mm256_blendv_ps(vset1(-INFINITY), s, _mm256_castsi256_ps(in));
+}
+#endif
 
 static inline float hmax(v8 x) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -103,12 +182,6 @@ static void load_kv(float *dst, const attn_args *a, const void *cache, int64_t r
     }
 }
 
-/* exp(x) for x <= 0 on 8 lanes; exactly 0 below -87 and for -inf. */
-static inline v8 exp_nonpos(v8 x) {
-    const v8 low = bcast(-87.0f);
-    return _mm256_andnot_ps(_mm256_cmp_ps(x, low, _CMP_LT_OQ), exp_clamped(_mm256_max_ps(x, low)));
-}
-
 static inline float exp1(float x) { return _mm256_cvtss_f32(exp_nonpos(bcast(x))); }
 
 /* The keys [first, valid) of block p that a query at `pos` attending from `lo` reads. */
@@ -123,103 +196,122 @@ static inline void block_range(int64_t pos, int64_t lo, int64_t p, int64_t B, in
 
 /* ---- query rows in the lanes (tiles of 8 or more rows) ---------------------------------- */
 
-/* sT[j][i0..] = scale * (q . k_j) for keys j < NK of k (rows of D floats), QV vectors of 8 query
- * rows, each dot product as the header's 8 partial chains and their tree; with `mx`, also its
- * running maximum over the keys (for blocks no row masks). */
-static inline __attribute__((always_inline)) void qk_tile(
-        const float *qT, int64_t NQP, int64_t i0, const float *k, int64_t D, float *sT, v8 scale,
-        float *mx, const int QV, const int NK) {
-    v8 part[8][2][NK_MAX];
-    for (int c = 0; c < 8; c++) {
-        v8 acc[2][NK_MAX];
-        for (int g = 0; g < QV; g++)
-            for (int j = 0; j < NK; j++) acc[g][j] = _mm256_setzero_ps();
-        for (int64_t d = c; d < D; d += 8) {
-            v8 qv[2];
-            for (int g = 0; g < QV; g++) qv[g] = ld(qT + d * NQP + i0 + 8 * g);
-            for (int j = 0; j < NK; j++) {
-                const v8 kv = bcast(k[j * D + d]);
-                for (int g = 0; g < QV; g++) acc[g][j] = fmadd(qv[g], kv, acc[g][j]);
-            }
-        }
-        for (int g = 0; g < QV; g++)
-            for (int j = 0; j < NK; j++) part[c][g][j] = acc[g][j];
-    }
-    for (int g = 0; g < QV; g++) {
-        v8 m = mx ? ld(mx + i0 + 8 * g) : _mm256_setzero_ps();
+/* acc[g][j] = the header's partial chain p_c of query vector g and key j < NK of k. */
+static inline __attribute__((always_inline)) void qk_chain(
+        const float *qT, int64_t NQP, int64_t i0, const float *k, int64_t D, int c,
+        vec acc[2][NK_MAX], const int QV, const int NK) {
+    for (int g = 0; g < QV; g++)
+        for (int j = 0; j < NK; j++) acc[g][j] = vzero();
+    for (int64_t d = c; d < D; d += 8) {
+        vec qv[2];
+        for (int g = 0; g < QV; g++) qv[g] = vld(qT + d * NQP + i0 + LANES * g);
         for (int j = 0; j < NK; j++) {
-            const v8 low = _mm256_add_ps(_mm256_add_ps(part[0][g][j], part[1][g][j]),
-                                         _mm256_add_ps(part[2][g][j], part[3][g][j]));
-            const v8 high = _mm256_add_ps(_mm256_add_ps(part[4][g][j], part[5][g][j]),
-                                          _mm256_add_ps(part[6][g][j], part[7][g][j]));
-            const v8 x = _mm256_mul_ps(_mm256_add_ps(low, high), scale);
-            st(sT + j * NQP + i0 + 8 * g, x);
-            if (mx) m = _mm256_max_ps(m, x);
+            const vec kv = vset1(k[j * D + d]);
+            for (int g = 0; g < QV; g++) acc[g][j] = vfma(qv[g], kv, acc[g][j]);
         }
-        if (mx) st(mx + i0 + 8 * g, m);
+    }
+}
+
+/* sT[j][i0..] = scale * (q . k_j) for keys j < NK of k (rows of D floats), QV vectors of LANES
+ * query rows, each dot product as the header's 8 partial chains and their tree (each pair
+ * summed as it finishes, so few partial vectors are live); with `mx`, also its running maximum
+ * over the keys (for blocks no row masks). */
+static inline __attribute__((always_inline)) void qk_tile(
+        const float *qT, int64_t NQP, int64_t i0, const float *k, int64_t D, float *sT, vec scale,
+        float *mx, const int QV, const int NK) {
+    vec a[2][NK_MAX], b[2][NK_MAX], pair[2][NK_MAX], low[2][NK_MAX];
+#define CHAINS(c) qk_chain(qT, NQP, i0, k, D, c, a, QV, NK); qk_chain(qT, NQP, i0, k, D, c + 1, b, QV, NK)
+#define EACH for (int g = 0; g < QV; g++) for (int j = 0; j < NK; j++)
+    CHAINS(0);
+    EACH pair[g][j] = vadd(a[g][j], b[g][j]);
+    CHAINS(2);
+    EACH low[g][j] = vadd(pair[g][j], vadd(a[g][j], b[g][j]));
+    CHAINS(4);
+    EACH pair[g][j] = vadd(a[g][j], b[g][j]);
+    CHAINS(6);
+    EACH low[g][j] = vmul(vadd(low[g][j], vadd(pair[g][j], vadd(a[g][j], b[g][j]))), scale);
+#undef CHAINS
+#undef EACH
+    for (int g = 0; g < QV; g++) {
+        vec m = mx ? vld(mx + i0 + LANES * g) : vzero();
+        for (int j = 0; j < NK; j++) {
+            vst(sT + j * NQP + i0 + LANES * g, low[g][j]);
+            if (mx) m = vmax(m, low[g][j]);
+        }
+        if (mx) vst(mx + i0 + LANES * g, m);
     }
 }
 
 #define QK_CASE(qv, nk) \
-    case (qv) * 8 + (nk): qk_tile(qT, NQP, i0, k, D, sT + j0 * NQP, scale, mx, qv, nk); break;
+    case (qv) * 16 + (nk): qk_tile(qT, NQP, i0, k, D, sT + j0 * NQP, scale, mx, qv, nk); break;
 
 /* The scaled scores of the n keys of block kb; with `mx`, their running row maxima too. */
 static void qk_lanes(const float *qT, int64_t NQP, const float *kb, int64_t D, int64_t n, float *sT,
-                     v8 scale, float *mx) {
-    for (int64_t i0 = 0; i0 < NQP; i0 += 16) {
-        const int qv = NQP - i0 >= 16 ? 2 : 1;
+                     vec scale, float *mx) {
+    for (int64_t i0 = 0; i0 < NQP; i0 += 2 * LANES) {
+        const int qv = NQP - i0 >= 2 * LANES ? 2 : 1;
         for (int64_t j0 = 0; j0 < n; j0 += NK_MAX) {
             const int nk = n - j0 < NK_MAX ? (int)(n - j0) : NK_MAX;
             const float *k = kb + j0 * D;
-            switch (qv * 8 + nk) {
+            switch (qv * 16 + nk) {
                 QK_CASE(1, 1) QK_CASE(1, 2) QK_CASE(1, 3) QK_CASE(1, 4) QK_CASE(1, 5) QK_CASE(1, 6)
                 QK_CASE(2, 1) QK_CASE(2, 2) QK_CASE(2, 3) QK_CASE(2, 4) QK_CASE(2, 5) QK_CASE(2, 6)
+#if NK_MAX > 6
+                QK_CASE(1, 7) QK_CASE(1, 8) QK_CASE(1, 9) QK_CASE(1, 10) QK_CASE(1, 11) QK_CASE(1, 12)
+                QK_CASE(2, 7) QK_CASE(2, 8) QK_CASE(2, 9) QK_CASE(2, 10) QK_CASE(2, 11) QK_CASE(2, 12)
+#endif
             }
         }
     }
 }
 
 /* accT[d][i0..] = accT * alpha, then + sum_{j < n} wT[j][i0..] * v[j][d], for columns
- * d0..d0+ND and QV vectors of 8 query rows. */
+ * d0..d0+ND and QV vectors of LANES query rows. */
 static inline __attribute__((always_inline)) void pv_tile(
         float *accT, const float *alpha, const float *wT, int64_t NQP, int64_t i0,
         const float *vb, int64_t D, int64_t n, int64_t d0, const int QV, const int ND) {
-    v8 acc[2][ND_MAX];
+    vec acc[2][ND_MAX];
     for (int g = 0; g < QV; g++) {
-        const v8 al = ld(alpha + i0 + 8 * g);
+        const vec al = vld(alpha + i0 + LANES * g);
         for (int c = 0; c < ND; c++)
-            acc[g][c] = _mm256_mul_ps(ld(accT + (d0 + c) * NQP + i0 + 8 * g), al);
+            acc[g][c] = vmul(vld(accT + (d0 + c) * NQP + i0 + LANES * g), al);
     }
     for (int64_t j = 0; j < n; j++) {
-        v8 w[2];
-        for (int g = 0; g < QV; g++) w[g] = ld(wT + j * NQP + i0 + 8 * g);
+        vec w[2];
+        for (int g = 0; g < QV; g++) w[g] = vld(wT + j * NQP + i0 + LANES * g);
         for (int c = 0; c < ND; c++) {
-            const v8 vv = bcast(vb[j * D + d0 + c]);
-            for (int g = 0; g < QV; g++) acc[g][c] = fmadd(w[g], vv, acc[g][c]);
+            const vec vv = vset1(vb[j * D + d0 + c]);
+            for (int g = 0; g < QV; g++) acc[g][c] = vfma(w[g], vv, acc[g][c]);
         }
     }
     for (int g = 0; g < QV; g++)
-        for (int c = 0; c < ND; c++) st(accT + (d0 + c) * NQP + i0 + 8 * g, acc[g][c]);
+        for (int c = 0; c < ND; c++) vst(accT + (d0 + c) * NQP + i0 + LANES * g, acc[g][c]);
 }
 
-#define PV_CASE(qv, nd) case (qv) * 8 + (nd): pv_tile(accT, alpha, wT, NQP, i0, vb, D, n, d0, qv, nd); break;
+#define PV_CASE(qv, nd) \
+    case (qv) * 16 + (nd): pv_tile(accT, alpha, wT, NQP, i0, vb, D, n, d0, qv, nd); break;
 
 static void pv_lanes(float *accT, const float *alpha, const float *wT, int64_t NQP,
                      const float *vb, int64_t D, int64_t n) {
-    for (int64_t i0 = 0; i0 < NQP; i0 += 16) {
-        const int qv = NQP - i0 >= 16 ? 2 : 1;
+    for (int64_t i0 = 0; i0 < NQP; i0 += 2 * LANES) {
+        const int qv = NQP - i0 >= 2 * LANES ? 2 : 1;
         for (int64_t d0 = 0; d0 < D; d0 += ND_MAX) {
             const int nd = D - d0 < ND_MAX ? (int)(D - d0) : ND_MAX;
-            switch (qv * 8 + nd) {
+            switch (qv * 16 + nd) {
                 PV_CASE(1, 1) PV_CASE(1, 2) PV_CASE(1, 3) PV_CASE(1, 4) PV_CASE(1, 5) PV_CASE(1, 6)
                 PV_CASE(2, 1) PV_CASE(2, 2) PV_CASE(2, 3) PV_CASE(2, 4) PV_CASE(2, 5) PV_CASE(2, 6)
+#if ND_MAX > 6
+                PV_CASE(1, 7) PV_CASE(1, 8) PV_CASE(1, 9) PV_CASE(1, 10) PV_CASE(1, 11) PV_CASE(1, 12)
+                PV_CASE(2, 7) PV_CASE(2, 8) PV_CASE(2, 9) PV_CASE(2, 10) PV_CASE(2, 11) PV_CASE(2, 12)
+#endif
             }
         }
     }
 }
 
 static void attend_query_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t kvh) {
-    const int64_t D = a->D, B = a->B, G = a->H / a->KVH, NQ = nt * G, NQP = (NQ + 7) / 8 * 8;
+    const int64_t D = a->D, B = a->B, G = a->H / a->KVH, NQ = nt * G;
+    const int64_t NQP = (NQ + LANES - 1) / LANES * LANES;
     float qT[D][NQP], accT[D][NQP], sT[B][NQP], row[D];
     float m[NQP], mnew[NQP], l[NQP], alpha[NQP];
     int32_t pos[NQP], lo[NQP];   /* a row attends to keys [lo, pos]; padding rows: none */
@@ -245,7 +337,7 @@ static void attend_query_lanes(const attn_args *a, int64_t t0, int64_t nt, int64
         if (lo[i] > max_lo) max_lo = lo[i];
     }
     const int32_t *table = a->tables + (int64_t)a->q_seq[t0] * a->max_blocks;
-    const v8 scale = bcast(a->scale), ninf = bcast(-INFINITY), zero = _mm256_setzero_ps();
+    const vec scale = vset1(a->scale), zero = vzero();
     for (int64_t p = min_lo / B; p * B <= max_pos; p++) {
         const int64_t row = kvh * a->S + (int64_t)table[p] * B, base = row * D;
         const int64_t n = max_pos - p * B + 1 < B ? max_pos - p * B + 1 : B;  /* keys read */
@@ -260,36 +352,31 @@ static void attend_query_lanes(const attn_args *a, int64_t t0, int64_t nt, int64
         const int whole = n == B && min_pos >= p * B + B - 1 && max_lo <= p * B;
         if (whole) memcpy(mnew, m, sizeof(m));
         qk_lanes(&qT[0][0], NQP, kb, D, n, &sT[0][0], scale, whole ? mnew : NULL);
-        for (int64_t i0 = 0; i0 < NQP; i0 += 8) {
-            const v8 m_old = ld(m + i0);
-            v8 mx = m_old;
+        for (int64_t i0 = 0; i0 < NQP; i0 += LANES) {
+            const vec m_old = vld(m + i0);
+            vec mx = m_old;
             if (whole) {
-                mx = ld(mnew + i0);
-            } else {
-                const __m256i pos8 = _mm256_loadu_si256((const __m256i *)(pos + i0));
-                const __m256i lo8 = _mm256_loadu_si256((const __m256i *)(lo + i0));
-                const __m256i hi = _mm256_sub_epi32(pos8, _mm256_set1_epi32((int)(p * B - 1)));
-                const __m256i from = _mm256_sub_epi32(lo8, _mm256_set1_epi32((int)(p * B)));
-                for (int64_t j = 0; j < n; j++) {   /* key j is in range: from <= j < hi */
-                    const __m256i jj = _mm256_set1_epi32((int)j);
-                    const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(from, jj),
-                                                           _mm256_cmpgt_epi32(hi, jj));
-                    const v8 x = _mm256_blendv_ps(ninf, ld(sT[j] + i0), _mm256_castsi256_ps(in));
-                    st(sT[j] + i0, x);
-                    mx = _mm256_max_ps(mx, x);
+                mx = vld(mnew + i0);
+            } else {   /* key j is in range: from <= j < hi */
+                const ivec hi = isub(ild(pos + i0), iset1((int)(p * B - 1)));
+                const ivec from = isub(ild(lo + i0), iset1((int)(p * B)));
+                for (int64_t j = 0; j < n; j++) {
+                    const vec x = keep_in_range(vld(sT[j] + i0), from, hi, (int32_t)j);
+                    vst(sT[j] + i0, x);
+                    mx = vmax(mx, x);
                 }
             }
-            const v8 z = _mm256_andnot_ps(_mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ), mx);
-            v8 sum = zero;
+            const vec z = zero_if_ninf(mx);
+            vec sum = zero;
             for (int64_t j = 0; j < n; j++) {
-                const v8 w = exp_nonpos(_mm256_sub_ps(ld(sT[j] + i0), z));
-                st(sT[j] + i0, w);
-                sum = _mm256_add_ps(sum, w);
+                const vec w = vexp_nonpos(vsub(vld(sT[j] + i0), z));
+                vst(sT[j] + i0, w);
+                sum = vadd(sum, w);
             }
-            const v8 al = exp_nonpos(_mm256_sub_ps(m_old, z));
-            st(alpha + i0, al);
-            st(l + i0, fmadd(ld(l + i0), al, sum));
-            st(m + i0, mx);
+            const vec al = vexp_nonpos(vsub(m_old, z));
+            vst(alpha + i0, al);
+            vst(l + i0, vfma(vld(l + i0), al, sum));
+            vst(m + i0, mx);
         }
         pv_lanes(&accT[0][0], alpha, &sT[0][0], NQP, vb, D, n);
     }
@@ -306,11 +393,32 @@ static void attend_query_lanes(const attn_args *a, int64_t t0, int64_t nt, int64
 /* s[r * stride + j0 + j] = the scores of query rows r < R (q: rows of D floats) against the 4 keys
  * at k (rows of D floats), j < 4: the head dimension in the lanes, so lane c of a key's
  * accumulator is the header's partial chain p_c; three hadds and one add take the 4 keys' trees
- * at once. */
+ * at once. With AVX-512 two keys share a vector (one per 8-lane half, each half the same chains),
+ * and the halves are split before the same hadds. */
 static inline __attribute__((always_inline)) void qk_dims_tile(
         const float *q, int64_t D, const float *k, float *s, int64_t stride, int64_t j0,
         const int R) {
     v8 acc[2][4];
+#if defined(__AVX512F__)
+    __m512 pairs[2][2];   /* keys (0 | 1) and (2 | 3) */
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 2; j++) pairs[r][j] = _mm512_setzero_ps();
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+        __m512 kv[2];
+        for (int j = 0; j < 2; j++)
+            kv[j] = _mm512_insertf32x8(_mm512_castps256_ps512(ld(k + 2 * j * D + d0)),
+                                       ld(k + (2 * j + 1) * D + d0), 1);
+        for (int r = 0; r < R; r++) {
+            const __m512 qv = _mm512_broadcast_f32x8(ld(q + r * D + d0));
+            for (int j = 0; j < 2; j++) pairs[r][j] = _mm512_fmadd_ps(qv, kv[j], pairs[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 2; j++) {
+            acc[r][2 * j] = _mm512_castps512_ps256(pairs[r][j]);
+            acc[r][2 * j + 1] = _mm512_extractf32x8_ps(pairs[r][j], 1);
+        }
+#else
     for (int r = 0; r < R; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
     for (int64_t d0 = 0; d0 < D; d0 += 8) {
@@ -321,6 +429,7 @@ static inline __attribute__((always_inline)) void qk_dims_tile(
             for (int j = 0; j < 4; j++) acc[r][j] = fmadd(qv, kv[j], acc[r][j]);
         }
     }
+#endif
     for (int r = 0; r < R; r++) {
         /* lanes (k0: p01, p23, k1: p01, p23 | k0: p45, p67, k1: p45, p67), then the 4 keys'
          * (p01 + p23) in the low half and (p45 + p67) in the high */
@@ -350,29 +459,38 @@ static void qk_dims(const float *q, int64_t NQ, int64_t D, const float *kb, int6
     }
 }
 
-/* acc[c0 + c] = acc[c0 + c] * alpha, then + sum_{j < n} w[j] * v[j][c0 + c], for 8 * DG
+/* acc[c0 + c] = acc[c0 + c] * alpha, then + sum_{j < n} w[j] * v[j][c0 + c], for LANES * DG
  * columns: the columns in the lanes, DG independent chains. */
 static inline __attribute__((always_inline)) void pv_row_tile(
         float *acc, float alpha, const float *w, const float *vb, int64_t D, int64_t n,
         int64_t c0, const int DG) {
-    v8 o[8];
-    for (int g = 0; g < DG; g++) o[g] = _mm256_mul_ps(ld(acc + c0 + 8 * g), bcast(alpha));
+    vec o[8];
+    for (int g = 0; g < DG; g++) o[g] = vmul(vld(acc + c0 + LANES * g), vset1(alpha));
     for (int64_t j = 0; j < n; j++) {
-        const v8 wj = bcast(w[j]);
-        for (int g = 0; g < DG; g++) o[g] = fmadd(wj, ld(vb + j * D + c0 + 8 * g), o[g]);
+        const vec wj = vset1(w[j]);
+        for (int g = 0; g < DG; g++) o[g] = vfma(wj, vld(vb + j * D + c0 + LANES * g), o[g]);
     }
-    for (int g = 0; g < DG; g++) st(acc + c0 + 8 * g, o[g]);
+    for (int g = 0; g < DG; g++) vst(acc + c0 + LANES * g, o[g]);
 }
 
 #define PV_ROW_CASE(dg) case dg: pv_row_tile(acc, alpha, w, vb, D, n, c0, dg); break;
 
 static void pv_row(float *acc, float alpha, const float *w, const float *vb, int64_t D, int64_t n) {
-    for (int64_t c0 = 0; c0 < D; c0 += 64) {
-        switch ((D - c0) / 8 < 8 ? (int)((D - c0) / 8) : 8) {
+    int64_t c0 = 0;
+    for (; c0 + LANES <= D; c0 += 8 * LANES) {
+        switch ((D - c0) / LANES < 8 ? (int)((D - c0) / LANES) : 8) {
             PV_ROW_CASE(1) PV_ROW_CASE(2) PV_ROW_CASE(3) PV_ROW_CASE(4)
             PV_ROW_CASE(5) PV_ROW_CASE(6) PV_ROW_CASE(7) PV_ROW_CASE(8)
         }
     }
+#if LANES > 8
+    c0 = D / LANES * LANES;
+    if (c0 < D) {   /* the last 8 columns of a head dimension that is an odd multiple of 8 */
+        v8 o = _mm256_mul_ps(ld(acc + c0), bcast(alpha));
+        for (int64_t j = 0; j < n; j++) o = fmadd(bcast(w[j]), ld(vb + j * D + c0), o);
+        st(acc + c0, o);
+    }
+#endif
 }
 
 static void attend_dim_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t kvh) {
@@ -477,6 +595,9 @@ void rtpkv_paged_attention(const attn_args *a, const int64_t *tile_start, int64_
 }
 
 int64_t rtpkv_tile_limit(void) { return TILE; }
+
+/* Query rows per vector of the prefill path (the ISA level this library was built for). */
+int64_t rtpkv_attention_lanes(void) { return LANES; }
 
 /* The kernel computes in groups of 8 columns. */
 int64_t rtpkv_head_dim_multiple(void) { return 8; }

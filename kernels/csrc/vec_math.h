@@ -1,4 +1,5 @@
-/* Vector maths shared by the C kernels (AVX2 + FMA, 8 float lanes). */
+/* Vector maths shared by the C kernels (AVX2 + FMA, 8 float lanes; where the build has AVX-512,
+ * 16-lane forms doing the same arithmetic on each lane). */
 #ifndef RTPKV_VEC_MATH_H
 #define RTPKV_VEC_MATH_H
 
@@ -29,6 +30,27 @@ static inline __m256 exp_clamped(__m256 c) {
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
+
+#if defined(__AVX512F__)
+/* exp_clamped on 16 lanes: the same operations on each lane, so the same bits. */
+static inline __m512 exp_clamped16(__m512 c) {
+    const __m512 n = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(c, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
 
 /* Stores the 8 lanes of `acc` as outputs n0 .. n0 + 7 of a row y of n, plus the bias where
  * there is one; lanes past n are zero-padded channels and are dropped. */

@@ -162,15 +162,18 @@ class BlockPool:
         return True
 
     def onboard(self, block_id: int, key: bytes, parent_key: bytes, parent_serial: int,
-                tokens: tuple[int, ...], extra: bytes, tenant: Optional[bytes]) -> None:
+                tokens: tuple[int, ...], extra: bytes, tenant: Optional[bytes],
+                group: int = 0) -> None:
         """A fresh block just loaded from a tier: it takes the content and the lineage of the
         request's chain and is indexed (over any stale holder of the key)."""
         block = self.blocks[block_id]
         self._fill(block, key, parent_key, parent_serial, tokens, extra, tenant)
+        block.group = group
         self._index(block)
 
     def keep_tail(self, block_id: int, parent_key: bytes, parent_serial: int,
-                  tokens: tuple[int, ...], extra: bytes, tenant: Optional[bytes]) -> bool:
+                  tokens: tuple[int, ...], extra: bytes, tenant: Optional[bytes],
+                  group: int = 0) -> bool:
         """The partly filled last block of a request about to release it: keep it as a
         partial-hit source (cached once released, device only), unless a candidate of the same
         lineage already starts with the same tokens. Returns whether it was kept."""
@@ -181,6 +184,7 @@ class BlockPool:
         block = self.blocks[block_id]
         block.parent_key, block.parent_serial = parent_key, parent_serial
         block.tokens, block.extra, block.tail, block.tenant = tokens, extra, True, tenant
+        block.group = group
         self.children.add(parent_key, extra, block_id)
         self.tenants.count(tenant, 1)
         return True

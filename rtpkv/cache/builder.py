@@ -21,7 +21,7 @@ import os
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from rtpkv.cache.events import KVEventBuffer
-from rtpkv.cache.groups import KVGroup, kv_groups, slots
+from rtpkv.cache.groups import KVGroup, kv_groups, model_root_name, slots
 from rtpkv.cache.kv_memory import KVMemory
 from rtpkv.cache.manager import KVCacheManager
 from rtpkv.cache.prefix_index import PrefixIndex
@@ -52,29 +52,27 @@ def build_cache(model: "Model", config: "RuntimeConfig",
         log.info("partial reuse off: a recurrent model resumes only where a state was saved "
                  "(whole blocks)")
         partial = False
-    tiers = build_tiers(config, model, B)
+    groups = kv_groups(spec.layer_windows, window)
+    tiers = build_tiers(config, model, B, slots(groups))
     if specs and tiers:
         log.info("tiers hold no recurrent state: a hit through them is cut back to the last "
                  "state saved in the device pool (LINEAR_STEP)")
-    groups = kv_groups(spec.layer_windows, window, split=not tiers and not partial)
-    if len(set(spec.layer_windows)) > 1 and len(groups) == 1:
-        log.info("KV cache groups off (tiers or partial reuse are on): one block table "
-                 "keeps every layer's blocks, each layer attending over its own window")
     num_blocks = pool_blocks(model, config, groups, StatePool.slot_bytes(specs))
     events = KVEventBuffer(config.kv_cache_event_buffer_max_size)
     with serial_torch():
         memory = KVMemory(slots(groups), num_blocks, B, spec.num_kv_heads, spec.head_dim,
                           model.kv_dtype, model.device)
+    root = model_root_name(model.fingerprint, spec.layer_windows, window)
     state_group = None
     if specs:
         checkpoints = max(1, num_blocks // config.linear_step)
         state_group = StateGroup(specs, checkpoints, config.concurrency_limit,
-                                 config.linear_step, B, PrefixIndex(model.fingerprint, B),
-                                 events, len(groups), model.device)
+                                 config.linear_step, B, PrefixIndex(root, B), events,
+                                 len(groups), model.device)
         log.info("recurrent states: %d saved (a state every %d blocks, LINEAR_STEP) and %d live, "
                  "%.2f MiB each", checkpoints, config.linear_step, config.concurrency_limit,
                  state_group.states.bytes_per_slot / 2**20)
-    cache = KVCacheManager(num_blocks, B, PrefixIndex(model.fingerprint, B), memory=memory,
+    cache = KVCacheManager(num_blocks, B, PrefixIndex(root, B), memory=memory,
                            reuse_enabled=config.reuse_cache,
                            partial_reuse=partial,
                            events=events,

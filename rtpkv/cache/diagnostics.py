@@ -152,23 +152,34 @@ class CacheDiagnostics:
         return stats
 
     def check_integrity(self, live: Optional[Iterable[CacheSequence]] = None) -> None:
-        """Assert the pool's invariant (`BlockPool.check_integrity`), every tier's, and (given
-        the live requests) that every reference count equals its holders plus its pins and no
-        block inside a request's attention window was released."""
+        """Assert the pool's invariant (`BlockPool.check_integrity`), every tier's, that every
+        full block belongs to one of the groups, and (given the live requests) that every
+        reference count equals its holders plus its pins, every full block in a group's table
+        is that group's and holds the key the table has for it, and no block inside a
+        request's attention window was released."""
         self.pool.check_integrity()
         self.ladder.check_integrity()
+        blocks = self.pool.blocks
+        assert all(b.group < len(self.groups) for b in blocks if b.full or b.tail), \
+            "a block of a group the cache does not have"
         live = None if live is None else list(live)
         if self.state_group is not None:
             self.state_group.check_integrity(live)
         if live is None:
             return
-        blocks = self.pool.blocks
         expected = [b.pin_count for b in blocks]
         for seq in live:
             for group, view in self._views(seq):
-                for block_id in view.block_table:
-                    if block_id != RELEASED:
-                        expected[block_id] += 1
+                for i, block_id in enumerate(view.block_table):
+                    if block_id == RELEASED:
+                        continue
+                    expected[block_id] += 1
+                    block = blocks[block_id]
+                    if block.full:
+                        assert block.group == group.index, \
+                            f"block {block_id} of group {block.group} in group {group.index}'s table"
+                        assert i >= len(view.block_keys) or block.key == view.block_keys[i], \
+                            f"block {block_id} does not hold the key group {group.index} has for it"
                 if group.window is None:
                     assert RELEASED not in view.block_table, \
                         f"group {group.index} attends fully but released a block"

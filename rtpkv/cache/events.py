@@ -59,20 +59,23 @@ class KVEventBuffer:
             self._cond.notify_all()
 
     def stored(self, keys: Sequence[bytes], parent_key: bytes, token_ids: Sequence[Sequence[int]],
-               priority: int, tier: str = "device", extra: bytes = b"", group: int = 0) -> None:
+               priority: int, tier: str = "device", extra: bytes = b"",
+               group: Optional[int] = None) -> None:
         """`extra`: the first block's extra key material (its cache_salt), b"" for none;
-        `group`: the blocks' KV cache group (its vLLM fields are added where there are several)."""
+        `group`: the blocks' KV cache group (its vLLM fields are added where there are several;
+        None: not known where the event is made, as in a tier, which keeps no group)."""
         if self.enabled:
             self._put({"type": "stored", "block_hashes": [k.hex() for k in keys],
                        "parent_hash": parent_key.hex(), "token_ids": [list(t) for t in token_ids],
                        "priority": priority, "tier": tier, "extra": extra.hex(),
-                       **(self.groups[group] if self.groups else {}),
+                       **(self.groups[group] if self.groups and group is not None else {}),
                        "timestamp": time.time()})
 
-    def removed(self, keys: Sequence[bytes], tier: str = "device", group: int = 0) -> None:
+    def removed(self, keys: Sequence[bytes], tier: str = "device",
+                group: Optional[int] = None) -> None:
         if self.enabled:
             self._put({"type": "removed", "block_hashes": [k.hex() for k in keys], "tier": tier,
-                       **({"group_idx": group} if self.groups else {}),
+                       **({"group_idx": group} if self.groups and group is not None else {}),
                        "timestamp": time.time()})
 
     def updated(self, key: bytes, old_priority: int, new_priority: int,

@@ -10,9 +10,8 @@ kind with the fewest layers sets it, and the others are cut into groups of that 
 one possibly shorter, its unused slots left idle).
 
 A model whose layers all attend alike is one group, as before groups existed: its block holds
-every layer, its keys are unchanged. So is a hybrid model where groups are not served (tiers or
-partial reuse: `kv_groups`' `split`): one table holding every block, each layer attending over
-its own window in it (model_factory/plan.py).
+every layer. Groups serve the tiers, the connector and partial reuse as they serve the device
+pool (a tier keeps each group's blocks as records of their own key).
 
 The group order puts full attention first, so group 0's table is the request's `block_table`
 and the longest: the scheduler and the reports read it as before. A group's keys chain from a
@@ -46,14 +45,26 @@ def _capped(window: Optional[int], limit: Optional[int]) -> Optional[int]:
     return min(window, limit)
 
 
-def kv_groups(layer_windows: Sequence[Optional[int]], engine_window: Optional[int],
-              split: bool) -> tuple[KVGroup, ...]:
+def model_root_name(fingerprint: str, layer_windows: Sequence[Optional[int]],
+                    engine_window: Optional[int]) -> str:
+    """What a model's key root is made from (`PrefixIndex`): its fingerprint, followed, where
+    any layer attends over a window (its own or MAX_ATTENTION_WINDOW), by every layer's window.
+    The K/V a layer stores depend on what every layer below it attended to, so two runs that
+    differ in a window never share a block; a model without windows keeps its root."""
+    windows = [_capped(w, engine_window) for w in layer_windows]
+    if all(w is None for w in windows):
+        return fingerprint
+    return fingerprint + "|windows=" + ",".join("full" if w is None else str(w) for w in windows)
+
+
+def kv_groups(layer_windows: Sequence[Optional[int]],
+              engine_window: Optional[int]) -> tuple[KVGroup, ...]:
     """The groups of a model whose layers attend over `layer_windows`, each capped by the
     engine's window. One group (every layer, the engine's window) where the layers all attend
-    alike or `split` is False."""
+    alike."""
     windows = [_capped(w, engine_window) for w in layer_windows]
     kinds = sorted(set(windows), key=lambda w: (w is not None, w or 0))   # full first
-    if len(kinds) == 1 or not split:
+    if len(kinds) == 1:
         return (KVGroup(0, engine_window, tuple(range(len(windows)))),)
     by_kind = {w: [i for i, x in enumerate(windows) if x == w] for w in kinds}
     slots = min(len(layers) for layers in by_kind.values())

@@ -32,9 +32,10 @@ one table per group of layers over the one pool. Group 0 (full attention where t
 any) is the request's `block_table`, `block_keys` and `key_chain`; every other group's are a
 `GroupTable` in `seq.group_tables`, which the manager reaches through a `GroupView` (the
 request with that group's three fields), so every rule below runs per group with the group's
-window and key root. The prefix hit is the longest prefix every group can serve (`lookup`:
-full groups every block of it, sliding groups the blocks covering the window of the first
-query after it), computed in one place.
+window and key root. The prefix hit is the longest prefix every group can serve (full groups
+every block of it, sliding groups the blocks covering the window of the first query after it):
+`lookup` finds it on the device, and `admit` extends it from the device and the tiers together
+(`_group_onboard`), where each group's block is a tier record of its own key.
 
 Partial-block reuse (`partial_reuse`, off by default: rtp-llm's reuse length is a multiple of
 the block size): where the chain of whole blocks ends, a device block computed right after the
@@ -64,7 +65,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 from rtpkv.cache.block import DEFAULT_PRIORITY, Block
 from rtpkv.cache.block_pool import BlockPool
@@ -87,6 +88,9 @@ if TYPE_CHECKING:
     from rtpkv.cache.tiers.base import KVTier
 
 _DEFAULT_RETENTION = KvCacheRetentionConfig()
+
+DEVICE = "device"   # a block `_group_onboard` takes from the device pool, not a tier
+Source = Union[str, tuple["KVTier", BlockMeta]]
 
 
 @dataclass(frozen=True)
@@ -143,9 +147,6 @@ class KVCacheManager(CacheDiagnostics):
         if partial_reuse and memory is None:
             raise ValueError("partial reuse needs the KV memory to copy tokens in")
         groups = tuple(groups) or (KVGroup(0, window, ()),)
-        if len(groups) > 1 and (tiers or partial_reuse):
-            raise ValueError("KV cache groups serve the device pool only: no tiers, no partial "
-                             "reuse (kv_groups keeps one group for those)")
         self.block_size = block_size
         self.index = index
         self.memory = memory
@@ -325,7 +326,7 @@ class KVCacheManager(CacheDiagnostics):
         """`lookup` over the attention groups alone."""
         limit = cap // self.block_size
         if len(self.groups) > 1:
-            return self._group_lookup(seq, limit)
+            return self._group_lookup(seq, limit, cap)
         chain = self._chain(seq)
         blocks = self.pool.blocks
         match = PrefixMatch()
@@ -356,11 +357,12 @@ class KVCacheManager(CacheDiagnostics):
                 blocks[match.partial.block_id].ref_count == 0
         return match
 
-    def _group_lookup(self, seq: CacheSequence, limit: int) -> PrefixMatch:
+    def _group_lookup(self, seq: CacheSequence, limit: int, cap: int) -> PrefixMatch:
         """The prefix every group serves, at most `limit` blocks: the longest chain each full
         group holds bounds it, and it shortens until every sliding group holds the blocks the
         first query after it attends (those from its window's first block on). A task's pinned
-        blocks serve as device hits; the pin's handle holds them in every group."""
+        blocks serve as device hits; the pin's handle holds them in every group. With partial
+        reuse, a partial-block hit every group serves (`_group_partials`)."""
         views = self._views(seq)
         handle = seq.prefix_handle
         pinned = ([handle.block_ids, *handle.group_block_ids] if handle is not None
@@ -384,7 +386,30 @@ class KVCacheManager(CacheDiagnostics):
                 match.device = entries
             else:
                 match.groups.append(entries)
+        if self.partial_reuse and reuse:
+            hits = self._group_partials(seq, [e[-1] if e else None for e in
+                                              [match.device, *match.groups]], h, cap)
+            if hits:
+                match.partial = hits[0]
+                # held while they are copied: not among the blocks an allocation may take
+                match.revived += sum(1 for hit in hits
+                                     if self.pool.blocks[hit.block_id].ref_count == 0)
         return match
+
+    def _group_partials(self, seq: CacheSequence, lasts: Sequence[Optional[int]], h: int,
+                        cap: int) -> Optional[list[PartialHit]]:
+        """A partial-block hit after `h` whole blocks in every group (`lasts`: each group's
+        block h - 1), all of the same length (the shortest group's), or None where a group has
+        none: the next query attends the partial block in every group."""
+        hits = []
+        for (group, view), last in zip(self._views(seq), lasts):
+            parent_serial = self.pool.blocks[last].serial if h else 0
+            hit = self._partial_hit(view, h, parent_serial, cap, group.index)
+            if hit is None:
+                return None
+            hits.append(hit)
+        k = min(hit.num_tokens for hit in hits)
+        return [PartialHit(hit.block_id, k) for hit in hits]
 
     def _first_needed(self, group: KVGroup, h: int) -> int:
         """The first of `h` hit blocks the query after them attends in `group` (0: full)."""
@@ -422,15 +447,15 @@ class KVCacheManager(CacheDiagnostics):
         return found
 
     def _partial_hit(self, seq: CacheSequence, i: int, parent_serial: int,
-                     cap: int) -> Optional[PartialHit]:
-        """The device block that continues `seq`'s chain of i blocks with the most of its
-        next tokens (up to `cap`): listed under the chain's key and extra bytes (the salt), of
-        the same lineage (`parent_serial`), token ids compared."""
+                     cap: int, group: int = 0) -> Optional[PartialHit]:
+        """The device block that continues `seq`'s chain of i blocks (in `group`: `seq` its
+        view) with the most of its next tokens (up to `cap`): listed under the chain's key and
+        extra bytes (the salt), of the same lineage (`parent_serial`), token ids compared."""
         B = self.block_size
         want = seq.token_ids[i * B:min((i + 1) * B, cap)]
         if not want:
             return None
-        chain = self._chain(seq)
+        chain = self._chain(seq, group)
         best = None
         for block_id in self.pool.children.candidates(chain.parent(i), chain.extra(i)):
             block = self.pool.blocks[block_id]
@@ -450,10 +475,10 @@ class KVCacheManager(CacheDiagnostics):
         return len(match.device) * self.block_size + (match.partial.num_tokens
                                                       if match.partial is not None else 0)
 
-    def _metas(self, seq: CacheSequence, start: int) -> list[BlockMeta]:
+    def _metas(self, seq: CacheSequence, start: int, group: int = 0) -> list[BlockMeta]:
         """The BlockMeta of `seq`'s full blocks from `start` on (the last token is always
-        computed): what the tiers are asked for."""
-        chain = self._chain(seq)
+        computed) in `group` (`seq` its view): what the tiers are asked for."""
+        chain = self._chain(seq, group)
         return [BlockMeta(key=chain.key(i), parent_key=chain.parent(i), tokens=chain.tokens(i),
                           extra=chain.extra(i))
                 for i in range(start, (seq.num_tokens - 1) // self.block_size)]
@@ -464,12 +489,15 @@ class KVCacheManager(CacheDiagnostics):
         never waits on the network (`prefetched` says when)."""
         if not self.ladder or not self.reuse_applies(seq):
             return
-        start = len((self.lookup(seq) if self.state_group is None   # the walk's start (admit)
+        # the walk's start (admit's): a recurrent model's whole device chain, not its cut hit
+        start = len((self.lookup(seq) if self.state_group is None
                      else self._attention_lookup(seq, seq.num_tokens - 1)).device)
-        seq.tier_plan = self.ladder.begin(self._metas(seq, start), start, seq.allows_tier)
+        for group, view in self._views(seq):   # each group's chain from the device hit
+            view.tier_plan = self.ladder.begin(self._metas(view, start, group.index), start,
+                                               seq.allows_tier)
 
     def prefetched(self, seq: CacheSequence) -> bool:
-        return self.ladder.ready(seq.tier_plan)
+        return all(self.ladder.ready(view.tier_plan) for _, view in self._views(seq))
 
     def admit(self, seq: CacheSequence, match: PrefixMatch) -> dict[str, int]:
         """Give `seq` its cached prefix: share the device hits, then walk the tiers (once per
@@ -495,6 +523,7 @@ class KVCacheManager(CacheDiagnostics):
             reused = {"local": len(device) * B}
             if self.ladder and self.reuse_applies(seq):
                 start = len(seq.block_table)
+                self.ladder.begin_walk()
                 hits = self.ladder.walk(self._metas(seq, start), start, seq.allows_tier,
                                         seq.tier_plan)
                 for hit in hits:
@@ -518,23 +547,204 @@ class KVCacheManager(CacheDiagnostics):
         return reused
 
     def _group_admit(self, seq: CacheSequence, match: PrefixMatch) -> dict[str, int]:
-        """admit with KV cache groups: each group shares its entries of the match (no tiers,
-        no partial reuse: the constructor refuses them with groups)."""
+        """admit with KV cache groups: each group shares its entries of the match, then the
+        tiers extend the prefix every group serves (`_group_onboard`), then a partial-block hit
+        is copied in every group."""
+        B = self.block_size
+        views = self._views(seq)
+        partial = 0
         try:
-            for (group, view), entries in zip(self._views(seq), [match.device, *match.groups]):
+            for (group, view), entries in zip(views, [match.device, *match.groups]):
                 chain = self._chain(view, group.index)
                 for i, block_id in enumerate(entries):
                     if block_id != RELEASED:
                         self.pool.acquire(block_id)
                     view.block_table.append(block_id)
                     view.block_keys.append(chain.key(i))
+            reused = {"local": len(match.device) * B}
+            # a recurrent model with several attention groups takes device hits only: its
+            # groups' tables are not cut back to a saved state (no such model yet)
+            if self.ladder and self.reuse_applies(seq) and self.state_group is None:
+                for name, tokens in self._group_onboard(seq, len(match.device)).items():
+                    reused[name] = reused.get(name, 0) + tokens
+            for _, view in views:
+                view.tier_plan = None
             if self.state_group is not None:
                 self.state_group.start(seq, match.state)
+            if self.partial_reuse and self.reuse_applies(seq):
+                partial = self._group_copy_partial(seq)
         except BaseException:
             self.free(seq)
             raise
-        seq.num_computed = len(match.device) * self.block_size
-        return {"local": seq.num_computed}
+        if partial:
+            reused["local"] += partial
+            reused["partial"] = partial
+        seq.num_computed = len(seq.block_keys) * B + partial
+        return reused
+
+    def _group_onboard(self, seq: CacheSequence, h: int) -> dict[str, int]:
+        """Extend `seq`'s hit of `h` blocks (every group's) from the device and the tiers at
+        once: to the longest prefix H where each full group holds blocks h..H-1 and each
+        sliding group the blocks of the window before H (its other entries RELEASED), each
+        block on the device or a tier. The device's blocks are taken first (a load may evict),
+        then the tiers' are loaded in chain order; one that fails (missing, corrupt, not the
+        block asked for, or gone from the device) shortens H, so a bad record costs a miss,
+        never a wrong answer. Returns the tokens each source gave past `h`."""
+        B, limit = self.block_size, (seq.num_tokens - 1) // self.block_size
+        if h >= limit:
+            return {}
+        views = self._views(seq)
+        self.ladder.begin_walk()
+        held: list[dict[int, Source]] = []
+        asked: list[int] = []     # per group: where its chain was asked of the tiers from
+        top = limit
+        for group, view in views:     # full groups first (kv_groups' order) bound the hit
+            device: dict[int, Source] = dict.fromkeys(
+                (i for i in self._group_blocks(view, group, (), limit, True) if i >= h), DEVICE)
+            if group.window is None:
+                start = h + len(device)
+                tiers = self._tier_blocks(view, group.index, start, limit)
+                top = min(top, start + len(tiers))
+            else:   # from the window before the hit on: a sliding group's older blocks need not be kept
+                start = next((i for i in range(self._needed_from(group, h, top), top)
+                              if i not in device), top)
+                tiers = self._tier_blocks(view, group.index, start, top)
+            held.append({**tiers, **device})
+            asked.append(start)
+
+        def served(H: int) -> int:
+            """The longest hit up to H every group holds: full groups bound it by their run
+            from h, then it shortens until each sliding group holds its window (its tiers
+            asked for the blocks before where they were asked from, as the hit shortens)."""
+            for (group, _), g_held in zip(views, held):
+                if group.window is None:
+                    end = h
+                    while end < H and end in g_held:
+                        end += 1
+                    H = end
+            sliding = [(k, group, view) for k, (group, view) in enumerate(views)
+                       if group.window is not None]
+            for H in range(H, h, -1):
+                for k, group, view in sliding:
+                    first = self._needed_from(group, h, H)
+                    if first < asked[k]:
+                        for i, source in self._tier_blocks(view, group.index, first,
+                                                           asked[k]).items():
+                            held[k].setdefault(i, source)
+                        asked[k] = first
+                if all(i in held[k] for k, group, _ in sliding
+                       for i in range(self._needed_from(group, h, H), H)):
+                    return H
+            return h
+
+        H, taken = served(top), [{} for _ in views]
+        while True:
+            failed = False
+            for from_tiers in (False, True):
+                for i in range(h, H):
+                    for (group, view), g_held, mine in zip(views, held, taken):
+                        source = g_held[i] if i >= self._needed_from(group, h, H) else None
+                        if source is None or i in mine or (source != DEVICE) != from_tiers:
+                            continue
+                        block_id = self._take_block(view, group.index, i, source, mine)
+                        if block_id is None:
+                            del g_held[i]
+                            failed = True
+                            break
+                        mine[i] = block_id
+                    if failed:
+                        break
+                if failed:
+                    break
+            if not failed:
+                break
+            H = served(H)
+        reused: dict[str, int] = {}
+        for (group, view), g_held, mine in zip(views, held, taken):
+            first = self._needed_from(group, h, H)
+            chain = self._chain(view, group.index)
+            for i, block_id in mine.items():
+                if i >= H:
+                    self.pool.release(block_id)   # taken for a longer hit: cached again
+            for i in range(h, H):
+                view.block_table.append(mine[i] if i >= first else RELEASED)
+                view.block_keys.append(chain.key(i))
+        for i in range(h, H):
+            names = [g_held[i][0].name for (g, _), g_held in zip(views, held)
+                     if i >= self._needed_from(g, h, H) and g_held[i] != DEVICE]
+            name = names[0] if names else "local"
+            reused[name] = reused.get(name, 0) + B
+        return reused
+
+    def _needed_from(self, group: KVGroup, h: int, H: int) -> int:
+        """The first block past a device hit of `h` blocks that a hit of H needs in `group`."""
+        return max(h, self._first_needed(group, H))
+
+    def _tier_blocks(self, view: CacheSequence, group: int, start: int,
+                     end: int) -> dict[int, Source]:
+        """The tier holding each block of `view`'s chain in `group` from `start` (before
+        `end`), as the ladder's walk finds them: contiguous from `start`."""
+        if start >= end:
+            return {}
+        metas = self._metas(view, start, group)[:end - start]
+        held: dict[int, Source] = {}
+        pos = start
+        for hit in self.ladder.walk(metas, start, view.allows_tier, view.tier_plan):
+            for meta in hit.metas:
+                held[pos] = (hit.tier, meta)
+                pos += 1
+        return held
+
+    def _take_block(self, view: CacheSequence, group: int, i: int, source: Source,
+                    mine: dict[int, int]) -> Optional[int]:
+        """Block i of `view`'s chain in `group` for its table: the device's, verified again
+        and referenced, or loaded from its tier into a fresh block (indexed with the lineage of
+        the block before it in the table); None when it cannot be had."""
+        chain = self._chain(view, group)
+        if source == DEVICE:
+            block = self.pool.cached(chain.key(i))
+            if block is None or block.tokens != chain.tokens(i) or block.extra != chain.extra(i):
+                return None
+            self.pool.acquire(block.block_id)
+            return block.block_id
+        if not self.pool.num_allocatable():
+            return None
+        tier, meta = source
+        payload = self.ladder.load(tier, meta)
+        if payload is None:
+            return None
+        prev = mine.get(i - 1)
+        if prev is None and 0 < i <= len(view.block_table):
+            prev = view.block_table[i - 1] if view.block_table[i - 1] != RELEASED else None
+        parent_serial = self.pool.blocks[prev].serial if prev is not None else 0
+        block_id = self.pool.allocate()
+        self.memory.write_block(block_id, payload)
+        self.pool.onboard(block_id, meta.key, meta.parent_key, parent_serial, meta.tokens,
+                          meta.extra, chain.tenant(i), group)
+        return block_id
+
+    def _group_copy_partial(self, seq: CacheSequence) -> int:
+        """Copy a partial-block hit into a fresh block in every group (found again: tiers may
+        have extended the chain since `lookup`). Returns its tokens."""
+        views = self._views(seq)
+        h = len(seq.block_table)
+        lasts = [view.block_table[-1] if h else None for _, view in views]
+        if RELEASED in lasts:
+            return 0
+        hits = self._group_partials(seq, lasts, h, seq.num_tokens - 1)
+        if not hits:
+            return 0
+        for hit in hits:          # the allocations below cannot evict a source
+            self.pool.acquire(hit.block_id)
+        try:
+            for (_, view), hit in zip(views, hits):
+                block_id = self.pool.allocate()
+                view.block_table.append(block_id)
+                self.memory.copy_tokens(hit.block_id, block_id, hit.num_tokens)
+        finally:
+            for hit in hits:
+                self.pool.release(hit.block_id)
+        return hits[0].num_tokens
 
     def _cut_to_state(self, seq: CacheSequence, reused: dict[str, int]) -> None:
         """A recurrent model's table, device and tier hits alike, cut back to the longest
@@ -687,24 +897,29 @@ class KVCacheManager(CacheDiagnostics):
             self.state_group.release(seq)
 
     def _keep_tail(self, seq: CacheSequence) -> None:
-        """Keep `seq`'s partly filled last block as a partial-hit source when its computed
-        tokens follow a full block of its chain (the pool may decline a duplicate); with
-        partial reuse off, only its token ids, to explain a follow-up's reuse_stop."""
+        """Keep `seq`'s partly filled last block, in every group, as a partial-hit source when
+        its computed tokens follow a full block of its chain (the pool may decline a
+        duplicate); with partial reuse off, only group 0's token ids, to explain a follow-up's
+        reuse_stop."""
         B = self.block_size
         t, k = divmod(seq.num_computed, B)
-        table = seq.block_table
-        if not k or t >= len(table) or table[t] == RELEASED or (t and table[t - 1] == RELEASED):
+        if not k:
             return
-        parent_serial = self.pool.blocks[table[t - 1]].serial if t else 0
-        if t and not parent_serial:
-            return                           # its parent was never committed (a failed step)
-        chain = self._chain(seq)
         tokens = tuple(seq.token_ids[t * B:seq.num_computed])
-        if not self.partial_reuse:
-            self.ghost_tails.add(chain.parent(t), chain.extra(t), parent_serial, tokens)
-            return
-        self.pool.keep_tail(table[t], chain.parent(t), parent_serial, tokens, chain.extra(t),
-                            chain.tenant(t))
+        for group, view in self._views(seq):
+            table = view.block_table
+            if t >= len(table) or table[t] == RELEASED or (t and table[t - 1] == RELEASED):
+                continue
+            parent_serial = self.pool.blocks[table[t - 1]].serial if t else 0
+            if t and not parent_serial:
+                continue                     # its parent was never committed (a failed step)
+            chain = self._chain(view, group.index)
+            if not self.partial_reuse:
+                if group.index == 0:
+                    self.ghost_tails.add(chain.parent(t), chain.extra(t), parent_serial, tokens)
+                continue
+            self.pool.keep_tail(table[t], chain.parent(t), parent_serial, tokens,
+                                chain.extra(t), chain.tenant(t), group.index)
 
     def _release_entry(self, seq: CacheSequence, i: int, retention: KvCacheRetentionConfig,
                        tiers: frozenset[str]) -> None:

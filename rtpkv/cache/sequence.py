@@ -57,19 +57,21 @@ class CacheSequence(Protocol):
 
 @dataclass
 class GroupTable:
-    """A request's block table, keys and key chain in one KV cache group other than group 0."""
+    """A request's block table, keys, key chain and tier plan in one KV cache group other than
+    group 0."""
 
     block_table: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)
     key_chain: Optional["KeyChain"] = None
+    tier_plan: Optional["TierPlan"] = None
 
 
-_GROUP_FIELDS = frozenset(("block_table", "block_keys", "key_chain"))
+_GROUP_FIELDS = frozenset(("block_table", "block_keys", "key_chain", "tier_plan"))
 
 
 class GroupView:
-    """A request as one KV cache group sees it: the group's table, keys and chain, the
-    request's everything else (read and written through)."""
+    """A request as one KV cache group sees it: the group's table, keys, chain and tier plan,
+    the request's everything else (read and written through)."""
 
     __slots__ = ("_seq", "_table")
 

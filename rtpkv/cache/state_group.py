@@ -9,11 +9,11 @@ has two kinds of slots in one StatePool:
 - checkpoints, the group's blocks: the state of every recurrent layer after block i of a
   request, for every LINEAR_STEP-th block boundary, in its prompt and in what it generates (so a
   chat's next turn resumes within its last answer), and after the last whole block of a task
-  prompt, which a pin holds; keyed by the same chained key as block i of the attention groups. They live in a
-  BlockPool of their own, so indexing, retention priorities, eviction (lowest priority first,
-  LRU within), salts (the key chains through them), pins and KV events (vLLM's group fields,
-  `kv_cache_spec_kind` "mamba") follow the pool's rules, each checkpoint block id being its
-  StatePool slot.
+  prompt, which a pin holds; keyed by the same chained key as block i of the attention groups.
+  They live in a BlockPool of their own, so indexing, retention priorities, eviction (lowest
+  priority first, LRU within), salts (the key chains through them), pins and KV events (vLLM's
+  group fields, `kv_cache_spec_kind` "mamba") follow the pool's rules, each checkpoint block id
+  being its StatePool slot.
 
 A checkpoint is written by the recurrent kernel itself, at the exact token inside the prefill
 chunk (`RecurrentBatch.snapshots`): the manager plans the boundaries a chunk crosses when it

@@ -172,6 +172,16 @@ class Engine:
         return self.cache.index.root
 
     @property
+    def num_blocks(self) -> int:
+        """Blocks in the device pool."""
+        return self.cache.num_blocks
+
+    @property
+    def cache_version(self) -> int:
+        """How often the device pool's cached set changed (index insertions and removals)."""
+        return self.cache.pool.changes
+
+    @property
     def pool_tokens(self) -> int:
         """Tokens the device pool holds when full."""
         return self.cache.num_blocks * self.block_size

@@ -271,7 +271,7 @@ def _engine_class() -> type:
                 model=str(self.card), served_model_name=self.name,
                 llm=LlmRegistration(context_length=config.max_seq_len,
                                     kv_cache_block_size=config.seq_size_per_block,
-                                    total_kv_blocks=self.pipeline.engine.cache.num_blocks,
+                                    total_kv_blocks=self.pipeline.engine.num_blocks,
                                     max_num_seqs=config.concurrency_limit))
 
         def _load(self) -> Any:
@@ -289,7 +289,7 @@ def _engine_class() -> type:
             if Settings.from_env().warm_up:
                 log.info("warm-up done in %.1f s", warm_up(pipeline))
             log.info("model %r from %s: %d KV blocks of %d tokens, events on %s", self.name,
-                     self.checkpoint, pipeline.engine.cache.num_blocks,
+                     self.checkpoint, pipeline.engine.num_blocks,
                      pipeline.config.seq_size_per_block, pipeline.kv_event_publisher.endpoint)
             return pipeline
 

@@ -86,16 +86,19 @@ def _kill_group(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def _terminate(process: subprocess.Popen, grace: float) -> None:
-    """SIGTERM (`timeout` passes it on to the command), then the group's SIGKILL after
-    `grace` seconds."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
+def _terminate(processes: Sequence[subprocess.Popen], grace: float) -> None:
+    """SIGTERM to each (`timeout` passes it on to the command), all at once so that they
+    drain side by side, then each group's SIGKILL once `grace` seconds have passed."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for process in processes:
         try:
-            process.wait(grace)
+            process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-    _kill_group(process)
+        _kill_group(process)
 
 
 class Fleet:
@@ -294,7 +297,7 @@ class Fleet:
 
     def stop_router(self) -> None:
         if self.router is not None:
-            _terminate(self.router, 10)
+            _terminate([self.router], 10)
             self.router = None
 
     def kill_replica(self, index: int) -> None:
@@ -303,8 +306,7 @@ class Fleet:
 
     def stop(self) -> None:
         self.stop_router()
-        for replica in self.replicas:
-            _terminate(replica.process, 20)
+        _terminate([replica.process for replica in self.replicas], 20)
         self.replicas = []
 
     def describe(self, router: str, policy: str) -> str:

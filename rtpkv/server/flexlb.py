@@ -97,11 +97,11 @@ def cache_status(pipeline: "Pipeline", stats: dict[str, Any], params: dict[str, 
     status: dict[str, Any] = {
         "available_kv_cache": (stats["blocks_free"] + stats["blocks_cached"]) * block,
         "total_kv_cache": stats["blocks_total"] * block, "block_size": block,
-        "version": pipeline.engine.cache.pool.changes}
+        "version": pipeline.engine.cache_version}
     if _flag(params.get("need_cache_keys", False)) and latest < status["version"]:
         # the blocks and the version read at once (the pool may change in between polls)
         status["version"], blocks = pipeline.engine.indexed_blocks()
-        keys = cached_keys(blocks, pipeline.engine.cache.index.root)
+        keys = cached_keys(blocks, pipeline.engine.root_key)
         status.update(cached_keys=keys, cache_key_size=len(keys))
     return status
 

@@ -20,19 +20,18 @@ def _prompt(n, seed=0):
 
 def test_layers_of_one_kind_share_groups_of_equal_size():
     gemma3 = [512] * 5 + [None]
-    assert kv_groups(gemma3 * 3, None, split=True) == (
+    assert kv_groups(gemma3 * 3, None) == (
         KVGroup(0, None, (5, 11, 17)), KVGroup(1, 512, (0, 1, 2)), KVGroup(2, 512, (3, 4, 6)),
         KVGroup(3, 512, (7, 8, 9)), KVGroup(4, 512, (10, 12, 13)),
         KVGroup(5, 512, (14, 15, 16)))
     gemma2 = [4096, None] * 3
-    assert [(g.kind, g.layers) for g in kv_groups(gemma2, None, split=True)] == [
+    assert [(g.kind, g.layers) for g in kv_groups(gemma2, None)] == [
         (FULL_ATTENTION, (1, 3, 5)), (SLIDING_WINDOW, (0, 2, 4))]
-    uneven = kv_groups([64] * 5 + [None] * 2, None, split=True)
+    uneven = kv_groups([64] * 5 + [None] * 2, None)
     assert [g.layers for g in uneven] == [(5, 6), (0, 1), (2, 3), (4,)]
-    # one group: not split, every layer alike, or the engine's window capping every layer
-    assert kv_groups(gemma2, None, split=False) == (KVGroup(0, None, tuple(range(6))),)
-    assert kv_groups([None] * 4, None, split=True) == (KVGroup(0, None, (0, 1, 2, 3)),)
-    assert kv_groups([64, None], 32, split=True) == (KVGroup(0, 32, (0, 1)),)
+    # one group: every layer alike, or the engine's window capping every layer
+    assert kv_groups([None] * 4, None) == (KVGroup(0, None, (0, 1, 2, 3)),)
+    assert kv_groups([64, None], 32) == (KVGroup(0, 32, (0, 1)),)
 
 
 def test_a_hybrid_model_gets_groups_and_a_one_window_model_one(checkpoints, make_pipeline):
@@ -72,14 +71,15 @@ def _held(pipe, ids, new, **config):
 
 
 @pytest.mark.parametrize("reuse", [False, True])
-def test_sliding_groups_hold_only_their_windows_blocks(checkpoints, make_pipeline, reuse):
+def test_sliding_groups_hold_only_their_windows_blocks(checkpoints, make_pipeline,
+                                                      make_one_table_pipeline, reuse):
     """A 120-token prompt and 100 new tokens: the full group holds every block, each sliding
     group the window's W / B blocks and the one being filled; the outputs are those of the
-    model served with one table (groups off: partial reuse keeps one)."""
+    model served with one table."""
     path = checkpoints("gemma3")
     pipe = make_pipeline(path, seq_size_per_block=B, reuse_cache=reuse, max_num_batched_tokens=B)
-    one_table = make_pipeline(path, seq_size_per_block=B, reuse_cache=True,
-                              enable_partial_reuse=True, max_num_batched_tokens=B)
+    one_table = make_one_table_pipeline(path, seq_size_per_block=B, reuse_cache=True,
+                                        max_num_batched_tokens=B)
     assert len(one_table.engine.cache.groups) == 1
     ids = _prompt(120, seed=4)
     most, res = _held(pipe, ids, 100, return_logits=True)
@@ -91,15 +91,16 @@ def test_sliding_groups_hold_only_their_windows_blocks(checkpoints, make_pipelin
     assert idle_in_use(pipe) == 0
 
 
-def test_groups_fit_more_requests_in_the_same_memory(checkpoints, make_pipeline):
+def test_groups_fit_more_requests_in_the_same_memory(checkpoints, make_pipeline,
+                                                     make_one_table_pipeline):
     """The memory of 20 blocks of all four layers (80 one-layer blocks with groups): a
     120-token request needs 15 blocks in the full group and at most cdiv(W + 8 - 1, B) + 1 = 6
-    in each sliding group, 33 in all, so two run side by side; with one table (groups off) it
+    in each sliding group, 33 in all, so two run side by side; with one table it
     needs 15 of the 20 and they run one after the other. Same tokens either way."""
     path = checkpoints("gemma3")
     options = dict(seq_size_per_block=B, kv_cache_max_tokens=20 * B, max_num_batched_tokens=B)
     grouped = make_pipeline(path, **options)
-    one_table = make_pipeline(path, enable_partial_reuse=True, **options)
+    one_table = make_one_table_pipeline(path, **options)
     assert grouped.engine.cache.num_blocks == 20 * 4 and one_table.engine.cache.num_blocks == 20
     assert grouped.engine.cache.memory.nbytes == one_table.engine.cache.memory.nbytes
     assert grouped.engine.cache.blocks_held_at_most(120, B) == 15 + 3 * 6

@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from conftest import run
+from prometheus_client import generate_latest
+
 from rtpkv.cache.prefix_index import KeyChain
 from rtpkv.config import Settings
 from rtpkv.errors import ConfigError
+from rtpkv.server.metrics import ServerMetrics
 
 B, STEP = 4, 2               # a checkpoint every 8 tokens
 OPTIONS = dict(seq_size_per_block=B, linear_step=STEP, max_num_batched_tokens=16)
@@ -219,3 +222,12 @@ def test_paused_requests_resume_from_their_saved_states(checkpoints, make_pipeli
     assert sum(r.aux_info["num_preemptions"] for r in results) > 0
     stats = pipe.cache_stats()["state_group"]
     assert stats["checkpoints_in_use"] == 0 and stats["live_slots_free"] == 4
+
+
+def test_saved_states_are_on_metrics(checkpoints, make_pipeline):
+    pipe = make_pipeline(checkpoints("qwen3_5"), reuse_cache=True, **OPTIONS)
+    run(pipe, _tokens(20, 110), max_new_tokens=1)
+    metrics = ServerMetrics(pipe.cache_stats, lambda: 0, "m")
+    text = generate_latest(metrics.registry).decode()
+    assert 'rtpkv_recurrent_states{state="cached"} 2.0' in text
+    assert "rtpkv_recurrent_live_slots_free" in text and "rtpkv_recurrent_state_bytes" in text

@@ -70,6 +70,22 @@ def test_bursts_give_the_tokens_of_single_steps(make_pipeline, steps):
     assert _bursts(pipe) > 0
 
 
+@pytest.mark.parametrize("arch,options", [("qwen3_moe", {}), ("qwen2_moe", {"weight_type": "INT8"}),
+                                          ("mixtral", {"kv_cache_dtype": "int8"})])
+def test_mixtures_of_experts_run_in_bursts(make_pipeline, checkpoints, arch, options):
+    """The fused decoder's sparse layers (one C call each, router included): bursts give each
+    request's tokens alone, batched."""
+    prompts = [_ids(30 + 19 * i, 20 + i) for i in range(3)]
+    path = checkpoints(arch)
+    _, alone = _outputs(make_pipeline, 1, prompts, max_new_tokens=16, path=path, **options)
+    pipe = make_pipeline(path, num_scheduler_steps=8, reuse_cache=True, **options)
+    assert pipe.model.module.fused is not None
+    streams = [pipe(p, generate_config={"top_k": 1, "ignore_eos": True, "max_new_tokens": 16})
+               for p in prompts]
+    assert [list(s)[-1].output_ids for s in streams] == alone
+    assert _bursts(pipe) > 0
+
+
 @pytest.mark.parametrize("mode", FUSED_MODES)
 def test_a_batch_in_bursts_matches_each_request_alone(make_pipeline, mode):
     prompts = [_ids(40 + 17 * i, 10 + i) for i in range(4)]

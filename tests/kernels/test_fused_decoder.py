@@ -1,8 +1,9 @@
 """The fused decoder (kernels/fused_decoder.py) gives the bits of the layers run one by one:
 hidden states and the KV it writes, on a batch of decodes, a chunk after a cached prefix and a
-fresh prompt, for each architecture it takes (qkv bias, tied embeddings, GQA, a window), in
-float32, with int8 weights (weight-only and W8A8) and with the int8 KV cache; it is not used where a layer would leave
-the C kernels."""
+fresh prompt, for each architecture it takes (qkv bias, tied embeddings, GQA, a window, q/k
+norms, mixtures of experts with a dense layer between or a shared expert), in float32, with int8
+weights (weight-only and W8A8) and with the int8 KV cache; it is not used where a layer would
+leave the C kernels."""
 
 from dataclasses import replace
 
@@ -53,6 +54,11 @@ def _forward(module, batch, kv, fused):
     ("qwen2", {"kv_cache_dtype": "int8", "weight_type": "INT8"}, 6),
     ("llama", {"weight_type": "W8A8_INT8"}, None),
     ("qwen2", {"kv_cache_dtype": "int8", "weight_type": "W8A8_INT8"}, 6),
+    ("qwen3", {}, None),                                 # q/k norms
+    ("qwen3_moe", {}, None),                             # experts, a dense layer between
+    ("qwen2_moe", {"weight_type": "INT8"}, None),        # a shared expert
+    ("mixtral", {"kv_cache_dtype": "int8", "weight_type": "W8A8_INT8"}, None),
+    ("mixtral", {"weight_type": "BF16"}, None),
 ])
 def test_the_fused_decoder_gives_the_bits_of_the_layers(checkpoints, monkeypatch, arch, options,
                                                         window):
@@ -82,7 +88,7 @@ def test_the_fused_decoder_gives_the_bits_of_the_layers(checkpoints, monkeypatch
 @pytest.mark.parametrize("arch,env,options", [
     ("llama", {"RTPKV_LINEAR": "onednn"}, {}),          # a oneDNN GEMM in between
     ("llama", {"RTPKV_ATTENTION": "torch"}, {}),        # the torch attention backend
-    ("qwen3", {"RTPKV_LINEAR": "avx2"}, {}),            # q/k norms
+    ("mixtral", {"RTPKV_LINEAR": "onednn"}, {}),        # experts off the C kernels
     ("gemma3", {"RTPKV_LINEAR": "avx2"}, {}),           # Gemma's layer plan
     ("gemma2", {"RTPKV_LINEAR": "avx2"}, {}),           # and soft-capping (the torch backend)
     ("llama", {}, {"dtype": "bfloat16"}),
@@ -103,10 +109,11 @@ def test_the_c_decoder_refuses_any_plan_it_does_not_compute(checkpoints):
     layer, attention = plan.layers[0], plan.layers[0].attention
     windowed = replace(layer, attention=replace(attention, window=32))
     assert runs_plan(replace(plan, layers=(windowed,) * len(plan.layers)), spec.head_dim)
+    normed = replace(layer, attention=replace(attention, qk_norm=True))
+    assert runs_plan(replace(plan, layers=(normed,) * len(plan.layers)), spec.head_dim)
     changed = [replace(layer, sandwich=True), replace(layer, mlp="gelu_tanh"),
                replace(layer, norm=replace(layer.norm, offset=True)), windowed,
                replace(layer, attention=replace(attention, softcap=5.0)),
-               replace(layer, attention=replace(attention, qk_norm=True)),
                replace(layer, attention=replace(attention, scale=0.2)),
                replace(layer, attention=replace(attention, rope=LOCAL_ROPE))]
     for first in changed:

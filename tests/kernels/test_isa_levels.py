@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attention_batches import attention_batch
 from conftest import load, needs_c_kernels, run
 from rtpkv.errors import ConfigError
 from rtpkv.kernels import cpu_build
 from rtpkv.kernels.bf16_linear import Bf16Linear
+from rtpkv.kernels.cpu_attention import CpuPagedAttention
+from rtpkv.kernels.kv_quant import quantize_rows
 from rtpkv.kernels.int8_linear import Int8Linear
 from rtpkv.kernels.linear import InferenceLinear
 from rtpkv.kernels.w8a8_linear import W8A8Linear
@@ -50,6 +53,43 @@ def test_every_level_gives_the_same_bits(make):
         with torch.inference_mode():
             first, *others = _on_every_level(lambda: fast(x))
         assert all(torch.equal(first, other) for other in others), (k, n, m)
+
+
+# (query heads, KV heads, head dim): GQA groups of 2, 3, 1 and 4 (3 x 16 rows of a prefill tile,
+# decodes in the head-dimension lanes), and head dims that are 4, 4.5, 2.5 and 16 vectors of 16
+ATTENTION_SHAPES = [(8, 4, 64), (9, 3, 64), (4, 4, 72), (8, 2, 128), (4, 1, 40)]
+# (first position, tokens this step): decodes, prefill chunks after a prefix, fresh prompts
+ATTENTION_SEQS = [(37, 1), (5, 1), (0, 1), (20, 23), (0, 40), (70, 3), (3, 17)]
+
+
+def _paged_attention(heads, kv_heads, dim, block, window, dtype, kv_int8):
+    """The CPU paged-attention kernel over a mixed batch, at the current level."""
+    blocks = [-(-(s + n) // block) for s, n in ATTENTION_SEQS]
+    tables = [list(range(1 + sum(blocks[:i]), 1 + sum(blocks[:i + 1])))[::-1]
+              for i in range(len(blocks))]
+    num_blocks = sum(blocks) + 1
+    batch = attention_batch(tables, ATTENTION_SEQS, block, num_blocks, kv_heads, window)
+    g = torch.Generator().manual_seed(heads * dim + block)
+    T = len(batch.positions)
+    q, k, v = (torch.randn(T, h, dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+    rows = [torch.randn(kv_heads * num_blocks * block, dim, generator=g) for _ in range(2)]
+    caches = [quantize_rows(r) if kv_int8 else r.to(dtype) for r in rows]
+    backend = CpuPagedAttention(dtype)
+    return backend.forward(q, k, v, caches[0], caches[1], backend.build(batch), dim ** -0.5)
+
+
+@pytest.mark.parametrize("dtype,kv_int8", [(torch.float32, False), (torch.bfloat16, False),
+                                           (torch.float32, True)],
+                         ids=["float32", "bfloat16", "int8-kv"])
+@pytest.mark.parametrize("block", [4, 32])
+def test_paged_attention_gives_the_same_bits_at_every_level(dtype, kv_int8, block):
+    """Prefill tiles (query rows in the lanes) and decodes (the head dimension in the lanes), with
+    and without a window, give each level's kernel the same bits."""
+    for shape in ATTENTION_SHAPES:
+        for window in (None, 13):
+            first, *others = _on_every_level(
+                lambda: _paged_attention(*shape, block, window, dtype, kv_int8))
+            assert all(torch.equal(first, other) for other in others), (shape, window)
 
 
 def test_bf16_weights_give_the_float32_kernels_bits_over_the_rounded_weights():

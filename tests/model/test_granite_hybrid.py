@@ -75,7 +75,7 @@ def test_config_is_read_as_transformers_reads_it():
     assert (spec.mamba.heads, spec.mamba.head_dim, spec.mamba.dt_max) == (4, 16, float("inf"))
     moe = ModelSpec.from_config(MOE).moe   # two experts a token: transformers' default
     assert (moe.num_experts, moe.expert_intermediate_size, moe.shared_expert_intermediate_size,
-            moe.softmax_of_top_k, moe.gated_shared_expert) == (4, 64, 48, True, False)
+            moe.softmax_after_top_k, moe.gated_shared_expert) == (4, 64, 48, True, False)
 
 
 @pytest.mark.parametrize("field,value,message", [

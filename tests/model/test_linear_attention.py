@@ -8,11 +8,10 @@ import pytest
 import torch
 import transformers
 
-from conftest import c_kernels_missing, hf_reference, load, run
+from conftest import c_kernels_missing, hf_reference, run
 from rtpkv.errors import ConfigError
 from rtpkv.kernels import gated_delta as gd
 from rtpkv.model_factory.spec import ModelSpec
-from rtpkv.pipeline import Pipeline
 
 SHAPE = gd.DeltaShape(key_heads=2, value_heads=4, key_dim=16, value_dim=8, conv_kernel=4)
 HYBRIDS = ["qwen3_next", "qwen3_5"]

@@ -1,5 +1,6 @@
 """Each supported architecture matches transformers on the same weights: prefill logits within
-1e-4 (float32) and 32 greedy tokens, token for token. With int8 weights (WEIGHT_TYPE=INT8) the
+1e-4 (float32) and 32 greedy tokens, each transformers' arg-max on the same prefix where the
+logits' margin allows (test_greedy_generation_matches_transformers). With int8 weights (WEIGHT_TYPE=INT8) the
 reference is transformers holding the same quantized weights: each linear layer's weight
 replaced by `dequantize(quantize(w))`, the values the int8 kernel computes with. With int8
 weights and activations (WEIGHT_TYPE=W8A8_INT8) every linear layer of transformers computes
@@ -141,17 +142,27 @@ def test_prefill_logits_match_transformers(checkpoints, arch, mode):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_greedy_generation_matches_transformers(checkpoints, arch, mode):
+    """Each of the 32 greedy tokens is transformers' arg-max on the same prefix wherever its
+    logits' margin allows: our token's logit under transformers is within twice the logits'
+    tolerance of transformers' largest (two logits each off by the tolerance can swap only
+    when closer than that). So every token is transformers' own where its top two are further
+    apart, and a near-tie (w8a8's logits move by up to about 0.01, see above) may go either way,
+    after which transformers is asked about our continuation."""
     path = checkpoints(arch)
     model = load(path, kv_cache_max_tokens=4096, **MODES[mode])
     hf = _hf(path, mode)
+    margin = 2 * ATOL.get(mode, 1e-4)
     with Pipeline(model, model.tokenizer) as pipe:
         for prompt in PROMPTS:
             ids = model.tokenizer(prompt, return_tensors="pt").input_ids
-            expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                   max_new_tokens=32, min_new_tokens=32,
-                                   **_cache(mode))[0, ids.shape[1]:].tolist()
             res = run(pipe, prompt, max_new_tokens=32, return_logits=True)
-            assert res.output_ids == expected
+            assert len(res.output_ids) == 32
+            sequence = torch.cat([ids[0], torch.tensor(res.output_ids[:-1])])[None]
             with torch.inference_mode():
-                first = hf(ids, **_cache(mode)).logits[0, -1]
-            torch.testing.assert_close(res.logits[0], first, atol=ATOL.get(mode, 1e-4), rtol=0)
+                logits = hf(sequence, **_cache(mode)).logits[0, ids.shape[1] - 1:]
+            ours = logits[torch.arange(32), torch.tensor(res.output_ids)]
+            behind = logits.max(dim=-1).values - ours
+            assert bool((behind <= margin).all()), [
+                (step, token, int(logits[step].argmax()), float(behind[step]))
+                for step, token in enumerate(res.output_ids) if behind[step] > margin]
+            torch.testing.assert_close(res.logits[0], logits[0], atol=ATOL.get(mode, 1e-4), rtol=0)

@@ -95,11 +95,12 @@ def test_a_tokens_output_does_not_depend_on_the_others(checkpoints, arch, option
 
 
 @needs_c_kernels
-@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "qwen3_moe"])
 @pytest.mark.parametrize("options", [{}, {"weight_type": "INT8"}, {"weight_type": "W8A8_INT8"},
                                      {"weight_type": "BF16"}])
-def test_the_experts_c_call_gives_the_bits_of_the_torch_loop(checkpoints, monkeypatch, arch,
-                                                             options):
+def test_the_layers_c_call_matches_the_torch_loop(checkpoints, monkeypatch, arch, options):
+    """Router, routing, experts and shared expert in C: the torch path's experts and order, the
+    softmax's last bit libm's rather than torch's."""
     monkeypatch.setenv("RTPKV_LINEAR", "avx2")
     module = load(checkpoints(arch), **options).module
     layers = [layer.mlp for layer in module.model.layers if isinstance(layer.mlp, SparseMoe)]
@@ -111,7 +112,67 @@ def test_the_experts_c_call_gives_the_bits_of_the_torch_loop(checkpoints, monkey
             kernel, layer.kernel = layer.kernel, None
             loop = layer(x)
             layer.kernel = kernel
-        assert torch.equal(fused, loop)
+        torch.testing.assert_close(fused, loop, rtol=1e-5, atol=1e-6)
+
+
+@needs_c_kernels
+@pytest.mark.parametrize("options", [{}, {"weight_type": "BF16"}, {"weight_type": "INT8"}])
+@pytest.mark.parametrize("rows", [1, 2, 45])
+def test_the_c_experts_give_the_bits_of_the_torch_loop(tmp_path, monkeypatch, options, rows):
+    """A zero router and top_k = num_experts: every expert chosen at weight 1/4 exactly, so no
+    softmax bit nor tie can differ, and the C call's experts (on the float32 kernels all gate_up
+    projections in one parallel region, then all down projections) give the loop's bits."""
+    from rtpkv.model_factory.tiny import build_tiny_checkpoint
+
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
+    path = build_tiny_checkpoint(tmp_path, "MixtralForCausalLM", intermediate_size=64,
+                                 moe=dict(num_local_experts=4, num_experts_per_tok=4))
+    module = load(path, **options).module
+    x = torch.randn(rows, module.spec.hidden_size, generator=torch.Generator().manual_seed(5))
+    for layer in (layer.mlp for layer in module.model.layers):
+        layer.gate.packed.zero_()
+        with torch.inference_mode():
+            fused = layer(x)
+            kernel, layer.kernel = layer.kernel, None
+            loop = layer(x)
+            layer.kernel = kernel
+        assert kernel is not None and torch.equal(fused, loop)
+
+
+@needs_c_kernels
+def test_the_c_routing_breaks_ties_to_the_lower_expert(checkpoints, monkeypatch, tmp_path):
+    """Experts with identical router rows tie on every token: the C call takes the lower
+    indices among them (torch.topk's choice there is its sort's, unspecified), the same for a
+    token alone or in any batch."""
+    import shutil
+
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
+    path = checkpoints("mixtral")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for layer in hf.model.layers:
+        router = layer.mlp.gate.weight.data
+        router[3] = router[1] = router[0]
+    hf.save_pretrained(tmp_path)
+    for name in path.iterdir():
+        if name.name.startswith("tokenizer"):
+            shutil.copy(name, tmp_path / name.name)
+    module = load(tmp_path).module
+    x = torch.randn(30, module.spec.hidden_size, generator=torch.Generator().manual_seed(4))
+    for layer in (layer.mlp for layer in module.model.layers):
+        assert layer.kernel is not None
+        with torch.inference_mode():
+            fused = layer(x)
+            probs = torch.softmax(layer.gate(x), dim=-1)
+            weights, experts = torch.sort(probs, dim=-1, descending=True, stable=True)
+            weights, experts = weights[:, :layer.top_k], experts[:, :layer.top_k]
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+            assert (experts[:, :2] == torch.tensor([0, 1])).all(dim=-1).any()   # a tie taken
+            flat = experts.flatten()
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=len(layer.experts)).tolist()
+            expected = layer._experts(x, counts, order // layer.top_k, weights.flatten()[order])
+        torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-6)
+        assert torch.equal(fused[7:8], layer(x[7:8]))
 
 
 @pytest.mark.parametrize("env,options", [({"RTPKV_LINEAR": "onednn"}, {}),

@@ -133,6 +133,24 @@ def test_blocks_staged_but_not_taken_are_released(tier):
     assert len(t._free) == 4
 
 
+def test_one_walk_matches_a_chain_per_group_and_the_next_walk_lets_go(tier):
+    """A walk's lookups (one chain per KV cache group) are all staged for its loads; a walk
+    that loaded nothing leaves nothing staged for the next (4 staging blocks here)."""
+    t = tier()
+    for i in (1, 2, 3):
+        t.store(meta(i), payload(i))
+    t.begin_walk()
+    assert t.lookup([meta(1).key, meta(2).key]) == 2
+    assert t.lookup([meta(3).key]) == 1                     # another group's chain
+    assert torch.equal(t.load(meta(3)), payload(3))
+    assert torch.equal(t.load(meta(1)), payload(1))
+    for _ in range(3):
+        t.begin_walk()
+        assert t.lookup([meta(i).key for i in (1, 2, 3)]) == 3
+    t.check_integrity()
+    assert len(t._free) == 4
+
+
 class Raising(DictConnector):
     def __init__(self, where: str):
         super().__init__(CONTEXT)

@@ -94,6 +94,11 @@ class KVTier(ABC):
         subscribed after the blocks arrived. The default (a tier that cannot list what it
         holds) reports nothing."""
 
+    def begin_walk(self) -> None:
+        """A request's walk down the ladder begins (its lookups, one chain per KV cache group,
+        then its loads): a tier that stages what its lookups matched lets go of what an
+        earlier walk left. The default does nothing."""
+
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many of `keys` (a chain, from its start) this tier holds, contiguous.

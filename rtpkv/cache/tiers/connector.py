@@ -33,7 +33,9 @@ class ConnectorTier(KVTier):
         self._free: deque[int] = deque(range(context.num_staging_blocks))
         self._saving: dict[int, list[int]] = {}     # request id -> staging blocks still saving
         self._loaded: dict[bytes, int] = {}         # key -> staging block holding it
-        self._matched: Optional[ConnectorRequest] = None
+        # chains matched by the lookups of the walk under way (one per KV cache group), kept
+        # until their load or the next walk
+        self._matched: list[ConnectorRequest] = []
         self._ids = itertools.count(1)
         self._steps = itertools.count(1)
         self.counters = dict(lookup_blocks=0, lookup_hits=0, onboarded_blocks=0, saved_blocks=0,
@@ -41,8 +43,12 @@ class ConnectorTier(KVTier):
         connector.register_kv_caches(self.staging)
 
     # ------------------------------------------------------------------ KVTier
-    def lookup(self, keys: Sequence[bytes]) -> int:
+    def begin_walk(self) -> None:
         self._release_loaded()
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        if self._loaded:   # a walk's lookups all come before its loads: a new walk
+            self._release_loaded()
         request = ConnectorRequest(next(self._ids), list(keys))
         self.counters["lookup_blocks"] += len(keys)
         try:
@@ -56,9 +62,11 @@ class ConnectorTier(KVTier):
             log.warning("kv connector: get_num_new_matched_tokens returned %r tokens; a whole "
                         "number of %d-token blocks is needed, taken as a miss", tokens, B)
             return 0
-        found = min(tokens // B, len(keys), len(self._free))   # staging blocks bound a load
+        promised = sum(r.num_blocks for r in self._matched)
+        found = max(0, min(tokens // B, len(keys), len(self._free) - promised))   # staging bounds a load
         request.block_keys = request.block_keys[:found]
-        self._matched = request if found else None
+        if found:
+            self._matched.append(request)
         self.counters["lookup_hits"] += found
         return found
 
@@ -132,10 +140,12 @@ class ConnectorTier(KVTier):
 
     # ------------------------------------------------------------------ internals
     def _load_matched(self, key: bytes) -> bool:
-        """Run the load step for the chain matched by the last lookup, if `key` is in it."""
-        request, self._matched = self._matched, None
-        if request is None or key not in request.block_keys:
+        """Run the load step for the chain a lookup of this admission matched with `key` in
+        it, if any."""
+        request = next((r for r in self._matched if key in r.block_keys), None)
+        if request is None:
             return False
+        self._matched.remove(request)
         block_ids = [self._free.popleft() for _ in request.block_keys]
         step = ConnectorStep(next(self._steps), load=[
             BlockTransfer(request.request_id, k, b) for k, b in zip(request.block_keys, block_ids)])
@@ -157,7 +167,7 @@ class ConnectorTier(KVTier):
         """Staged blocks the manager did not take (it stopped early) go back to the free list."""
         self._free.extend(self._loaded.values())
         self._loaded.clear()
-        self._matched = None
+        self._matched.clear()
 
     def _reap_saves(self) -> None:
         try:

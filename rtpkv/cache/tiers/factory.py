@@ -13,7 +13,7 @@ Redis: ``ENABLE_REMOTE_CACHE=1`` with ``REMOTE_CACHE_URL`` (rtpkv.cache.tiers.re
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 from rtpkv.cache.connector import ConnectorContext
 from rtpkv.cache.tiers.connector import load_connector_class, make_connector_tier
@@ -29,12 +29,13 @@ MIB = 2 ** 20
 CONNECTOR_STAGING_BLOCKS = 64
 
 
-def tier_layout(model: Any, block_size: int) -> TierLayout:
-    """The payload every tier of this engine stores: one block of every layer's K and V, as the
-    pool holds them (int8 rows with their scales for the int8 cache)."""
+def tier_layout(model: Any, block_size: int, layers: Optional[int] = None) -> TierLayout:
+    """The payload every tier of this engine stores: one pool block's K and V, as the pool
+    holds them (int8 rows with their scales for the int8 cache): every layer's, or with KV
+    cache groups the `layers` a block holds (one group's)."""
     spec = model.spec
     return TierLayout(fingerprint=model.fingerprint, block_size=block_size, dtype=model.kv_dtype,
-                      shape=(2, spec.num_kv_layers, spec.num_kv_heads, block_size,
+                      shape=(2, layers or spec.num_kv_layers, spec.num_kv_heads, block_size,
                              row_width(spec.head_dim, model.kv_dtype)))
 
 
@@ -44,9 +45,11 @@ def host_cache_bytes(config: Any) -> int:
     return int(config.memory_cache_size_mb * MIB) if config.enable_memory_cache else 0
 
 
-def build_tiers(config: Any, model: Any, block_size: int) -> list[KVTier]:
-    """The configured tiers; ConfigError naming the setting when one is unusable."""
-    layout = tier_layout(model, block_size)
+def build_tiers(config: Any, model: Any, block_size: int,
+                layers: Optional[int] = None) -> list[KVTier]:
+    """The configured tiers, for pool blocks of `layers` layers (default: every layer);
+    ConfigError naming the setting when one is unusable."""
+    layout = tier_layout(model, block_size, layers)
     disk = _disk_tier(config, layout)
     tiers: list[KVTier] = []
     host_bytes = host_cache_bytes(config)
@@ -122,7 +125,7 @@ def _connector_tier(config: Any, layout: TierLayout, model: Any):
             raise ConfigError(str(exc)) from None
     if spec is None:
         return None
-    context = ConnectorContext(layout=layout, num_layers=model.spec.num_kv_layers,
+    context = ConnectorContext(layout=layout, num_layers=layout.shape[1],
                                num_staging_blocks=CONNECTOR_STAGING_BLOCKS)
     try:
         tier = make_connector_tier(spec, context)

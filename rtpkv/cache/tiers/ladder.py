@@ -113,6 +113,12 @@ class TierLadder:
         return plan is None or all(not isinstance(c, Future) or c.done()
                                    for _, c in plan.answers.values())
 
+    def begin_walk(self) -> None:
+        """A request's admission walk begins: its lookups (one chain per KV cache group) come
+        next, then its loads (`KVTier.begin_walk`)."""
+        for tier in self.tiers:
+            tier.begin_walk()
+
     def walk(self, metas: list[BlockMeta], start: int, allows: Allows,
              plan: Optional[TierPlan] = None) -> list[TierHit]:
         """At admission: the tier hits that continue a request's device hits (its chain from
