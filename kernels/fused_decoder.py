@@ -101,22 +101,25 @@ def _library() -> Optional[ctypes.CDLL]:
 
 
 def runs_plan(plan: Any, head_dim: int) -> bool:
-    """Whether decoder.c computes `plan`: every layer the same Llama layer (two plain RMSNorms
-    of one epsilon, SwiGLU, the 1/sqrt(head_dim) scale, no soft-cap, no attention sinks, one RoPE
-    table and one window; q/k norms or none), no embedding scale, no final soft-cap or logit
-    scale. Any other plan is refused whole: the C code has no op for the rest (Gemma's offset
-    and sandwich norms, GeGLU, soft-caps, per-layer windows and RoPE tables, sinks, Cohere's
-    LayerNorm, parallel block and layers without RoPE)."""
+    """Whether decoder.c computes `plan`: every layer the same Llama layer (attention without an
+    output gate, two plain RMSNorms of one epsilon, SwiGLU, the 1/sqrt(head_dim) scale, no
+    soft-cap, no attention sinks, one RoPE table and one window; q/k norms or none; no residual
+    scale), no embedding scale, no final soft-cap, logit scale nor logits divisor. Any other plan
+    is refused whole: the C code has no op for the rest (Gemma's offset and sandwich norms, GeGLU,
+    soft-caps, per-layer windows and RoPE tables, sinks, Cohere's LayerNorm and parallel block,
+    recurrent layers, attention without RoPE, Granite's multipliers)."""
     first = plan.layers[0]
     attention = first.attention
     return (all(layer == first for layer in plan.layers) and len(plan.ropes) == 1
+            and first.mixer == "attention" and not attention.output_gate
             and not first.sandwich and not first.parallel and first.mlp == "silu"
             and not first.norm.offset and not first.norm.centered
             and plan.final_norm == first.norm and attention.softcap is None
             and not attention.sinks and attention.rope is not None
             and attention.scale == head_dim ** -0.5
+            and first.residual_scale is None
             and plan.embedding_scale is None and plan.final_softcap is None
-            and plan.logit_scale is None)
+            and plan.logit_scale is None and plan.logits_divisor is None)
 
 
 def _sparse(mlp: torch.nn.Module) -> bool:
@@ -174,6 +177,8 @@ class FusedDecoder:
         """The fused decoder of `module`, or None where it does not run end to end on the C
         kernels (then its layers run one by one)."""
         spec, backbone = module.spec, module.model
+        if spec.linear_attention is not None or spec.mamba is not None:
+            return None   # csrc/decoder.c has no recurrent layer
         weight = backbone.embed_tokens.weight
         linears = [m for layer in backbone.layers
                    for m in (layer.self_attn.qkv, layer.self_attn.o_proj,

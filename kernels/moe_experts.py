@@ -69,9 +69,12 @@ class ExpertKernel:
         """The kernel of sparse layer `moe`, or None where the per-layer torch path must run it:
         a linear layer off the C kernels (oneDNN, native, bfloat16), experts on different ones,
         a router off the float32 C kernel, a bias anywhere, routing other than a softmax over
-        every expert then top-k (gpt-oss's softmax after the top-k), experts other than SwiGLU
-        ones (MLP.kind "silu"), an intermediate size the C SiLU-and-mul does not take, or no
-        compiler."""
+        every expert then top-k (gpt-oss's and Granite's softmax after the top-k), a shared
+        expert without a gate (Granite's), experts other than SwiGLU ones (MLP.kind "silu"), an
+        intermediate size the C SiLU-and-mul does not take, or no compiler."""
+        if moe.softmax_after_top_k or (moe.shared_expert is not None
+                                       and moe.shared_expert_gate is None):
+            return None
         mlps = [*moe.experts, *([] if moe.shared_expert is None else [moe.shared_expert])]
         linears = [m for e in mlps for m in (e.gate_up, e.down_proj)]
         if moe.shared_expert is not None:
@@ -79,7 +82,6 @@ class ExpertKernel:
         first = linears[0]
         if (len({m.path for m in linears}) != 1 or first.path not in LINEAR_KINDS
                 or getattr(moe.gate, "path", None) != "avx2" or moe.gate.bias is not None
-                or moe.softmax_after_top_k
                 or any(getattr(e, "kind", None) != "silu" for e in mlps)
                 or any(m.bias is not None for m in linears)
                 or any((e.gate_up.out_features // 2) % fused_ops.ROW_MULTIPLE for e in mlps)):

@@ -19,7 +19,7 @@ from rtpkv.kernels import weight_types
 from rtpkv.kernels.cpu_build import select_isa
 from rtpkv.kernels.linear import bf16_gemm_supported
 from rtpkv.locked_tokenizer import LockedTokenizer
-from rtpkv.model_factory import cohere, qwen, qwen_tokenizer
+from rtpkv.model_factory import cohere, granite, qwen, qwen_tokenizer
 from rtpkv.model_factory.llama import CausalLM
 from rtpkv.model_factory.model_config import ModelConfig
 from rtpkv.model_factory.moe import checkpoint_tensors
@@ -140,8 +140,10 @@ def _load_module(spec: ModelSpec, files: list[Path], device: torch.device, dtype
     if spec.architecture == qwen.ARCHITECTURE:
         kv_size = spec.num_kv_heads * spec.head_dim
         tensors = qwen.qwen2_tensors(tensors, spec.num_heads * spec.head_dim, kv_size)
-    if spec.architecture == cohere.ARCHITECTURE:
+    elif spec.architecture == cohere.ARCHITECTURE:
         tensors = cohere.half_rotation_tensors(tensors, spec.head_dim)
+    elif spec.architecture == granite.ARCHITECTURE:
+        tensors = granite.granite_tensors(tensors, has_experts=spec.moe is not None)
     for name, tensor in checkpoint_tensors(spec.architecture, tensors):
         state[name] = tensor.to(device=device, dtype=dtype)
     if spec.tie_word_embeddings:

@@ -1,7 +1,11 @@
 """The decoder-only models (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Cohere2, and QWen
 read as Qwen2: model_factory/qwen.py) over a paged KV cache, built from and running their layer plan
-(model_factory/plan.py), and the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss),
-whose sparse layers' MLP is model_factory/moe.py's.
+(model_factory/plan.py), the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss), whose
+sparse layers' MLP is model_factory/moe.py's, and the Gated DeltaNet hybrids (Qwen3-Next, its
+MLP a mixture too, and Qwen3.5), whose linear-attention layers are recurrent layers
+(model_factory/gated_delta.py) with their state in a StatePool (model_factory/recurrent.py), and
+the Mamba2 hybrid Granite 4.0-H, whose Mamba2 layers are recurrent layers too
+(model_factory/mamba2.py; its config and names: model_factory/granite.py).
 
 Parameter names follow the Hugging Face checkpoints so a state dict loads as is; `fuse()` then
 concatenates q/k/v and gate/up projections so each layer runs two fewer matmuls.
@@ -24,10 +28,14 @@ from rtpkv.kernels import weight_types
 from rtpkv.kernels.activation import clamped_swiglu, clamped_swiglu_and_mul, gelu_tanh_and_mul
 from rtpkv.kernels.norm import layer_norm_no_bias, rms_norm_float_weight
 from rtpkv.kernels.fused_decoder import FusedDecoder
+from rtpkv.kernels.gated_delta import sigmoid_gate_
 from rtpkv.kernels.linear import InferenceLinear, linear_path
+from rtpkv.model_factory.gated_delta import INTERLEAVED_ARCHITECTURES, GatedDeltaNet
 from rtpkv.model_factory.moe import CLAMPED_SWIGLU_EXPERTS, SparseMoe
-from rtpkv.model_factory.plan import (GLOBAL_ROPE, LayerPlan, ModelPlan, NormPlan, capped_window,
-                                      model_plan)
+from rtpkv.model_factory.mamba2 import Mamba2Mixer
+from rtpkv.model_factory.plan import (GATED_DELTA, GLOBAL_ROPE, MAMBA2, LayerPlan, ModelPlan,
+                                      NormPlan, capped_window, model_plan)
+from rtpkv.model_factory.recurrent import RecurrentBatch, StateSpec
 from rtpkv.model_factory.spec import ModelSpec
 
 log = logging.getLogger("rtpkv")
@@ -69,11 +77,13 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.q_proj = nn.Linear(spec.hidden_size, self.q_size, bias=spec.qkv_bias)
+        attention = plan.attention
+        self.output_gate = attention.output_gate   # q_proj computes a gate beside each head
+        self.q_out = self.q_size * (2 if self.output_gate else 1)
+        self.q_proj = nn.Linear(spec.hidden_size, self.q_out, bias=spec.qkv_bias)
         self.k_proj = nn.Linear(spec.hidden_size, self.kv_size, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(spec.hidden_size, self.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
-        attention = plan.attention
         if attention.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, plan.norm)
             self.k_norm = RMSNorm(spec.head_dim, plan.norm)
@@ -88,7 +98,7 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         q, k, v = self.q_proj, self.k_proj, self.v_proj
-        fused = nn.Linear(q.in_features, self.q_size + 2 * self.kv_size, bias=q.bias is not None,
+        fused = nn.Linear(q.in_features, self.q_out + 2 * self.kv_size, bias=q.bias is not None,
                           device=q.weight.device, dtype=q.weight.dtype)
         fused.weight.data = torch.cat([q.weight, k.weight, v.weight])
         if q.bias is not None:
@@ -102,22 +112,31 @@ class Attention(nn.Module):
                 attention: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv is not None:
-            q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k, v = self.qkv(x).split([self.q_out, self.kv_size, self.kv_size], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        gate = None
+        if self.output_gate:   # per head: the query, then its gate
+            q, gate = q.view(t, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:   # None: a layer without positional encoding (Cohere2's full ones)
-            apply_rope_(q, k, rope[0], rope[1], positions)
+        if rope is not None:   # None: a layer without positional encoding (Cohere2's full
+            rotary = rope[0].shape[-1]   # layers, Granite 4.0-H's where its config says so)
+            if rotary == self.head_dim:
+                apply_rope_(q, k, rope[0], rope[1], positions)
+            else:   # partial RoPE: the first `rotary` dimensions of each head, in place
+                apply_rope_(q[..., :rotary], k[..., :rotary], rope[0], rope[1], positions)
         extra: dict[str, Any] = {}   # what only some backends do (attention_backend picks one)
         if self.softcap is not None:
             extra["softcap"] = self.softcap
         if self.has_sinks:
             extra["sinks"] = self.sinks
         out = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale, **extra)
+        if gate is not None:
+            out = sigmoid_gate_(out.reshape(t, self.num_heads, self.head_dim).contiguous(), gate)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -176,7 +195,16 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, spec: ModelSpec, index: int, plan: LayerPlan):
         super().__init__()
-        self.self_attn = Attention(spec, plan)
+        self.recurrent = plan.recurrent
+        self.residual_scale = plan.residual_scale
+        if plan.mixer == GATED_DELTA:
+            self.linear_attn = GatedDeltaNet(spec.hidden_size, spec.linear_attention,
+                                             spec.rms_norm_eps,
+                                             spec.architecture in INTERLEAVED_ARCHITECTURES)
+        elif plan.mixer == MAMBA2:
+            self.mamba = Mamba2Mixer(spec.hidden_size, spec.mamba, spec.rms_norm_eps)
+        else:
+            self.self_attn = Attention(spec, plan)
         self.mlp: nn.Module = (
             SparseMoe(spec.hidden_size, spec.moe,
                       partial(MLP, spec, kind=spec.moe.activation, bias=spec.moe.expert_bias))
@@ -190,16 +218,27 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, plan.norm)
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, plan.norm)
 
+    @property
+    def recurrent_layer(self) -> nn.Module:
+        """A recurrent layer's token mixer (model_factory/recurrent.py's RecurrentLayer)."""
+        return self.linear_attn if hasattr(self, "linear_attn") else self.mamba
+
     def forward(self, residual: torch.Tensor, h: Optional[torch.Tensor], positions: torch.Tensor,
-                rope: Optional[tuple[torch.Tensor, torch.Tensor]],
-                kv: tuple[torch.Tensor, torch.Tensor], meta: Any,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]], kv: Any, meta: Any,
                 attention: AttentionBackend) -> torch.Tensor:
         """The layer's output, still to be added to `residual` (the stream, to which the last
-        layer's output `h` is added first, in place)."""
+        layer's output `h` is added first, in place). A recurrent layer's `kv` is its state
+        tensors and its `meta` the RecurrentBatch."""
         x = self.input_layernorm(residual) if h is None else self.input_layernorm(h, residual)
-        h = self.self_attn(x, positions, rope, kv, meta, attention)
+        if self.recurrent:
+            h = self.recurrent_layer(x, meta, kv)
+        else:
+            h = self.self_attn(x, positions, rope, kv, meta, attention)
         if self.parallel:
             return h + self.mlp(x)
+        if self.residual_scale is not None:   # Granite: both outputs scaled before their adds
+            h = h * self.residual_scale
+            return self.mlp(self.post_attention_layernorm(h, residual)) * self.residual_scale
         if not self.sandwich:
             return self.mlp(self.post_attention_layernorm(h, residual))
         x = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
@@ -263,10 +302,14 @@ class CausalLM(nn.Module):
 
         router_path = linear_path(weight.dtype, weight.device, linear)
         for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.fuse()
-            attn.qkv = convert(attn.qkv)
-            attn.o_proj = convert(attn.o_proj)
+            mlp = layer.mlp
+            if layer.recurrent:
+                layer.recurrent_layer.convert(convert)
+            else:
+                attn = layer.self_attn
+                attn.fuse()
+                attn.qkv = convert(attn.qkv)
+                attn.o_proj = convert(attn.o_proj)
             if isinstance(mlp, SparseMoe):
                 mlp.convert(convert, lambda router: InferenceLinear(router, router_path))
             else:
@@ -295,16 +338,35 @@ class CausalLM(nn.Module):
     def attention_name(self) -> str:
         return self.attention.name
 
+    @property
+    def state_specs(self) -> list[tuple[StateSpec, ...]]:
+        """Each recurrent layer's state tensors, in layer order (empty: no recurrent layer):
+        what a StatePool for this model holds."""
+        return [layer.recurrent_layer.state_specs() for layer in self.model.layers
+                if layer.recurrent]
+
+    def layer_caches(self, kv_caches: list[Any], states: list[list[torch.Tensor]]) -> list[Any]:
+        """What each layer reads and writes, in layer order: the next of `kv_caches` (K, V) for
+        an attention layer, the next of `states` (a StatePool's tensors) for a recurrent one."""
+        kv, state = iter(kv_caches), iter(states)
+        return [next(state) if layer.recurrent else next(kv) for layer in self.model.layers]
+
     def attention_metadata(self, batch: AttentionBatch,
-                           layer_batches: Optional[list[AttentionBatch]] = None) -> list[Any]:
+                           layer_batches: Optional[list[AttentionBatch]] = None,
+                           recurrent: Optional[RecurrentBatch] = None) -> list[Any]:
         """Each layer's attention metadata for `batch`, or for its own of `layer_batches` (KV
-        cache groups: its group's tables); a batch's `window` (the engine's, or the group's)
-        caps the layer's own. The backend builds once per distinct batch and window, shared by
-        the layers that read it."""
+        cache groups: its group's tables, one per attention layer in order); a batch's `window`
+        (the engine's, or the group's) caps the layer's own. The backend builds once per
+        distinct batch and window, shared by the layers that read it. A recurrent layer's is
+        `recurrent`."""
         built: dict[tuple[int, Optional[int]], Any] = {}
         metas = []
-        for i, layer in enumerate(self.plan.layers):
-            seen = batch if layer_batches is None else layer_batches[i]
+        attending = iter(layer_batches) if layer_batches is not None else None
+        for layer in self.plan.layers:
+            if layer.recurrent:
+                metas.append(recurrent)
+                continue
+            seen = batch if attending is None else next(attending)
             window = capped_window(layer.attention.window, seen.window)
             key = (id(seen), window)
             if key not in built:
@@ -333,8 +395,9 @@ class CausalLM(nn.Module):
         if self.fused is not None:   # it runs one window only: every layer's meta is the same
             return self.fused.forward(residual, positions, kv_caches, meta[0])
         h = None
-        for layer, kv, layer_meta in zip(self.model.layers, kv_caches, meta):
-            rope = layer.self_attn.rope
+        for layer, plan, kv, layer_meta in zip(self.model.layers, self.plan.layers, kv_caches,
+                                               meta):
+            rope = plan.attention.rope
             h = layer(residual, h, positions, None if rope is None else self.ropes[rope], kv,
                       layer_meta, self.attention)
         return self.model.norm(h, residual)
@@ -346,6 +409,8 @@ class CausalLM(nn.Module):
         cap = self.plan.final_softcap
         if cap is not None:   # in the model's dtype, as transformers
             logits = torch.tanh(logits / cap) * cap
+        if self.plan.logits_divisor is not None:
+            logits = logits / self.plan.logits_divisor
         return logits.float()
 
     def forward_logits(self, ids: list[int], positions: list[int],

@@ -1,6 +1,7 @@
-"""Mixture-of-experts MLP layers (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral, gpt-oss):
-the facts read from config.json (`MoeSpec`), the names of published checkpoints mapped onto the
-module's (`checkpoint_name`, `checkpoint_tensors`), and the layer itself (`SparseMoe`).
+"""Mixture-of-experts MLP layers (Qwen3-MoE, Qwen2-MoE and Qwen3-Next with their shared expert,
+Mixtral, gpt-oss, Granite 4.0-H's): the facts read from config.json (`MoeSpec`), the names of
+published checkpoints mapped onto the module's (`checkpoint_name`, `checkpoint_tensors`), and the
+layer itself (`SparseMoe`).
 
 gpt-oss's experts are their own kind: biased projections and the clamped SwiGLU
 ((clamp(up) + 1) * g * sigmoid(alpha * g), g the gate clamped above), its router biased and its
@@ -12,7 +13,8 @@ load, gate and up apart, MXFP4 dequantized to the model's dtype one expert at a 
 Routing is computed as transformers computes it, because another expert choice is another
 answer: the router's logits, a float32 softmax, torch.topk (its tie-breaking), the optional
 renormalisation of the top-k weights, and the weights cast to the activations' dtype before they
-scale an expert's output (Qwen) or the output scaled in float32 and cast after (Mixtral).
+scale an expert's output (Qwen) or the output scaled in float32 and cast after (Mixtral); Granite
+4.0-H's weights are a softmax over its top-k float32 logits, its shared expert ungated.
 
 Tokens are grouped by expert: each expert chosen by any token of the forward runs one GEMM pair
 over all of its tokens, so its weights are read once per forward however many tokens chose it.
@@ -44,7 +46,11 @@ from rtpkv.errors import ConfigError
 from rtpkv.kernels.moe_experts import ExpertKernel
 
 GPT_OSS = "GptOssForCausalLM"
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", GPT_OSS)
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", GPT_OSS,
+                     "Qwen3NextForCausalLM")
+# their always-on expert, scaled by sigmoid(shared_expert_gate)
+_SHARED_EXPERT_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")
+GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"   # a mixture where num_local_experts > 0
 
 # the experts' activation: "silu" (SwiGLU, the C expert call's) or "clamped_swiglu" (gpt-oss)
 SILU_EXPERTS = "silu"
@@ -81,13 +87,21 @@ class MoeSpec:
     swiglu_limit: float = 0.0            # and its clamp
     expert_bias: bool = False            # the experts' projections have biases
     router_bias: bool = False
-    softmax_after_top_k: bool = False    # weights: a softmax over the top-k logits only
+    # the weights are a softmax over the top-k logits only, not the top-k of a softmax over
+    # every expert (gpt-oss, Granite 4.0-H)
+    softmax_after_top_k: bool = False
+    gated_shared_expert: bool = True     # False: the shared expert is added ungated (Granite)
 
     @classmethod
     def from_config(cls, architecture: str, cfg: dict[str, Any],
                     source: str = "config.json") -> Optional["MoeSpec"]:
-        """The MoE facts of `cfg`, or None for a dense architecture."""
+        """The MoE facts of `cfg`, or None for a dense architecture (or a Qwen3-Next with
+        num_experts 0, which transformers builds dense)."""
+        if architecture == GRANITE_HYBRID:   # dense where num_local_experts is 0
+            return cls._granite(cfg, source)
         if architecture not in MOE_ARCHITECTURES:
+            return None
+        if architecture == "Qwen3NextForCausalLM" and not cfg.get("num_experts"):
             return None
         layers = int(cfg["num_hidden_layers"])
         experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
@@ -113,9 +127,24 @@ class MoeSpec:
         dense = set(cfg.get("mlp_only_layers") or ())
         sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
         shared = (int(cfg.get("shared_expert_intermediate_size") or 0)
-                  if architecture == "Qwen2MoeForCausalLM" else 0)
+                  if architecture in _SHARED_EXPERT_ARCHITECTURES else 0)
         return cls(experts, per_token, int(cfg["moe_intermediate_size"]),
                    bool(cfg.get("norm_topk_prob", False)), False, shared, sparse)
+
+
+    @classmethod
+    def _granite(cls, cfg: dict[str, Any], source: str) -> Optional["MoeSpec"]:
+        experts = int(cfg.get("num_local_experts", 8))   # transformers' defaults
+        if not experts:
+            return None
+        per_token = int(cfg.get("num_experts_per_tok", 2))
+        if not 1 <= per_token <= experts:
+            raise ConfigError(f"{source}: num_experts_per_tok={per_token} is invalid: accepted "
+                              f"range is 1..{experts} (num_local_experts)")
+        return cls(experts, per_token, int(cfg["intermediate_size"]), False, False,
+                   int(cfg["shared_intermediate_size"]),
+                   tuple(range(int(cfg["num_hidden_layers"]))), softmax_after_top_k=True,
+                   gated_shared_expert=False)
 
 
 def checkpoint_name(architecture: str, name: str) -> str:
@@ -195,7 +224,7 @@ def mxfp4_weight(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 class SparseMoe(nn.Module):
     """The mixture-of-experts MLP of one layer: a router (`gate`), `experts` (gated MLPs made by
-    `make_mlp(intermediate_size)`, as published: one module per expert) and, for Qwen2-MoE, a
+    `make_mlp(intermediate_size)`, as published: one module per expert) and, for Qwen2-MoE and Qwen3-Next, a
     `shared_expert` every token runs, scaled by sigmoid(`shared_expert_gate`)."""
 
     def __init__(self, hidden_size: int, moe: MoeSpec, make_mlp: Callable[[int], nn.Module]):
@@ -210,9 +239,11 @@ class SparseMoe(nn.Module):
                                      for _ in range(moe.num_experts))
         self.shared_expert: Optional[nn.Module] = None
         self.kernel: Optional[ExpertKernel] = None   # the layer as one C call, where it can be
+        self.shared_expert_gate: Optional[nn.Module] = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = make_mlp(moe.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            if moe.gated_shared_expert:
+                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def convert(self, convert: Callable[[nn.Linear], nn.Module],
                 convert_router: Callable[[nn.Linear], nn.Module]) -> None:
@@ -224,15 +255,16 @@ class SparseMoe(nn.Module):
             expert.convert(convert)
         if self.shared_expert is not None:
             self.shared_expert.convert(convert)
+        if self.shared_expert_gate is not None:
             self.shared_expert_gate = convert(self.shared_expert_gate)
         self.gate = convert_router(self.gate)
         self.kernel = ExpertKernel.build(self)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts), each (tokens, top_k): transformers' routing, row by row."""
-        if self.softmax_after_top_k:   # gpt-oss: the top-k logits' softmax, in their dtype
+        if self.softmax_after_top_k:   # gpt-oss, Granite: the top-k logits' softmax
             logits, experts = torch.topk(self.gate(x), self.top_k, dim=-1)
-            return F.softmax(logits, dim=-1, dtype=logits.dtype), experts
+            return F.softmax(logits.float(), dim=-1).to(x.dtype), experts
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize_top_k:
@@ -248,8 +280,10 @@ class SparseMoe(nn.Module):
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=len(self.experts))
         out = self._experts(x, counts.tolist(), order // self.top_k, weights.flatten()[order])
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             out = out + _sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         return out
 
     def _experts(self, x: torch.Tensor, counts: list[int], tokens: torch.Tensor,

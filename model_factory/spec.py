@@ -13,7 +13,10 @@ from typing import Any, Optional
 import torch
 
 from rtpkv.errors import ConfigError
-from rtpkv.model_factory import qwen
+from rtpkv.kernels.gated_delta import MAX_HEAD_DIM, DeltaShape
+from rtpkv.model_factory import granite, qwen
+from rtpkv.model_factory.granite import GraniteScales
+from rtpkv.model_factory.mamba2 import Mamba2Spec
 from rtpkv.model_factory.moe import MOE_ARCHITECTURES, MoeSpec
 
 SUPPORTED_ARCHITECTURES = (
@@ -26,6 +29,8 @@ SUPPORTED_ARCHITECTURES = (
     "QWenLMHeadModel",
     "Cohere2ForCausalLM",
     *MOE_ARCHITECTURES,
+    "Qwen3_5ForCausalLM",
+    granite.ARCHITECTURE,
 )
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -39,6 +44,9 @@ _PATTERN_DEFAULTS = {"Gemma3ForCausalLM": 6, COHERE2: 4}
 # use_sliding_window says
 _WINDOW_DEFAULTS = {"Gemma2ForCausalLM": 4096, "Gemma3ForCausalLM": 4096, GPT_OSS: 128,
                     COHERE2: 4096}
+# Gated DeltaNet hybrids: linear-attention layers among gated full-attention ones, (1 + w)
+# RMSNorms, partial RoPE (model_factory/gated_delta.py)
+LINEAR_ATTENTION_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
 
 # their sliding_window, when set, applies (to every layer) without use_sliding_window
 _ALWAYS_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM")
@@ -52,6 +60,8 @@ _EVERY_LAYER_WINDOWED = _ALWAYS_WINDOWED + ("Qwen3MoeForCausalLM",)
 # its factors on the forward's length the same way; no supported architecture uses it.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+# a layer_types entry: a Gated DeltaNet layer, or Granite 4.0-H's Mamba2 layer (granite.MAMBA2)
+LINEAR_ATTENTION = "linear_attention"
 # MLP activations by their transformers names -> the plan's MLP kinds (model_factory/plan.py)
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -93,6 +103,16 @@ class ModelSpec:
     bos_token_id: Optional[int] = None
     torch_dtype: Optional[str] = None
     moe: Optional[MoeSpec] = None        # mixtures of experts (model_factory/moe.py)
+    # Gated DeltaNet hybrids (LINEAR_ATTENTION_ARCHITECTURES): the linear-attention layers'
+    # shape, RoPE on the first `rotary_dim` of each head only, and the attention output gate
+    linear_attention: Optional[DeltaShape] = None
+    rotary_dim: Optional[int] = None     # None: the whole head
+    attention_output_gate: bool = False
+    # Mamba2 hybrids (Granite 4.0-H): the Mamba2 layers' shape (its linear_attention layers),
+    # the four multipliers, and whether attention applies RoPE at all
+    mamba: Optional[Mamba2Spec] = None
+    granite_scales: Optional[GraniteScales] = None
+    attention_rope: bool = True
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelSpec":
@@ -112,9 +132,14 @@ class ModelSpec:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         sliding = _sliding_window(cfg, arch)
-        types = tuple(_layer_types(cfg, arch, layers, sliding, source))
+        linear = arch in LINEAR_ATTENTION_ARCHITECTURES
+        is_granite = arch == granite.ARCHITECTURE
+        types = tuple(_hybrid_layer_types(cfg, layers, source) if linear
+                      else granite.layer_types(cfg, layers, source) if is_granite
+                      else _layer_types(cfg, arch, layers, sliding, source))
         gemma = arch in GEMMA_ARCHITECTURES
         attention_bias = bool(cfg.get("attention_bias", arch == GPT_OSS))
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
         activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         if activation not in _ACTIVATIONS or (activation != "silu") != gemma:
             accepted = "gelu_pytorch_tanh" if gemma else "silu"
@@ -127,11 +152,13 @@ class ModelSpec:
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            # Granite's dense MLP is its shared_mlp (its experts' size is intermediate_size)
+            intermediate_size=int(cfg["shared_intermediate_size" if is_granite
+                                      else "intermediate_size"]),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("layer_norm_eps", 1e-5) if arch == COHERE2
                                else cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
@@ -145,7 +172,8 @@ class ModelSpec:
             attention_sinks=arch == GPT_OSS,
             cohere=arch == COHERE2,
             logit_scale=float(cfg.get("logit_scale", 0.0625)) if arch == COHERE2 else None,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
+                             *LINEAR_ATTENTION_ARCHITECTURES),
             rope=rope,
             local_rope=local_rope,
             sliding_window=sliding if "sliding_attention" in types else None,
@@ -161,13 +189,31 @@ class ModelSpec:
             bos_token_id=cfg.get("bos_token_id"),
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             moe=MoeSpec.from_config(arch, cfg, source),
+            linear_attention=_delta_shape(cfg, source) if linear else None,
+            rotary_dim=_rotary_dim(cfg, rope, head_dim, source) if linear else None,
+            attention_output_gate=linear,
+            mamba=granite.mamba2_spec(cfg, source) if is_granite else None,
+            granite_scales=granite.GraniteScales.from_config(cfg, source) if is_granite else None,
+            attention_rope=granite.uses_rope(cfg, source) if is_granite else True,
         )
 
     @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that attend (and so hold K/V), in order: every layer but the linear-
+        attention ones."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind != LINEAR_ATTENTION)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers whose K/V the pool holds."""
+        return len(self.attention_layers)
+
+    @property
     def layer_windows(self) -> tuple[Optional[int], ...]:
-        """Each layer's attention window in tokens (itself included); None: full attention."""
-        return tuple(self.sliding_window if kind == "sliding_attention" else None
-                     for kind in self.layer_types)
+        """Each attending layer's window in tokens (itself included), in `attention_layers`
+        order; None: full attention."""
+        return tuple(self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+                     for i in self.attention_layers)
 
     @property
     def model_window(self) -> Optional[int]:
@@ -180,7 +226,7 @@ class ModelSpec:
         """RoPE inverse frequencies of `rope` (default: the model's global parameters),
         computed exactly as transformers does (float32)."""
         rope = self.rope if rope is None else rope
-        dim = self.head_dim
+        dim = self.rotary_dim or self.head_dim
         base = float(rope["rope_theta"])
         inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         kind = rope["rope_type"]
@@ -250,17 +296,19 @@ def _yarn_inv_freq(rope: dict[str, Any], dim: int, base: float, factor: float) -
             + (1.0 / pos_freqs) * extrapolation)
 
 
-def _checked_rope(rope: dict[str, Any], cfg: dict[str, Any], source: str, name: str
-                  ) -> dict[str, Any]:
+def _checked_rope(rope: dict[str, Any], cfg: dict[str, Any], source: str, name: str,
+                  partial: bool = False) -> dict[str, Any]:
     """`rope` with its type checked and, for llama3 and YaRN, the pretraining length filled in
     as transformers does (a top-level original_max_position_embeddings wins over the rope's for
-    a model-wide rope; else max_position_embeddings)."""
+    a model-wide rope; else max_position_embeddings). A partial_rotary_factor other than 1 only
+    where `partial` (the Gated DeltaNet hybrids: `_rotary_dim` reads it)."""
     rope = dict(rope)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    partial = rope.get("partial_rotary_factor", 1.0)
-    if partial is not None and float(partial) != 1.0:
-        raise ConfigError(f"{source}: {name} partial_rotary_factor={partial} is not supported "
-                          "(1.0: RoPE over the whole head)")
+    factor = rope.get("partial_rotary_factor", 1.0)
+    if not partial and factor is not None and float(factor) != 1.0:
+        raise ConfigError(f"{source}: {name} partial_rotary_factor={factor} is not supported "
+                          "(1.0: RoPE over the whole head; partial RoPE: "
+                          f"{', '.join(LINEAR_ATTENTION_ARCHITECTURES)} only)")
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{source}: {name} type {rope_type!r} is not supported "
                           f"(supported: {', '.join(ROPE_TYPES)})")
@@ -293,7 +341,8 @@ def _rope_parameters(cfg: dict[str, Any], arch: str, source: str
                 _checked_rope(local, cfg, source, "rope_parameters.sliding_attention"))
     rope = dict(params or cfg.get("rope_scaling") or _DEFAULT_ROPES.get(arch, {}))
     rope.setdefault("rope_theta", cfg.get("rope_theta", _DEFAULT_THETAS.get(arch, 10000.0)))
-    return _checked_rope(rope, cfg, source, "rope"), None
+    return _checked_rope(rope, cfg, source, "rope",
+                         partial=arch in LINEAR_ATTENTION_ARCHITECTURES), None
 
 
 # the RoPE parameters transformers' config class gives a config that has none
@@ -339,6 +388,54 @@ def _layer_types(cfg: dict[str, Any], arch: str, layers: int, sliding: Optional[
         raise ConfigError(f"{source}: layer_types={types!r} is not supported: one entry per "
                           f"layer ({layers}), each one of {', '.join(_LAYER_TYPES)}")
     return list(types)
+
+
+def _hybrid_layer_types(cfg: dict[str, Any], layers: int, source: str) -> list[str]:
+    """A Gated DeltaNet hybrid's layer kinds: `layer_types`, else transformers' default (every
+    `full_attention_interval`-th layer attends, 4 by default; the others are linear)."""
+    types = cfg.get("layer_types")
+    if not types:
+        interval = int(cfg.get("full_attention_interval") or 4)
+        types = [LINEAR_ATTENTION if (i + 1) % interval else "full_attention"
+                 for i in range(layers)]
+    accepted = ("full_attention", LINEAR_ATTENTION)
+    if len(types) != layers or any(t not in accepted for t in types):
+        raise ConfigError(f"{source}: layer_types={types!r} is not supported: one entry per "
+                          f"layer ({layers}), each one of {', '.join(accepted)}")
+    return list(types)
+
+
+def _delta_shape(cfg: dict[str, Any], source: str) -> DeltaShape:
+    """The linear-attention layers' dimensions, checked against what the kernel computes."""
+    shape = DeltaShape(key_heads=int(cfg.get("linear_num_key_heads", 16)),
+                       value_heads=int(cfg.get("linear_num_value_heads", 32)),
+                       key_dim=int(cfg.get("linear_key_head_dim", 128)),
+                       value_dim=int(cfg.get("linear_value_head_dim", 128)),
+                       conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)))
+    if shape.key_heads < 1 or shape.value_heads % shape.key_heads:
+        raise ConfigError(f"{source}: linear_num_value_heads={shape.value_heads} is invalid: a "
+                          f"multiple of linear_num_key_heads ({shape.key_heads}, at least 1)")
+    for name, value in (("linear_key_head_dim", shape.key_dim),
+                        ("linear_value_head_dim", shape.value_dim)):
+        if not 1 <= value <= MAX_HEAD_DIM:
+            raise ConfigError(f"{source}: {name}={value} is invalid: accepted range is "
+                              f"1..{MAX_HEAD_DIM}")
+    if not 1 <= shape.conv_kernel <= 64:
+        raise ConfigError(f"{source}: linear_conv_kernel_dim={shape.conv_kernel} is invalid: "
+                          "accepted range is 1..64")
+    return shape
+
+
+def _rotary_dim(cfg: dict[str, Any], rope: dict[str, Any], head_dim: int, source: str) -> int:
+    """The rotated part of each head: partial_rotary_factor (in the RoPE parameters or at the
+    top level; transformers' default for these models is 0.25) times head_dim, an even count."""
+    factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    dim = int(head_dim * factor)
+    if not 0 < factor <= 1 or dim < 2 or dim % 2:
+        raise ConfigError(f"{source}: partial_rotary_factor={factor} is invalid: the rotated "
+                          f"dimensions (head_dim {head_dim} times it) must be an even count of "
+                          "at least 2, at most head_dim")
+    return dim
 
 
 def _positive(cfg: dict[str, Any], name: str, source: str) -> Optional[float]:

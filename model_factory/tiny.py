@@ -40,11 +40,15 @@ ARCHITECTURE_CONFIGS = {
     "MixtralForCausalLM": "MixtralConfig",
     "GptOssForCausalLM": "GptOssConfig",
     "Cohere2ForCausalLM": "Cohere2Config",
+    "Qwen3NextForCausalLM": "Qwen3NextConfig",
+    "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
+    "GraniteMoeHybridForCausalLM": "GraniteMoeHybridConfig",
 }
 
 # architectures whose RMSNorm weights are offsets from 1 (zero at init): the tiny checkpoints
 # draw them at random so that a norm computed as Llama's would differ
-OFFSET_NORM_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+OFFSET_NORM_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3NextForCausalLM",
+                             "Qwen3_5ForCausalLM")
 # architectures whose norm weights transformers initialises at one: drawn around it so that a
 # norm computed as another kind would differ
 WIDE_NORM_ARCHITECTURES = ("Cohere2ForCausalLM",)
@@ -54,7 +58,7 @@ WIDE_VECTOR_ARCHITECTURES = ("GptOssForCausalLM",)
 
 
 BYTE_LEVEL_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
-                            "Qwen3MoeForCausalLM")
+                            "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
 
 
 def _corpus(path: Path, lines: int, seed: int) -> None:
@@ -164,6 +168,8 @@ def build_tiny_checkpoint(out_dir: os.PathLike, architecture: str = "LlamaForCau
         for name, param in model.named_parameters():
             if param.dim() >= 2:   # matrices, and the experts' stacked matrices
                 param.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+            elif "linear_attn.norm" in name:   # Gated DeltaNet's gated norm: a plain weight
+                param.normal_(1.0, 0.2)
             elif "norm" in name and architecture in OFFSET_NORM_ARCHITECTURES:
                 param.normal_(0.0, 0.2)
             elif "norm" in name and architecture in WIDE_NORM_ARCHITECTURES:

@@ -173,6 +173,9 @@ class RuntimeConfig(BaseModel):
     # per-tenant bound on cached blocks (rtpkv.cache.block_pool): a salted tenant past it has
     # its own cached blocks evicted first; cache_salt_quotas overrides it per salt ("" = no salt)
     cache_salt_quota_blocks: Optional[int] = Field(None, ge=0)
+    # a recurrent model's (Qwen3-Next, Qwen3.5) saved states: one every LINEAR_STEP blocks of a
+    # request (rtpkv.cache.state_group), and the pool's memory split one per that many blocks
+    linear_step: int = 8
     cache_salt_quotas: Optional[dict[str, int]] = None
     multi_task_prompt: Optional[str] = None
     multi_task_prompt_str: Optional[str] = None
@@ -239,6 +242,13 @@ class RuntimeConfig(BaseModel):
     @classmethod
     def _switch(cls, value: Any) -> Any:
         return parse_switch(value)
+
+    @field_validator("linear_step")
+    @classmethod
+    def _linear_step(cls, value: int) -> int:
+        if not 1 <= value <= 4096:
+            raise ValueError("accepted range is 1..4096 (blocks between saved recurrent states)")
+        return value
 
     @field_validator("seq_size_per_block")
     @classmethod

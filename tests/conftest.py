@@ -77,6 +77,41 @@ ARCHITECTURES = {
 }
 
 
+# The Gated DeltaNet hybrids (tests/model/test_linear_attention.py, tests/cache/
+# test_state_checkpoints.py): three linear-attention layers before a gated full-attention one,
+# GQA, partial RoPE, grouped value heads; Qwen3-Next's MLP a mixture with a shared expert and a
+# dense layer among the sparse ones. Not in ARCHITECTURES: their layers are not all attention.
+LINEAR_ATTENTION = dict(
+    num_layers=4, num_heads=4, num_kv_heads=2,
+    config_overrides=dict(head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                          linear_key_head_dim=16, linear_value_head_dim=16))
+HYBRID_ARCHITECTURES = {
+    "qwen3_next": dict(LINEAR_ATTENTION, architecture="Qwen3NextForCausalLM",
+                       moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48, norm_topk_prob=True,
+                                mlp_only_layers=[1])),
+    "qwen3_5": dict(LINEAR_ATTENTION, architecture="Qwen3_5ForCausalLM"),
+    # Granite 4.0-H (tests/model/test_granite_hybrid.py): Mamba2 layers around an attention
+    # layer, its four multipliers away from 1, a mixture of experts beside its shared MLP and
+    # RoPE; or dense without RoPE (its published form); transformers' Mamba2 chunk shorter than
+    # the prompts
+    "granite_hybrid": dict(
+        architecture="GraniteMoeHybridForCausalLM", num_layers=3,
+        config_overrides=dict(
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            shared_intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+            mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16,
+            mamba_chunk_size=16, position_embedding_type="rope", embedding_multiplier=2.0,
+            residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0)),
+    "granite_hybrid_dense": dict(
+        architecture="GraniteMoeHybridForCausalLM", num_layers=3,
+        config_overrides=dict(
+            layer_types=["linear_attention", "linear_attention", "full_attention"],
+            shared_intermediate_size=96, num_local_experts=0, mamba_n_heads=8,
+            mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16)),
+}
+
+
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     """Tests start from an environment that sets none of rtpkv's variables."""
@@ -146,7 +181,8 @@ def checkpoints(tmp_path_factory) -> Callable[[str], Path]:
 
     def get(name: str) -> Path:
         if name not in built:
-            built[name] = build_tiny_checkpoint(tmp_path_factory.mktemp(name), **ARCHITECTURES[name])
+            built[name] = build_tiny_checkpoint(tmp_path_factory.mktemp(name),
+                                                **{**ARCHITECTURES, **HYBRID_ARCHITECTURES}[name])
         return built[name]
 
     return get

@@ -8,6 +8,10 @@ KV_CACHE_MAX_TOKENS (the smaller wins when both are set), else a fixed fraction 
 memory. With no cap given, neither pool is larger than CONCURRENCY_LIMIT sequences of
 max_seq_len need. Token counts are tokens of every layer: with KV cache groups
 (rtpkv/cache/groups.py), that many tokens' blocks in each group.
+
+A recurrent model (rtpkv/cache/state_group.py) splits the same memory between KV blocks and
+saved states, one state per LINEAR_STEP blocks: a block is counted as its K/V plus that share of
+a state. Its live states (one per CONCURRENCY_LIMIT request) come on top, as activations do.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from rtpkv.cache.groups import KVGroup, kv_groups, model_root_name, slots
 from rtpkv.cache.kv_memory import KVMemory
 from rtpkv.cache.manager import KVCacheManager
 from rtpkv.cache.prefix_index import PrefixIndex
+from rtpkv.cache.state_group import StateGroup
 from rtpkv.cache.tenants import TenantQuotas
 from rtpkv.cache.tiers.factory import build_tiers
 from rtpkv.errors import ConfigError
+from rtpkv.model_factory.recurrent import StatePool
 from rtpkv.torch_threads import serial_torch
 
 if TYPE_CHECKING:
@@ -40,27 +46,46 @@ def build_cache(model: "Model", config: "RuntimeConfig",
     """The cache the configuration asks for: the pool sized by `pool_blocks`, the KV memory,
     the event buffer, the tiers and the tenants' quotas."""
     spec, B = model.spec, config.seq_size_per_block
+    specs = model.module.state_specs
+    partial = config.enable_partial_reuse
+    if specs and partial:
+        log.info("partial reuse off: a recurrent model resumes only where a state was saved "
+                 "(whole blocks)")
+        partial = False
     groups = kv_groups(spec.layer_windows, window)
     tiers = build_tiers(config, model, B, slots(groups))
-    num_blocks = pool_blocks(model, config, groups)
+    if specs and tiers:
+        log.info("tiers hold no recurrent state: a hit through them is cut back to the last "
+                 "state saved in the device pool (LINEAR_STEP)")
+    num_blocks = pool_blocks(model, config, groups, StatePool.slot_bytes(specs))
+    events = KVEventBuffer(config.kv_cache_event_buffer_max_size)
     with serial_torch():
         memory = KVMemory(slots(groups), num_blocks, B, spec.num_kv_heads, spec.head_dim,
                           model.kv_dtype, model.device)
-    index = PrefixIndex(model_root_name(model.fingerprint, spec.layer_windows, window), B)
-    cache = KVCacheManager(num_blocks, B, index, memory=memory,
+    root = model_root_name(model.fingerprint, spec.layer_windows, window)
+    state_group = None
+    if specs:
+        checkpoints = max(1, num_blocks // config.linear_step)
+        state_group = StateGroup(specs, checkpoints, config.concurrency_limit,
+                                 config.linear_step, B, PrefixIndex(root, B), events,
+                                 len(groups), model.device)
+        log.info("recurrent states: %d saved (a state every %d blocks, LINEAR_STEP) and %d live, "
+                 "%.2f MiB each", checkpoints, config.linear_step, config.concurrency_limit,
+                 state_group.states.bytes_per_slot / 2**20)
+    cache = KVCacheManager(num_blocks, B, PrefixIndex(root, B), memory=memory,
                            reuse_enabled=config.reuse_cache,
-                           partial_reuse=config.enable_partial_reuse,
-                           events=KVEventBuffer(config.kv_cache_event_buffer_max_size),
+                           partial_reuse=partial,
+                           events=events,
                            tiers=tiers,
                            offload_min_priority=config.secondary_offload_min_priority,
                            window=window, ghosts=config.kv_cache_ghost_blocks,
-                           quota=TenantQuotas.from_config(config), groups=groups)
+                           quota=TenantQuotas.from_config(config), groups=groups,
+                           state_group=state_group)
     if len(groups) > 1:
         log.info("KV cache groups: %s (%d layers a block)", ", ".join(
             f"{g.kind}{'' if g.window is None else f' {g.window}'} layers "
             f"{list(g.layers)}" for g in groups), slots(groups))
-    log.info("reuse_cache: %s, partial reuse: %s", config.reuse_cache,
-             config.enable_partial_reuse)
+    log.info("reuse_cache: %s, partial reuse: %s", config.reuse_cache, partial)
     log.info("KV pool: %d blocks of %d tokens (%.1f MiB%s)", num_blocks, B,
              memory.nbytes / 2**20, ", int8 with a float32 scale per token and head"
              if memory.int8 else "")
@@ -68,8 +93,10 @@ def build_cache(model: "Model", config: "RuntimeConfig",
 
 
 def pool_blocks(model: "Model", config: "RuntimeConfig",
-                groups: Sequence[KVGroup] = ()) -> int:
-    """Blocks in the pool, each holding `slots(groups)` layers (every layer without groups).
+                groups: Sequence[KVGroup] = (), state_bytes: int = 0) -> int:
+    """Blocks in the pool, each holding `slots(groups)` layers (every layer without groups)
+    and, for a recurrent model, its share of a saved state of `state_bytes` (one per
+    LINEAR_STEP blocks).
     CUDA: `gpu_pool_blocks` over the device's free memory. CPU: from kv_cache_mem_mb and
     kv_cache_max_tokens (the smaller wins when both are set), else a fixed fraction of available
     memory, never above what concurrency_limit sequences of max_seq_len could use."""
@@ -78,6 +105,7 @@ def pool_blocks(model: "Model", config: "RuntimeConfig",
     share = max(1, len(groups))
     per_block = KVMemory.bytes_per_block(layers, B, spec.num_kv_heads, spec.head_dim,
                                          model.kv_dtype)
+    per_block += state_bytes // config.linear_step
     if model.device.type == "cuda":
         import torch
 

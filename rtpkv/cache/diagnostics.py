@@ -19,11 +19,12 @@ if TYPE_CHECKING:
     from rtpkv.cache.ghost_list import GhostTails
     from rtpkv.cache.groups import KVGroup
     from rtpkv.cache.prefix_index import KeyChain
+    from rtpkv.cache.state_group import StateGroup
     from rtpkv.cache.tiers.ladder import TierLadder
 
 # Why a request's reuse stopped where it did (aux_info["reuse_stop"]), in the order checked.
-REUSE_STOPS = ("reuse_off", "prompt_end", "partial_block", "window", "tier_disabled", "evicted",
-               "not_cached")
+REUSE_STOPS = ("reuse_off", "prompt_end", "partial_block", "window", "state", "tier_disabled",
+               "evicted", "not_cached")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class CacheDiagnostics:
     window: Optional[int]
     partial_reuse: bool
     ghost_tails: "GhostTails"
+    state_group: Optional["StateGroup"]
 
     def _init_counters(self) -> None:
         self.query_tokens = 0
@@ -78,6 +80,8 @@ class CacheDiagnostics:
         i = reused // B                          # the block where reuse stopped
         if len(self.groups) > 1 and i < cap // B and self._holds(self._chain(seq), i):
             return ReuseStop("window")   # group 0 goes on: a sliding group lacks its window
+        if self.state_group is not None and i < cap // B and self._holds(self._chain(seq), i):
+            return ReuseStop("state")    # blocks go on, but no saved recurrent state past here
         if not self.partial_reuse:
             parent_serial = self.pool.blocks[seq.block_table[i - 1]].serial if i else 0
             hit = self._partial_hit(seq, i, parent_serial, cap)
@@ -143,6 +147,8 @@ class CacheDiagnostics:
         stats.update(pool.tenants.stats())
         stats.update(self.ladder.stats())
         stats["residency"] = {"device": pool.residency.stats(), **self.ladder.residency()}
+        if self.state_group is not None:
+            stats["state_group"] = self.state_group.stats()
         return stats
 
     def check_integrity(self, live: Optional[Iterable[CacheSequence]] = None) -> None:
@@ -156,6 +162,9 @@ class CacheDiagnostics:
         blocks = self.pool.blocks
         assert all(b.group < len(self.groups) for b in blocks if b.full or b.tail), \
             "a block of a group the cache does not have"
+        live = None if live is None else list(live)
+        if self.state_group is not None:
+            self.state_group.check_integrity(live)
         if live is None:
             return
         expected = [b.pin_count for b in blocks]

@@ -45,6 +45,14 @@ owns, with the source held by a reference while it is copied, so nothing can evi
 meanwhile (the copy happens in `admit`, on the engine thread, before the step's forward). A
 shared or indexed block is never written.
 
+A recurrent model (Qwen3-Next, Qwen3.5) also has a state group (`state_group`, state_group.py,
+vLLM's "mamba" kind): a live state slot per running request and saved states (checkpoints) at
+every LINEAR_STEP-th block boundary, keyed like the attention blocks they end. A hit
+is then the longest prefix whose attention blocks are held and whose end has a checkpoint
+(`lookup` cuts it there), and admission copies that checkpoint into the request's live slot.
+The tiers hold no state: their hits are cut back to the last checkpoint on the device
+(`_cut_to_state`).
+
 Its other rooms: `build_cache` (builder.py) builds it from the configuration and sizes the
 pool; `tenants` (tenants.py) counts each salt's blocks and holds the quotas; what it says about
 itself, read-only (reuse stops, stats, the integrity check), is `CacheDiagnostics`
@@ -71,6 +79,7 @@ from rtpkv.cache.prefix_index import KeyChain, PrefixIndex
 from rtpkv.cache.retention import KvCacheRetentionConfig
 from rtpkv.cache.sequence import (RELEASED, CacheSequence, GroupTable, GroupView,
                                   PinnedPrefix)
+from rtpkv.cache.state_group import StateGroup
 from rtpkv.cache.tenants import Quota, Tenants
 from rtpkv.cache.tiers.base import BlockMeta
 from rtpkv.cache.tiers.ladder import TierHit, TierLadder
@@ -101,6 +110,7 @@ class PrefixMatch:
     revived: int = 0                     # device hits that are cached (unreferenced) now
     partial: Optional[PartialHit] = None
     groups: list[list[int]] = field(default_factory=list)
+    state: Optional[int] = None          # a recurrent model's checkpoint at the hit's end
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -127,8 +137,11 @@ class KVCacheManager(CacheDiagnostics):
                  window: Optional[int] = None, ghosts: Optional[int] = None,
                  quota: Optional[Quota] = None,
                  groups: Sequence[KVGroup] = (),
+                 state_group: Optional[StateGroup] = None,
                  clock: Callable[[], float] = time.monotonic):
-        """`groups`: the KV cache groups (groups.py); none: one group with `window`."""
+        """`groups`: the KV cache groups (groups.py); none: one group with `window`.
+        `state_group`: a recurrent model's states (state_group.py), its events' group index
+        after the attention groups'."""
         if tiers and memory is None:
             raise ValueError("tiers need the KV memory to copy blocks from and to")
         if partial_reuse and memory is None:
@@ -151,9 +164,12 @@ class KVCacheManager(CacheDiagnostics):
         self.window = groups[0].window    # group 0's: tokens each query attends to; None: all
         grouped = len(groups) > 1
         self.roots = [group_root(index.root, g, grouped, index.hash_fn) for g in groups]
-        if grouped:   # vLLM's fields of each group, on every event of its blocks
+        self.state_group = state_group
+        if grouped or state_group is not None:   # vLLM's fields of each group, on its events
             events.groups = tuple({"group_idx": g.index, "kv_cache_spec_kind": g.kind,
                                    "kv_cache_spec_sliding_window": g.window} for g in groups)
+            if state_group is not None:
+                events.groups += (state_group.event_fields,)
             events.group_roots = frozenset(self.roots)
         self._init_counters()
 
@@ -171,6 +187,8 @@ class KVCacheManager(CacheDiagnostics):
         subscribed after those blocks were announced (Dynamo's relay subscribes only once the
         worker has started)."""
         self.pool.announce()
+        if self.state_group is not None:
+            self.state_group.pool.announce()
         self.ladder.announce()
 
     @property
@@ -281,8 +299,31 @@ class KVCacheManager(CacheDiagnostics):
     def lookup(self, seq: CacheSequence, cap: Optional[int] = None) -> PrefixMatch:
         """The longest cached prefix of `seq`'s first `cap` tokens in the device pool (by
         default all but its last token, whose logits are needed): the pinned task prefix, then
-        device hits, then (partial reuse) a partial-block hit. Read-only."""
+        device hits, then (partial reuse) a partial-block hit; with a state group, cut to the
+        longest of them with a checkpoint at its end. Read-only."""
         cap = seq.num_tokens - 1 if cap is None else cap
+        match = self._attention_lookup(seq, cap)
+        if self.state_group is None:
+            return match
+        pinned = self._pinned_state(seq)
+        while True:   # a shorter prefix may need other sliding-window blocks: look up again
+            j, state = self.state_group.hit(self._chain(seq), len(match.device), pinned,
+                                            self.reuse_applies(seq))
+            if j == len(match.device):
+                match.state = state
+                return match
+            match = self._attention_lookup(seq, j * self.block_size)
+
+    @staticmethod
+    def _pinned_state(seq: CacheSequence) -> Optional[tuple[int, int]]:
+        """(blocks, checkpoint) of the task prompt `seq` starts from, where it pinned a state."""
+        handle = seq.prefix_handle
+        if handle is None or handle.state_block is None:
+            return None
+        return len(handle.block_ids), handle.state_block
+
+    def _attention_lookup(self, seq: CacheSequence, cap: int) -> PrefixMatch:
+        """`lookup` over the attention groups alone."""
         limit = cap // self.block_size
         if len(self.groups) > 1:
             return self._group_lookup(seq, limit, cap)
@@ -448,7 +489,9 @@ class KVCacheManager(CacheDiagnostics):
         never waits on the network (`prefetched` says when)."""
         if not self.ladder or not self.reuse_applies(seq):
             return
-        start = len(self.lookup(seq).device)
+        # the walk's start (admit's): a recurrent model's whole device chain, not its cut hit
+        start = len((self.lookup(seq) if self.state_group is None
+                     else self._attention_lookup(seq, seq.num_tokens - 1)).device)
         for group, view in self._views(seq):   # each group's chain from the device hit
             view.tier_plan = self.ladder.begin(self._metas(view, start, group.index), start,
                                                seq.allows_tier)
@@ -468,13 +511,18 @@ class KVCacheManager(CacheDiagnostics):
             return self._group_admit(seq, match)
         partial = 0
         try:
-            for block_id in match.device:
+            device = match.device
+            if self.state_group is not None and self.ladder and self.reuse_applies(seq):
+                # tiers hold no state: the walk continues the whole device chain, and the hit
+                # is cut back afterwards to the last saved state it covers (_cut_to_state)
+                device = self._attention_lookup(seq, seq.num_tokens - 1).device
+            for block_id in device:
                 self.pool.acquire(block_id)
                 seq.block_table.append(block_id)
                 seq.block_keys.append(self.pool.blocks[block_id].key)
-            reused = {"local": len(match.device) * B}
+            reused = {"local": len(device) * B}
             if self.ladder and self.reuse_applies(seq):
-                start = len(match.device)
+                start = len(seq.block_table)
                 self.ladder.begin_walk()
                 hits = self.ladder.walk(self._metas(seq, start), start, seq.allows_tier,
                                         seq.tier_plan)
@@ -485,6 +533,8 @@ class KVCacheManager(CacheDiagnostics):
                     if loaded < len(hit.metas):
                         break
             seq.tier_plan = None
+            if self.state_group is not None:
+                self._cut_to_state(seq, reused)
             if self.partial_reuse and self.reuse_applies(seq):
                 partial = self._copy_partial(seq)
         except BaseException:
@@ -512,11 +562,15 @@ class KVCacheManager(CacheDiagnostics):
                     view.block_table.append(block_id)
                     view.block_keys.append(chain.key(i))
             reused = {"local": len(match.device) * B}
-            if self.ladder and self.reuse_applies(seq):
+            # a recurrent model with several attention groups takes device hits only: its
+            # groups' tables are not cut back to a saved state (no such model yet)
+            if self.ladder and self.reuse_applies(seq) and self.state_group is None:
                 for name, tokens in self._group_onboard(seq, len(match.device)).items():
                     reused[name] = reused.get(name, 0) + tokens
             for _, view in views:
                 view.tier_plan = None
+            if self.state_group is not None:
+                self.state_group.start(seq, match.state)
             if self.partial_reuse and self.reuse_applies(seq):
                 partial = self._group_copy_partial(seq)
         except BaseException:
@@ -692,6 +746,24 @@ class KVCacheManager(CacheDiagnostics):
                 self.pool.release(hit.block_id)
         return hits[0].num_tokens
 
+    def _cut_to_state(self, seq: CacheSequence, reused: dict[str, int]) -> None:
+        """A recurrent model's table, device and tier hits alike, cut back to the longest
+        prefix with a saved state at its end (the blocks past it released: they stay cached),
+        `reused` cut with it (device first, then each tier in the walk's order), and the
+        request's live slot started from that state."""
+        j, state = self.state_group.hit(self._chain(seq), len(seq.block_table),
+                                        self._pinned_state(seq), self.reuse_applies(seq))
+        for block_id in reversed(seq.block_table[j:]):
+            self.pool.release(block_id)
+        del seq.block_table[j:], seq.block_keys[j:]
+        left = j * self.block_size
+        for source in list(reused):
+            reused[source] = min(reused[source], left)
+            left -= reused[source]
+            if not reused[source] and source != "local":
+                del reused[source]
+        self.state_group.start(seq, state)
+
     def _copy_partial(self, seq: CacheSequence) -> int:
         """Copy the partial-block hit at the end of `seq`'s table (found again: tiers may
         have extended the chain since `lookup`) into a fresh block. Returns its tokens."""
@@ -736,6 +808,8 @@ class KVCacheManager(CacheDiagnostics):
         for view, need in zip(views, needs):
             for _ in range(need):
                 view.block_table.append(self.pool.allocate())
+        if self.state_group is not None and (self.reuse_applies(seq) or seq.prefill_only):
+            self.state_group.plan(seq, self._chain(seq), num_tokens)
         return True
 
     def _offload(self, block: Block) -> None:
@@ -754,6 +828,8 @@ class KVCacheManager(CacheDiagnostics):
             return
         for group, view in self._views(seq):
             self._commit_group(view, group.index)
+        if self.state_group is not None:
+            self.state_group.commit(seq, self._chain(seq), seq.retention or _DEFAULT_RETENTION)
 
     def _commit_group(self, seq: CacheSequence, group: int) -> None:
         B = self.block_size
@@ -817,6 +893,8 @@ class KVCacheManager(CacheDiagnostics):
                     self._release_entry(view, i, retention, tiers)
             view.block_table.clear()
             view.block_keys.clear()
+        if self.state_group is not None:
+            self.state_group.release(seq)
 
     def _keep_tail(self, seq: CacheSequence) -> None:
         """Keep `seq`'s partly filled last block, in every group, as a partial-hit source when
@@ -862,9 +940,12 @@ class KVCacheManager(CacheDiagnostics):
             assert RELEASED not in ids, "a task prompt's blocks are never released"
             for block_id in ids:
                 self.pool.pin(block_id)
-        return PinnedPrefix(tables[0], n * self.block_size, tuple(tables[1:]))
+        state = self.state_group.pin(self._chain(seq), n) if self.state_group else None
+        return PinnedPrefix(tables[0], n * self.block_size, tuple(tables[1:]), state)
 
     def unpin(self, handle: PinnedPrefix) -> None:
+        if handle.state_block is not None:
+            self.state_group.unpin(handle.state_block)
         for ids in reversed([handle.block_ids, *handle.group_block_ids]):
             for block_id in reversed(ids):
                 self.pool.unpin(block_id)

@@ -35,6 +35,10 @@ class CacheSequence(Protocol):
     prewarm: bool                # with prefill_only: nothing is pinned
     prefix_handle: Optional["PinnedPrefix"]
     group_tables: list["GroupTable"]   # the tables of KV cache groups 1.. (see groups.py)
+    # a recurrent model's (state_group.py): its live state slot, and the checkpoints planned
+    # and not committed yet, as (block index, checkpoint block)
+    state_slot: Optional[int]
+    state_pending: list[tuple[int, int]]
 
     @property
     def num_prompt(self) -> int: ...
@@ -85,8 +89,10 @@ class GroupView:
 @dataclass(frozen=True)
 class PinnedPrefix:
     """An opaque handle on a pinned prompt prefix (a task prompt's full blocks), in every KV
-    cache group: `block_ids` group 0's, `group_block_ids` the other groups'."""
+    cache group: `block_ids` group 0's, `group_block_ids` the other groups', `state_block` a
+    recurrent model's checkpoint at its end (state_group.py)."""
 
     block_ids: tuple[int, ...]
     num_tokens: int
     group_block_ids: tuple[tuple[int, ...], ...] = ()
+    state_block: Optional[int] = None

@@ -182,6 +182,10 @@ def decode_graphs(module: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Te
         log.info("CUDA graphs need RTPKV_ATTENTION=triton: decode steps run eagerly on %s",
                  module.attention.name)
         return None
+    if module.state_specs:
+        log.info("CUDA graphs capture attention only: a model with recurrent layers runs its "
+                 "decode steps eagerly")
+        return None
     if len({layer.attention.window for layer in module.plan.layers}) > 1:
         log.info("CUDA graphs capture one attention window: a model whose layers attend over "
                  "several (model_factory/plan.py) runs its decode steps eagerly")

@@ -67,7 +67,7 @@ class Engine:
         self.runner = ModelRunner(model.module, self.cache.memory, self.window.tokens,
                                   config.concurrency_limit, config.enforce_eager,
                                   self.cache.groups, self.cache.layer_slots,
-                                  self.cache.layer_groups)
+                                  self.cache.layer_groups, self.cache.state_group)
         self.lock = threading.RLock()
         self.step_log: deque[list[tuple[int, int, str]]] = deque(maxlen=STEP_LOG_SIZE)
         self.steps = 0

@@ -3,7 +3,8 @@
 Rows are laid out decode tokens first, then prefill chunks. The runner describes the batch once
 (`AttentionBatch`: positions, each sequence's rows, context length and block table) and the
 model's attention backend builds its own metadata from it, once per distinct layer window and
-KV cache group (`CausalLM.attention_metadata`). Logits are computed only for the last row of each
+KV cache group (`CausalLM.attention_metadata`); a model's recurrent layers get each sequence's
+rows and live state slot (`RecurrentBatch`). Logits are computed only for the last row of each
 chunk that reaches the end of its sequence. A step whose rows are all decode tokens replays a
 CUDA graph where the runner has them (cuda_graphs.DecodeGraphs).
 """
@@ -17,27 +18,33 @@ import torch
 
 from rtpkv.cache import KVMemory
 from rtpkv.cache.groups import KVGroup
+from rtpkv.cache.state_group import StateGroup
 from rtpkv.engine.cuda_graphs import DecodeGraphs, decode_graphs
 from rtpkv.engine.scheduler import ScheduledChunk
 from rtpkv.kernels import AttentionBatch
 from rtpkv.model_factory.llama import CausalLM
+from rtpkv.model_factory.recurrent import RecurrentBatch
 
 
 class ModelRunner:
     def __init__(self, module: CausalLM, memory: KVMemory, window: Optional[int] = None,
                  max_decode_rows: int = 1, enforce_eager: bool = True,
                  groups: Sequence[KVGroup] = (), layer_slots: Optional[Sequence[int]] = None,
-                 layer_groups: Sequence[int] = ()):
+                 layer_groups: Sequence[int] = (), state_group: Optional[StateGroup] = None):
         """`max_decode_rows` (CONCURRENCY_LIMIT): the largest decode batch a CUDA graph is
         captured for; `enforce_eager` (ENFORCE_EAGER): no graphs. `groups`: the KV cache groups
         past group 0 have their own tables (groups.py); `layer_slots` and `layer_groups`: each
-        layer's pool slot and group."""
+        attention layer's pool slot and group. `state_group`: a recurrent model's states (the
+        live slots its layers advance, the checkpoints they write)."""
         self.module = module
         self.window = window          # tokens each query attends to (AttentionBatch.window)
         self.groups = tuple(groups)
         self.layer_groups = list(layer_groups)
         self.memory = memory
-        self.kv_caches = memory.layer_caches(layer_slots)
+        self.state_group = state_group
+        self.kv_caches = module.layer_caches(
+            memory.layer_caches(layer_slots),
+            state_group.states.tensors if state_group is not None else [])
         self.block_size = memory.block_size
         self.device = memory.kv.device
         self.kv_heads = memory.kv.shape[2]
@@ -81,8 +88,8 @@ class ModelRunner:
 
     def _layer_batches(self, chunks: list[ScheduledChunk], batch: AttentionBatch
                        ) -> Optional[list[AttentionBatch]]:
-        """With KV cache groups, each layer's view of the batch: its group's block tables and
-        window (group 0's is `batch`); None without groups."""
+        """With KV cache groups, each attention layer's view of the batch: its group's block
+        tables and window (group 0's is `batch`); None without groups."""
         if len(self.groups) < 2:
             return None
         ends = [-(-(c.start + c.num_tokens) // self.block_size) for c in chunks]
@@ -92,6 +99,18 @@ class ModelRunner:
                 for c, end in zip(chunks, ends)])
             for group in self.groups[1:]]
         return [per_group[g] for g in self.layer_groups]
+
+    def _recurrent_batch(self, chunks: list[ScheduledChunk], batch: AttentionBatch
+                         ) -> Optional[RecurrentBatch]:
+        """The recurrent layers' view of the batch: each chunk's rows, its request's live state
+        slot and the checkpoints to write inside it; None for a model without recurrent
+        layers."""
+        group = self.state_group
+        if group is None:
+            return None
+        return RecurrentBatch(batch.query_start, batch.query_len,
+                              [c.request.state_slot for c in chunks],
+                              [group.snapshots(c.request, c.start, c.num_tokens) for c in chunks])
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
@@ -107,7 +126,8 @@ class ModelRunner:
                                      [c.start for c in ordered], tables)
             return logits, ordered
         ids, batch = self.batch(ordered)
-        meta = self.module.attention_metadata(batch, self._layer_batches(ordered, batch))
+        meta = self.module.attention_metadata(batch, self._layer_batches(ordered, batch),
+                                              self._recurrent_batch(ordered, batch))
         wanted, rows = [], []
         for c, row, n in zip(ordered, batch.query_start, batch.query_len):
             req = c.request

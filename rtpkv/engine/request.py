@@ -70,6 +70,8 @@ class Request:
     tier_plan: Optional["TierPlan"] = None
     salt: bytes = b""
     num_computed: int = 0
+    state_slot: Optional[int] = None          # a recurrent model's live state (StatePool)
+    state_pending: list[tuple[int, int]] = field(default_factory=list)   # its checkpoints
     pinned: Optional["PinnedPrefix"] = None   # what a prefill_only request pinned
     # reporting: tokens reused from the device pool and from each tier, at first admission
     local_reuse_len: Optional[int] = None

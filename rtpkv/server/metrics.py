@@ -60,12 +60,32 @@ class _CacheCollector(Collector):
                                 value=stats["tenants_over_quota"])
         yield from _tenant_metrics(stats["tenants"])
         yield from _residency_metrics(stats["residency"])
+        if "state_group" in stats:
+            yield from _state_metrics(stats["state_group"])
         yield GaugeMetricFamily("rtpkv_requests_running", "requests in the running batch",
                                 value=stats["requests_running"])
         yield GaugeMetricFamily("rtpkv_requests_waiting", "requests waiting for admission",
                                 value=stats["requests_waiting"])
         yield GaugeMetricFamily("rtpkv_requests_in_flight", "engine requests the server holds",
                                 value=self._in_flight())
+
+
+def _state_metrics(group: dict[str, Any]) -> Iterator[Any]:
+    """A linear-attention hybrid's recurrent states (rtpkv/cache/state_group.py): saved ones by
+    state, live slots free, evictions, the size of one."""
+    saved = GaugeMetricFamily("rtpkv_recurrent_states", "saved recurrent states by state",
+                              labels=["state"])
+    for state in ("cached", "in_use", "pinned"):
+        saved.add_metric([state], group[f"checkpoints_{state}"])
+    yield saved
+    yield GaugeMetricFamily("rtpkv_recurrent_states_total", "saved recurrent states the pool "
+                            "holds at most", value=group["checkpoints"])
+    yield GaugeMetricFamily("rtpkv_recurrent_live_slots_free", "live recurrent state slots "
+                            "free (one per running request)", value=group["live_slots_free"])
+    yield CounterMetricFamily("rtpkv_recurrent_state_evictions", "saved recurrent states evicted",
+                              value=group["evictions"])
+    yield GaugeMetricFamily("rtpkv_recurrent_state_bytes", "bytes of one request's recurrent "
+                            "state (every recurrent layer)", value=group["bytes_per_state"])
 
 
 RESIDENCY_HELP = {

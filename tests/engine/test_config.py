@@ -27,6 +27,7 @@ NON_DEFAULT = {
     "enable_partial_reuse": ("1", True),
     "kv_cache_ghost_blocks": ("100", 100),
     "cache_salt_quota_blocks": ("64", 64),
+    "linear_step": ("4", 4),
     "cache_salt_quotas": ('{"tenant-a": 8, "": 100}', {"tenant-a": 8, "": 100}),
     "multi_task_prompt": ("/tmp/tasks.json", "/tmp/tasks.json"),
     "multi_task_prompt_str": ("[]", "[]"),

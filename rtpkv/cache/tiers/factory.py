@@ -35,7 +35,7 @@ def tier_layout(model: Any, block_size: int, layers: Optional[int] = None) -> Ti
     cache groups the `layers` a block holds (one group's)."""
     spec = model.spec
     return TierLayout(fingerprint=model.fingerprint, block_size=block_size, dtype=model.kv_dtype,
-                      shape=(2, layers or spec.num_layers, spec.num_kv_heads, block_size,
+                      shape=(2, layers or spec.num_kv_layers, spec.num_kv_heads, block_size,
                              row_width(spec.head_dim, model.kv_dtype)))
 
 

@@ -1,0 +1,226 @@
+"""Granite 4.0-H, the Mamba2 hybrid (model_factory/granite.py, model_factory/mamba2.py): greedy
+tokens and logits equal transformers' (float32) on tiny random checkpoints (a mixture of experts
+with RoPE and every multiplier away from 1; dense without RoPE), prompts shorter and longer than
+a prefill chunk, alone and batched (the bits of alone), reuse off and on; with state
+checkpoints (rtpkv/cache/state_group.py) reuse on gives the bits of reuse off, a hit ends on the
+last saved boundary, a state saved inside a chunk has the bits of one pass; what its config must
+hold is refused by name; no state slot nor checkpoint outlives its request."""
+
+import pytest
+import torch
+import transformers
+
+from conftest import hf_reference, random_prompt, run
+from rtpkv.cache.prefix_index import KeyChain
+from rtpkv.errors import ConfigError
+from rtpkv.kernels import mamba2
+from rtpkv.model_factory.spec import ModelSpec
+
+CHUNK = 32   # MAX_NUM_BATCHED_TOKENS: prompts of 20 and 75 tokens, one chunk and three
+
+
+def _hf(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+@pytest.mark.parametrize("arch", ["granite_hybrid", "granite_hybrid_dense"])
+def test_greedy_tokens_and_logits_match_transformers(checkpoints, make_pipeline, arch, reuse):
+    """Prompts shorter and longer than a prefill chunk, alone and then all at once: the tokens
+    and logits of transformers; batched, the bits of alone."""
+    path = checkpoints(arch)
+    hf = _hf(path)
+    pipe = make_pipeline(path, max_num_batched_tokens=CHUNK, seq_size_per_block=8,
+                         reuse_cache=reuse)
+    prompts = [random_prompt(20, 1), random_prompt(75, 2),
+               random_prompt(75, 2)[:50] + random_prompt(9, 3)]
+    alone = [run(pipe, p, max_new_tokens=8, return_logits=True) for p in prompts]
+    for prompt, res in zip(prompts, alone):
+        tokens, logits = hf_reference(hf, prompt, 8)
+        assert res.output_ids == tokens
+        torch.testing.assert_close(res.logits, logits, atol=1e-4, rtol=0)
+    streams = [pipe(p, top_k=1, ignore_eos=True, max_new_tokens=8, return_logits=True)
+               for p in prompts]
+    for res, stream in zip(alone, streams):
+        together = list(stream)[-1]
+        assert together.output_ids == res.output_ids
+        assert torch.equal(together.logits, res.logits)
+    states = pipe.engine.cache.state_group.states
+    assert states.num_free == states.num_slots - pipe.engine.cache.state_group.pool.num_blocks
+
+
+def test_no_state_slot_outlives_its_request(checkpoints, make_pipeline):
+    pipe = make_pipeline(checkpoints("granite_hybrid_dense"), concurrency_limit=2)
+    stream = pipe(random_prompt(30, 5), top_k=1, ignore_eos=True, max_new_tokens=200)
+    next(iter(stream))
+    stream.close()   # cancelled mid-decode
+    run(pipe, random_prompt(12, 6), max_new_tokens=3)
+    group = pipe.engine.cache.state_group
+    assert group.live_slots == 2 and group.states.num_free == 2
+    # two Mamba2 layers: a conv window of 3 over 128 + 2 x 8 channels, 8 x 16 x 8 SSM state
+    assert group.states.bytes_per_slot == 2 * 4 * (3 * 144 + 8 * 16 * 8)
+
+
+BASE = {"architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+        "intermediate_size": 64, "shared_intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "layer_types": ["mamba", "attention"], "mamba_n_heads": 4,
+        "mamba_n_groups": 2, "mamba_d_state": 8, "num_local_experts": 0}
+MOE = {**BASE, "num_local_experts": 4}
+
+
+def test_config_is_read_as_transformers_reads_it():
+    spec = ModelSpec.from_config({**BASE, "time_step_limit": [0.0, {"__float__": "Infinity"}]})
+    assert spec.layer_types == ("linear_attention", "full_attention")   # the legacy names
+    assert spec.intermediate_size == 48 and spec.moe is None
+    assert (spec.mamba.heads, spec.mamba.head_dim, spec.mamba.dt_max) == (4, 16, float("inf"))
+    moe = ModelSpec.from_config(MOE).moe   # two experts a token: transformers' default
+    assert (moe.num_experts, moe.expert_intermediate_size, moe.shared_expert_intermediate_size,
+            moe.softmax_after_top_k, moe.gated_shared_expert) == (4, 64, 48, True, False)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("mamba_n_heads", 3, r"mamba_n_heads=3 is invalid: it must divide mamba_expand \* "
+                         r"hidden_size \(64\)"),
+    ("mamba_n_groups", 3, r"mamba_n_groups=3 is invalid: it must divide mamba_n_heads \(4\)"),
+    ("mamba_d_head", 8, r"mamba_d_head=8 is invalid"),
+    ("mamba_d_conv", 0, r"mamba_d_conv=0 is invalid: accepted range is 1\.\.64"),
+    ("mamba_d_state", 0, r"mamba_d_state=0 is invalid: accepted values are 1 and above"),
+    ("time_step_limit", [0.5, 0.1], r"time_step_limit=\[0.5, 0.1\] is invalid"),
+    ("layer_types", ["mamba", "sliding_attention"], r"layer_types=.* is not supported"),
+    ("position_embedding_type", "alibi", r"position_embedding_type='alibi' is not supported"),
+    ("logits_scaling", 0, r"logits_scaling=0 is invalid"),
+    ("num_experts_per_tok", 5, r"num_experts_per_tok=5 is invalid: accepted range is 1\.\.4"),
+])
+def test_bad_config_is_refused_by_name(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelSpec.from_config({**MOE, field: value})
+
+
+# State checkpoints (rtpkv/cache/state_group.py): a Mamba2 layer's saved states serve reuse
+B, STEP = 4, 2               # a checkpoint every 8 tokens
+CHECKPOINTED = dict(seq_size_per_block=B, linear_step=STEP, max_num_batched_tokens=16)
+
+
+def _chat(pipe, turns=3, seed=3):
+    """(tokens computed, response) per turn: the prompt and every new token but the last."""
+    history, outs = [], []
+    for turn in range(turns):
+        history += random_prompt(11, seed + turn)
+        res = run(pipe, history, max_new_tokens=7, return_logits=True)
+        outs.append((len(history) + 6, res))
+        history += res.output_ids
+    return outs
+
+
+@pytest.mark.parametrize("arch", ["granite_hybrid", "granite_hybrid_dense"])
+def test_reuse_from_saved_states_gives_the_bits_of_no_reuse(checkpoints, make_pipeline, arch):
+    """A chat: each turn hits the last boundary the previous turn saved (inside its answer:
+    states are saved as decode steps cross boundaries too), and its tokens and logits are the
+    bits of a run without reuse."""
+    path = checkpoints(arch)
+    plain = _chat(make_pipeline(path, **CHECKPOINTED))
+    reused = _chat(make_pipeline(path, reuse_cache=True, **CHECKPOINTED))
+    for (_, a), (_, b) in zip(plain, reused):
+        assert a.output_ids == b.output_ids and torch.equal(a.logits, b.logits)
+    assert reused[0][1].aux_info["reuse_len"] == 0
+    for (computed, _), (_, res) in zip(reused, reused[1:]):
+        assert res.aux_info["reuse_len"] == computed // (B * STEP) * (B * STEP) > 0
+
+
+def test_no_checkpoint_nor_slot_outlives_a_cancelled_request(checkpoints, make_pipeline):
+    pipe = make_pipeline(checkpoints("granite_hybrid_dense"), reuse_cache=True,
+                         concurrency_limit=2, **CHECKPOINTED)
+    stream = pipe(random_prompt(40, 8), top_k=1, ignore_eos=True, max_new_tokens=200)
+    next(iter(stream))
+    stream.close()   # cancelled mid-decode, its prompt's states saved
+    again = run(pipe, random_prompt(40, 8) + [7], max_new_tokens=2)
+    assert again.aux_info["reuse_len"] == 40
+    stats = pipe.cache_stats()["state_group"]
+    assert stats["checkpoints_in_use"] == 0 and stats["live_slots_free"] == 2
+
+
+def test_a_state_saved_inside_a_chunk_has_the_bits_of_one_pass(checkpoints, make_pipeline):
+    path = checkpoints("granite_hybrid_dense")
+    prompt = random_prompt(45, 9)
+    saved = []
+    for chunk in (16, 256):   # chunks of 16 tokens, then one pass
+        pipe = make_pipeline(path, reuse_cache=True,
+                             **{**CHECKPOINTED, "max_num_batched_tokens": chunk})
+        run(pipe, prompt, max_new_tokens=1)
+        cache = pipe.engine.cache
+        chain = KeyChain(cache.index, prompt, b"", 0, root=cache.roots[0])
+        blocks = {i: cache.state_group.pool.cached(chain.key(i)) for i in range(len(prompt) // B)}
+        saved.append({i: [t.clone() for t in cache.state_group.states.read_slot(b.block_id)]
+                      for i, b in blocks.items() if b is not None})
+    chunked, whole = saved
+    assert sorted(chunked) == sorted(whole) == [1, 3, 5, 7, 9]   # every STEP-th block
+    for i in chunked:
+        assert all(torch.equal(x, y) for x, y in zip(chunked[i], whole[i]))
+
+
+def test_a_task_prompt_pins_the_state_at_its_end(checkpoints, make_pipeline):
+    """MULTI_TASK_PROMPT: the Mamba2 states at the task prompt's last whole block are pinned
+    (LINEAR_STEP or not) and serve its requests with the bits of the prompt computed in full."""
+    path = checkpoints("granite_hybrid")
+    system = "You are a helpful assistant: answer every question about the river city."
+    pipe = make_pipeline(path, tasks=[{"task_id": "t", "prompt": system}], **CHECKPOINTED)
+    plain = make_pipeline(path, **CHECKPOINTED)
+    tok = pipe.tokenizer
+    question = "what is the river called?"
+    with_task = run(pipe, question, task_id="t", max_new_tokens=6, return_logits=True)
+    concat = tok(system).input_ids + tok(question, add_special_tokens=False).input_ids
+    alone = run(plain, concat, max_new_tokens=6, return_logits=True)
+    assert with_task.output_ids == alone.output_ids
+    assert torch.equal(with_task.logits, alone.logits)
+    assert with_task.aux_info["reuse_len"] == len(tok(system).input_ids) // B * B > 0
+    assert pipe.cache_stats()["state_group"]["checkpoints_pinned"] == 1
+
+
+def test_the_torch_reference_keeps_reuse_and_batching_exact(checkpoints, make_pipeline,
+                                                           monkeypatch):
+    """Where the C kernels do not build, the Mamba2 layers run kernels/mamba2.py's torch
+    reference: reuse on still gives the bits of reuse off, batched the bits of alone."""
+    monkeypatch.setattr(mamba2, "_library", lambda: None)
+    path = checkpoints("granite_hybrid_dense")
+    plain = _chat(make_pipeline(path, **CHECKPOINTED), turns=2)
+    reused = make_pipeline(path, reuse_cache=True, **CHECKPOINTED)
+    for (_, a), (_, b) in zip(plain, _chat(reused, turns=2)):
+        assert a.output_ids == b.output_ids and torch.equal(a.logits, b.logits)
+    prompts = [random_prompt(13, 30), random_prompt(21, 31)]
+    alone = [run(reused, p, max_new_tokens=4, return_logits=True) for p in prompts]
+    streams = [reused(p, top_k=1, ignore_eos=True, max_new_tokens=4, return_logits=True)
+               for p in prompts]
+    for res, stream in zip(alone, streams):
+        together = list(stream)[-1]
+        assert together.output_ids == res.output_ids
+        assert torch.equal(together.logits, res.logits)
+
+
+@pytest.mark.parametrize("mode", [dict(dtype="bfloat16"), dict(weight_type="INT8")])
+def test_reuse_stays_exact_in_bfloat16_and_with_int8_weights(checkpoints, make_pipeline, mode):
+    path = checkpoints("granite_hybrid")
+    plain = _chat(make_pipeline(path, **mode, **CHECKPOINTED), turns=2)
+    reused = _chat(make_pipeline(path, reuse_cache=True, **mode, **CHECKPOINTED), turns=2)
+    for (_, a), (_, b) in zip(plain, reused):
+        assert a.output_ids == b.output_ids and torch.equal(a.logits, b.logits)
+    assert reused[-1][1].aux_info["reuse_len"] > 0
+
+
+def test_a_batch_with_hits_gives_the_bits_of_each_request_alone(checkpoints, make_pipeline):
+    path = checkpoints("granite_hybrid")
+    shared = random_prompt(29, 7)
+    prompts = [shared + random_prompt(n, 10 + n) for n in (3, 12, 21)]
+    results = []
+    for batched in (False, True):
+        pipe = make_pipeline(path, reuse_cache=True, **CHECKPOINTED)
+        run(pipe, shared + [5], max_new_tokens=1)   # saves the states after 8, 16 and 24 tokens
+        if batched:
+            streams = [pipe(p, top_k=1, ignore_eos=True, max_new_tokens=6, return_logits=True)
+                       for p in prompts]
+            results.append([list(stream)[-1] for stream in streams])
+        else:
+            results.append([run(pipe, p, max_new_tokens=6, return_logits=True) for p in prompts])
+    for alone, together in zip(*results):
+        assert together.output_ids == alone.output_ids
+        assert torch.equal(together.logits, alone.logits)
+        assert together.aux_info["reuse_len"] == alone.aux_info["reuse_len"] == 24
