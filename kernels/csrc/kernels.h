@@ -13,6 +13,8 @@ void rtpkv_rms_norm(const void *x, void *residual, const void *weight, void *out
 void rtpkv_head_norm(float *x, int64_t T, int64_t stride, int64_t heads, int64_t dim,
                      const float *weight, float eps);
 void rtpkv_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int bf16);
+void rtpkv_gelu_tanh_and_mul(const void *gate_up, void *out, int64_t rows, int64_t inter,
+                             int bf16);
 void rtpkv_rope(void *q, void *k, int64_t tokens, int64_t q_heads, int64_t k_heads,
                 int64_t q_stride, int64_t k_stride, int64_t dim, const void *cos, const void *sin,
                 const int64_t *positions, int bf16);

@@ -1,15 +1,16 @@
-"""The C kernels of the CPU fast path agree with their torch references: the fused RMSNorm,
-SiLU-and-mul and RoPE, the greedy arg-max, and the attention kernel's two vectorisations (query
-rows in the lanes for prefill tiles, the head dimension in the lanes for decodes), which must
-give the same bits for a token."""
+"""The C kernels of the CPU fast path agree with their torch references: the fused RMSNorm
+(Gemma's (1 + w) one in float32 too: the same kernel), SiLU-and-mul, GELU-and-mul and RoPE, the
+greedy arg-max, and the attention kernel's two vectorisations (query rows in the lanes for
+prefill tiles, the head dimension in the lanes for decodes), which must give the same bits for
+a token."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rtpkv.kernels import AttentionBatch, attention_backend, fused_ops
-from rtpkv.kernels.activation import silu_and_mul
-from rtpkv.kernels.norm import rms_norm, rms_norm_reference
+from rtpkv.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+from rtpkv.kernels.norm import rms_norm, rms_norm_float_weight, rms_norm_reference
 from rtpkv.kernels.rope import apply_rope_, rope_table
 
 from conftest import needs_c_kernels
@@ -47,6 +48,31 @@ def test_silu_and_mul_matches_torch(dtype):
     gate, up = gate_up.chunk(2, dim=-1)
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate) * up, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_matches_torch(dtype):
+    """Gates far in both tails included (exp saturating to 0 and to infinity)."""
+    gate_up = _randn(19, 2 * 48, dtype=dtype) * 4
+    gate_up[0, :8] = torch.tensor([-120.0, -60.0, -9.0, -1e-3, 0.0, 1e-3, 9.0, 120.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(gelu_tanh_and_mul(gate_up), F.gelu(gate, approximate="tanh") * up,
+                               **tol)
+
+
+def test_the_offset_norm_is_transformers_formula():
+    """Gemma's (1 + w) RMSNorm on float32, the C kernel over the float32 1 + w: transformers'
+    torch ops (normalize, multiply by 1 + w in float32) to float32 rounding, the residual add
+    bit for bit."""
+    x, w, res = (_randn(37, 64, dtype=torch.float32, seed=s) for s in (0, 1, 2))
+    scale = 1.0 + w
+    ours_res, ref_res = res.clone(), res.clone()
+    ours = rms_norm_float_weight(x, scale, 1e-6, ours_res)
+    ref_res.add_(x)
+    ref = ref_res * torch.rsqrt(ref_res.pow(2).mean(-1, keepdim=True) + 1e-6) * scale
+    assert torch.equal(ours_res, ref_res)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -144,6 +170,7 @@ def test_without_the_library_the_torch_references_run(monkeypatch):
     assert torch.equal(res, ref_res)
     gate, up = x.chunk(2, dim=-1)
     assert torch.equal(silu_and_mul(x), F.silu(gate) * up)
+    assert torch.equal(gelu_tanh_and_mul(x), F.gelu(gate, approximate="tanh") * up)
 
 
 def test_the_argmax_is_torchs_nan_ties_and_infinities_included(monkeypatch):

@@ -57,7 +57,7 @@ def test_layer_windows_match_transformers(checkpoints, make_pipeline, monkeypatc
     hf = _hf(path)
     chunked = make_pipeline(path, seq_size_per_block=8, max_num_batched_tokens=40)
     whole = make_pipeline(path, seq_size_per_block=8)
-    assert chunked.model.module.fused is None and chunked.model.module.attention.name == backend
+    assert chunked.model.module.attention.name == backend   # the fused decoder may run on it
     windows = {layer.attention.window for layer in chunked.model.module.plan.layers}
     assert windows == {None, W}
     assert chunked.cache_stats()["attention_window"] is None   # full layers keep every block
