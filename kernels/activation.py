@@ -1,7 +1,7 @@
 """The gated MLP activations over the fused gate_up projection: SiLU(gate) * up (SwiGLU) and
 GELU(gate) * up (GeGLU, tanh approximation): the Triton kernel on CUDA, the C kernel on a CPU
 (the fused decoder, kernels/fused_decoder.py, calls the same one, so the two paths share its
-bits), else torch."""
+bits), else torch. And the tanh soft-cap of Gemma 2's logits, on the same terms."""
 
 from __future__ import annotations
 
@@ -54,3 +54,14 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return triton_ops.gelu_tanh_and_mul(gate_up)
     return _gated(gate_up, "rtpkv_gelu_tanh_and_mul",
                   lambda gate: F.gelu(gate, approximate="tanh"))
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap): the C kernel on float32 CPU tensors (the fused decoder's), else
+    transformers' torch ops (in x's dtype)."""
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
+            and fused_ops.library() is not None):
+        out = x.clone()
+        fused_ops.library().rtpkv_softcap(out.data_ptr(), out.numel(), cap)
+        return out
+    return torch.tanh(x / cap) * cap

@@ -59,7 +59,8 @@ class LinearArgs(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("pre_ff_norm", _P), ("post_ff_norm", _P),
                 ("q_norm", _P), ("k_norm", _P), ("cos", _P), ("sin", _P),
-                ("scale", ctypes.c_float), ("gelu", _I), ("qkv", LinearArgs),
+                ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("gelu", _I),
+                ("qkv", LinearArgs),
                 ("o", LinearArgs), ("gate_up", LinearArgs), ("down", LinearArgs), ("moe", _P),
                 ("k_cache", _P), ("v_cache", _P)]
 
@@ -68,7 +69,8 @@ class _Model(ctypes.Structure):
     _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I),
                 ("head_dim", _I), ("inter", _I), ("eps", ctypes.c_float),
                 ("linear_kind", _I), ("int8_group", _I), ("panel_rows", _I),
-                ("embedding_scale", ctypes.c_float), ("final_norm", _P), ("embedding", _P),
+                ("embedding_scale", ctypes.c_float), ("final_softcap", ctypes.c_float),
+                ("final_norm", _P), ("embedding", _P),
                 ("lm_head", LinearArgs), ("vocab", _I)]
 
 
@@ -119,13 +121,11 @@ def runs_plan(plan: Any) -> bool:
     plain or (1 + w) (the same RMSNorm over a weight holding 1 + w), SwiGLU or GeGLU, any softmax
     scale, q/k norms or none, any of the plan's RoPE tables and any window (each layer's
     attention metadata gives its window and its KV cache group's tables); and an embedding
-    scale. It has no attention soft-cap (Gemma 2: the paged kernel has none, and transformers'
-    tanh is torch's), no final soft-cap (the burst's arg-max would need torch's tanh bits), and
-    one epsilon for every norm: any plan with one of those is refused whole."""
+    scale, and Gemma 2's soft-caps of attention scores (the paged kernel's, as the per-layer
+    path's cpu-paged backend computes them) and of the logits (activation.soft_cap's C kernel).
+    It needs one epsilon for every norm: a plan with norms of two is refused whole."""
     eps = plan.final_norm.eps
-    return (all(layer.attention.softcap is None and layer.mlp in MLP_KINDS
-                and layer.norm.eps == eps for layer in plan.layers)
-            and plan.final_softcap is None)
+    return all(layer.mlp in MLP_KINDS and layer.norm.eps == eps for layer in plan.layers)
 
 
 def _sparse(mlp: torch.nn.Module) -> bool:
@@ -171,6 +171,7 @@ class FusedDecoder:
             inter, spec.rms_norm_eps, kind,
             first.group_size if isinstance(first, Int8Linear) else 0,   # LINEAR_INT8's only
             panel_rows, 0.0 if module.embedding_scale is None else module.embedding_scale.item(),
+            module.plan.final_softcap or 0.0,
             _norm_weight(backbone.norm), backbone.embed_tokens.weight.data_ptr(),
             linear_args(module.lm_head), self.vocab)
         # the last layer table made, with the addresses of the K/V caches it points into
@@ -234,6 +235,7 @@ class FusedDecoder:
                 cos, sin = self.module.ropes[plan.attention.rope]
                 entry.cos, entry.sin = cos.data_ptr(), sin.data_ptr()
                 entry.scale = plan.attention.scale
+                entry.softcap = plan.attention.softcap or 0.0
                 entry.gelu = MLP_KINDS[plan.mlp]
                 entry.qkv, entry.o = linear_args(attn.qkv), linear_args(attn.o_proj)
                 if _sparse(mlp):

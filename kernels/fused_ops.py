@@ -1,7 +1,8 @@
 """Bindings of csrc/fused_ops.c: RMSNorm (with the residual add), SiLU-and-mul, GELU-and-mul
-and RoPE as one pass each over memory on the CPU, the int8 KV cache's quantized write, and the
-greedy pick. `library()` is None where the C kernels cannot be built; the callers in norm.py,
-activation.py, rope.py and kv_quant.py then run their torch reference, `argmax` torch's."""
+and RoPE as one pass each over memory on the CPU, the int8 KV cache's quantized write, the
+greedy pick and the logit soft-cap. `library()` is None where the C kernels cannot be built; the
+callers in norm.py, activation.py, rope.py and kv_quant.py then run their torch reference,
+`argmax` torch's."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ _SIGNATURES: Signatures = {
     "rtpkv_rope": ([_P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int], None),
     "rtpkv_write_kv_int8": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int], None),
     "rtpkv_argmax": ([_P, _I, _I, _P], None),
+    "rtpkv_softcap": ([_P, _I, ctypes.c_float], None),
 }
 
 

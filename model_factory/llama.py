@@ -21,7 +21,7 @@ from torch import nn
 from rtpkv.kernels import (AttentionBackend, AttentionBatch, apply_rope_, attention_backend,
                            rms_norm, rope_table, silu_and_mul)
 from rtpkv.kernels import weight_types
-from rtpkv.kernels.activation import gelu_tanh_and_mul
+from rtpkv.kernels.activation import gelu_tanh_and_mul, soft_cap
 from rtpkv.kernels.norm import rms_norm_float_weight
 from rtpkv.kernels.fused_decoder import FusedDecoder
 from rtpkv.kernels.linear import InferenceLinear, linear_path
@@ -103,7 +103,7 @@ class Attention(nn.Module):
         apply_rope_(q, k, rope[0], rope[1], positions)
         if self.softcap is None:
             out = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale)
-        else:   # only the torch backend soft-caps (attention_backend picks it)
+        else:   # only the torch and cpu-paged backends soft-cap (attention_backend checks)
             out = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale, softcap=self.softcap)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -309,7 +309,7 @@ class CausalLM(nn.Module):
         logits = self.lm_head(hidden)
         cap = self.plan.final_softcap
         if cap is not None:   # in the model's dtype, as transformers
-            logits = torch.tanh(logits / cap) * cap
+            logits = soft_cap(logits, cap)
         return logits.float()
 
     def forward_logits(self, ids: list[int], positions: list[int],

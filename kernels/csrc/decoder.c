@@ -4,7 +4,8 @@
  * over the layer's window and block tables, the output projection, RMSNorm (Gemma's sandwich:
  * the attention output's norm, then the MLP input's), and gate_up, SiLU- or GELU-and-mul and
  * the down projection (Gemma: normalized), or a sparse layer's mixture of experts
- * (moe_experts.c); then the final norm and the LM head on the rows that sample. Gemma's (1 + w)
+ * (moe_experts.c); then the final norm and the LM head on the rows that sample, soft-capped
+ * (Gemma 2, whose attention scores the paged kernel soft-caps too). Gemma's (1 + w)
  * norms are the same RMSNorm over a float32 weight that already holds 1 + w.
  *
  * It calls the very kernels the per-layer path calls from Python (fused_ops.c, fp32_linear.c,
@@ -36,6 +37,7 @@ typedef struct {                   /* one decoder layer, fixed at load */
                                       3); NULL: none */
     const float *cos, *sin;        /* the layer's RoPE table, (max_positions, head_dim) */
     float scale;                   /* the softmax scale */
+    float softcap;                 /* the attention scores' soft-cap (Gemma 2); 0: none */
     int64_t gelu;                  /* the dense MLP's activation: GELU (tanh), else SiLU */
     linear_layer qkv, o, gate_up, down;
     const moe_layer *moe;          /* a sparse layer's mixture of experts (moe_experts.c), in
@@ -51,6 +53,7 @@ typedef struct {
     int64_t int8_group;            /* LINEAR_INT8's group size (LINEAR_W8A8's is fixed) */
     int64_t panel_rows;            /* the fewest rows the int8 kernels' prefill tiles take */
     float embedding_scale;         /* the embeddings are multiplied by it (Gemma); 0: not */
+    float final_softcap;           /* logits become cap * tanh(logit / cap) (Gemma 2); 0: not */
     const float *final_norm;
     const float *embedding;        /* (vocab, hidden) */
     linear_layer lm_head;          /* hidden -> vocab, on the layers' kernel */
@@ -178,6 +181,7 @@ void rtpkv_decoder_forward(const decoder_model *m, decoder_step *s) {
         s->attn.max_blocks = v->max_blocks;
         s->attn.window = v->window;
         s->attn.scale = l->scale;
+        s->attn.softcap = l->softcap;
         s->attn.q = s->q;
         s->attn.k_cache = l->k_cache;
         s->attn.v_cache = l->v_cache;
@@ -218,6 +222,8 @@ void rtpkv_decoder_forward(const decoder_model *m, decoder_step *s) {
     for (int64_t r = 0; r < s->num_logits; r++)   /* the rows that sample, gathered */
         memcpy(s->x + r * E, s->out + s->logit_rows[r] * E, (size_t)E * sizeof(float));
     linear(m, &m->lm_head, s->x, s->num_logits, E, m->vocab, s->logits);
+    if (m->final_softcap != 0.0f) rtpkv_softcap(s->logits, s->num_logits * m->vocab,
+                                                m->final_softcap);
     lap(s, SECONDS_LINEAR, &t);
 }
 

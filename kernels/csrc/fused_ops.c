@@ -132,6 +132,21 @@ void rtpkv_gelu_tanh_and_mul(const void *gate_up, void *out, int64_t rows, int64
     }
 }
 
+/* x = cap * tanh(x / cap) in place over n float32 values (Gemma 2's final logit soft-cap): each
+ * value computed alone (vec_math.h's softcap8), the last n % 8 through a padded vector. */
+void rtpkv_softcap(float *x, int64_t n, float cap) {
+    const v8 c = _mm256_set1_ps(cap);
+    const int64_t whole = n - n % 8;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < whole; i += 8)
+        _mm256_storeu_ps(x + i, softcap8(_mm256_loadu_ps(x + i), c));
+    if (whole == n) return;
+    float tail[8] = {0};
+    memcpy(tail, x + whole, (size_t)(n - whole) * sizeof(float));
+    _mm256_storeu_ps(tail, softcap8(_mm256_loadu_ps(tail), c));
+    memcpy(x + whole, tail, (size_t)(n - whole) * sizeof(float));
+}
+
 /* Rotates heads [0, heads) of each token in place: x1 * cos - x2 * sin, x2 * cos + x1 * sin
  * for the halves x1, x2 of a head (Llama's rotate_half), cos/sin rows taken at the token's
  * position. x: token t, head h at x + t * row_stride + h * dim. dim a multiple of 16. */

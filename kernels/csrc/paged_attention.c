@@ -11,7 +11,8 @@
  *   p_c     = for each c < 8, an fma chain over d = c, c + 8, c + 16, ... < D in order, from 0:
  *             p_c = fma(q[d], k[j][d], p_c);
  *   score_j = ((p_0 + p_1) + (p_2 + p_3)) + ((p_4 + p_5) + (p_6 + p_7));
- *   x_j     = score_j * scale, or -inf outside the query's keys [first, valid);
+ *   x_j     = score_j * scale (with a soft-cap c: c * tanh(score_j * scale / c), vec_math.h's
+ *             softcap8), or -inf outside the query's keys [first, valid);
  *   m'      = max(m, x_0, x_1, ...);  z = (m' == -inf ? 0 : m');  alpha = exp(m - z);
  *   w_j     = exp(x_j - z);  sum = ((0 + w_0) + w_1) + ...;  l = fma(l, alpha, sum);
  *   acc[d]  = acc[d] * alpha, then the chain acc[d] = fma(w_j, v[j][d], acc[d]) over j in order;
@@ -128,7 +129,7 @@ static inline void block_range(int64_t pos, int64_t lo, int64_t p, int64_t B, in
  * running maximum over the keys (for blocks no row masks). */
 static inline __attribute__((always_inline)) void qk_tile(
         const float *qT, int64_t NQP, int64_t i0, const float *k, int64_t D, float *sT, v8 scale,
-        float *mx, const int QV, const int NK) {
+        const float *cap, float *mx, const int QV, const int NK) {
     v8 part[8][2][NK_MAX];
     for (int c = 0; c < 8; c++) {
         v8 acc[2][NK_MAX];
@@ -152,7 +153,8 @@ static inline __attribute__((always_inline)) void qk_tile(
                                          _mm256_add_ps(part[2][g][j], part[3][g][j]));
             const v8 high = _mm256_add_ps(_mm256_add_ps(part[4][g][j], part[5][g][j]),
                                           _mm256_add_ps(part[6][g][j], part[7][g][j]));
-            const v8 x = _mm256_mul_ps(_mm256_add_ps(low, high), scale);
+            v8 x = _mm256_mul_ps(_mm256_add_ps(low, high), scale);
+            if (cap) x = softcap8(x, bcast(*cap));
             st(sT + j * NQP + i0 + 8 * g, x);
             if (mx) m = _mm256_max_ps(m, x);
         }
@@ -161,11 +163,11 @@ static inline __attribute__((always_inline)) void qk_tile(
 }
 
 #define QK_CASE(qv, nk) \
-    case (qv) * 8 + (nk): qk_tile(qT, NQP, i0, k, D, sT + j0 * NQP, scale, mx, qv, nk); break;
+    case (qv) * 8 + (nk): qk_tile(qT, NQP, i0, k, D, sT + j0 * NQP, scale, cap, mx, qv, nk); break;
 
 /* The scaled scores of the n keys of block kb; with `mx`, their running row maxima too. */
 static void qk_lanes(const float *qT, int64_t NQP, const float *kb, int64_t D, int64_t n, float *sT,
-                     v8 scale, float *mx) {
+                     v8 scale, const float *cap, float *mx) {
     for (int64_t i0 = 0; i0 < NQP; i0 += 16) {
         const int qv = NQP - i0 >= 16 ? 2 : 1;
         for (int64_t j0 = 0; j0 < n; j0 += NK_MAX) {
@@ -259,7 +261,8 @@ static void attend_query_lanes(const attn_args *a, int64_t t0, int64_t nt, int64
         /* A block every row reads whole needs no mask: the scores come scaled, with maxima. */
         const int whole = n == B && min_pos >= p * B + B - 1 && max_lo <= p * B;
         if (whole) memcpy(mnew, m, sizeof(m));
-        qk_lanes(&qT[0][0], NQP, kb, D, n, &sT[0][0], scale, whole ? mnew : NULL);
+        qk_lanes(&qT[0][0], NQP, kb, D, n, &sT[0][0], scale, a->softcap ? &a->softcap : NULL,
+                 whole ? mnew : NULL);
         for (int64_t i0 = 0; i0 < NQP; i0 += 8) {
             const v8 m_old = ld(m + i0);
             v8 mx = m_old;
@@ -433,8 +436,9 @@ static void attend_dim_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t
                 const __m256i in = _mm256_andnot_si256(
                     _mm256_cmpgt_epi32(_mm256_set1_epi32((int)first), jj),
                     _mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), jj));
-                const v8 x = _mm256_blendv_ps(ninf, _mm256_mul_ps(ld(s + j0), scale),
-                                              _mm256_castsi256_ps(in));
+                v8 x = _mm256_mul_ps(ld(s + j0), scale);
+                if (a->softcap) x = softcap8(x, bcast(a->softcap));
+                x = _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(in));
                 st(s + j0, x);
                 mx = _mm256_max_ps(mx, x);
             }

@@ -18,6 +18,7 @@ typedef struct {
     int bf16;
     int64_t window;         /* tokens attended per query, itself included; 0: no window */
     int kv_int8;            /* K/V are int8 rows with their scale; else of q's dtype */
+    float softcap;          /* scores become softcap * tanh(score / softcap) (Gemma 2); 0: not */
 } attn_args;
 
 void rtpkv_paged_attention(const attn_args *a, const int64_t *tile_start, int64_t num_tiles);

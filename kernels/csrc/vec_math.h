@@ -30,6 +30,17 @@ static inline __m256 exp_clamped(__m256 c) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+/* cap * tanh(x / cap) (Gemma 2's soft-capping of attention scores and logits), tanh(y) as
+ * sign(y) (1 - e) / (1 + e) with e = exp(-2|y|), which keeps its precision at both ends. */
+static inline __m256 softcap8(__m256 x, __m256 cap) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    const __m256 y = _mm256_div_ps(x, cap);
+    const __m256 e = exp_clamped(_mm256_max_ps(
+        _mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_andnot_ps(sign, y)), _mm256_set1_ps(-87.0f)));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    return _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(sign, y)), cap);
+}
+
 /* Stores the 8 lanes of `acc` as outputs n0 .. n0 + 7 of a row y of n, plus the bias where
  * there is one; lanes past n are zero-padded channels and are dropped. */
 static inline void store_lanes(float *y, int64_t n, int64_t n0, __m256 acc, const float *bias) {

@@ -288,8 +288,10 @@ GEMMA_MODES = {"float32": {}, "int8": dict(weight_type="INT8"),
 
 
 @pytest.mark.parametrize("mode", GEMMA_MODES)
-def test_gemma3_runs_in_bursts(make_pipeline, checkpoints, mode):
-    """Gemma 3's plan on the fused decoder, its sliding layers in a KV cache group of their own
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_runs_in_bursts(make_pipeline, checkpoints, arch, mode):
+    """Gemma's plans on the fused decoder (Gemma 2's soft-caps: the burst's arg-max is over the
+    soft-capped logits, as single steps sample), its sliding layers in a KV cache group of their own
     (their own block tables, releasing blocks that leave the window): at prompts shorter than,
     equal to and 3x the window, bursts give each request's single-step tokens, batched as
     alone, and a rerun over a prompt and its output reuses blocks and gives the tokens of a
@@ -297,7 +299,7 @@ def test_gemma3_runs_in_bursts(make_pipeline, checkpoints, mode):
     from conftest import GEMMA_WINDOW
 
     prompts = [_ids(n, 30 + n) for n in (GEMMA_WINDOW - 12, GEMMA_WINDOW, 3 * GEMMA_WINDOW)]
-    options = dict(path=checkpoints("gemma3"), seq_size_per_block=8, **GEMMA_MODES[mode])
+    options = dict(path=checkpoints(arch), seq_size_per_block=8, **GEMMA_MODES[mode])
     _, alone = _outputs(make_pipeline, 1, prompts, max_new_tokens=40, **options)
     pipe = make_pipeline(num_scheduler_steps=8, reuse_cache=True, **options)
     assert pipe.model.module.fused is not None and len(pipe.engine.runner.groups) > 1

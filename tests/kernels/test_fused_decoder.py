@@ -2,7 +2,7 @@
 hidden states and the KV it writes, on a batch of decodes, a chunk after a cached prefix and a
 fresh prompt, for each architecture it takes (qkv bias, tied embeddings, GQA, a window, q/k
 norms, mixtures of experts with a dense layer between or a shared expert, Gemma 3's layer plan
-with each layer's own window and RoPE table), in float32, with int8
+with each layer's own window and RoPE table, Gemma 2's soft-caps), in float32, with int8
 weights (weight-only and W8A8) and with the int8 KV cache; it is not used where a layer would
 leave the C kernels."""
 
@@ -66,6 +66,9 @@ def _forward(module, batch, kv, fused, layer_batches=None):
     ("gemma3", {}, 6),        # sandwich norms, GeGLU, q/k norms, the embedding scale
     ("gemma3", {"weight_type": "INT8"}, None),
     ("gemma3", {"kv_cache_dtype": "int8", "weight_type": "W8A8_INT8"}, None),
+    ("gemma2", {}, None),     # and soft-caps of attention scores and logits
+    ("gemma2", {"kv_cache_dtype": "int8", "weight_type": "INT8"}, 6),
+    ("gemma2", {"weight_type": "W8A8_INT8"}, None),
 ])
 def test_the_fused_decoder_gives_the_bits_of_the_layers(checkpoints, monkeypatch, arch, options,
                                                         window):
@@ -125,7 +128,7 @@ def test_layers_of_their_own_windows_and_tables_give_the_bits_of_the_layers(
     ("llama", {"RTPKV_LINEAR": "onednn"}, {}),          # a oneDNN GEMM in between
     ("llama", {"RTPKV_ATTENTION": "torch"}, {}),        # the torch attention backend
     ("mixtral", {"RTPKV_LINEAR": "onednn"}, {}),        # experts off the C kernels
-    ("gemma2", {"RTPKV_LINEAR": "avx2"}, {}),           # soft-capping (the torch backend)
+    ("gemma2", {"RTPKV_ATTENTION": "torch"}, {}),       # soft-capped on the torch backend
     ("llama", {}, {"dtype": "bfloat16"}),
 ])
 def test_the_layers_run_one_by_one_where_one_leaves_the_c_kernels(checkpoints, monkeypatch,
@@ -136,31 +139,29 @@ def test_the_layers_run_one_by_one_where_one_leaves_the_c_kernels(checkpoints, m
 
 
 def test_the_c_decoder_refuses_any_plan_it_does_not_compute(checkpoints):
-    """runs_plan: Llama's and Gemma 3's plans run in C, and so does any layer's own window,
-    RoPE table, scale, norm kind or MLP kind; an attention soft-cap in any one layer, a final
-    soft-cap or a norm of another epsilon refuses the whole plan."""
-    llama, gemma3 = (model_plan(load(checkpoints(arch)).module.spec)
-                     for arch in ("llama", "gemma3"))
-    assert runs_plan(llama) and runs_plan(gemma3)
+    """runs_plan: Llama's and Gemma 2/3's plans run in C, and so does any layer's own window,
+    RoPE table, scale, soft-cap, norm kind or MLP kind; a norm of another epsilon or an MLP kind
+    it has no kernel for in any one layer refuses the whole plan."""
+    llama, gemma2, gemma3 = (model_plan(load(checkpoints(arch)).module.spec)
+                             for arch in ("llama", "gemma2", "gemma3"))
+    assert runs_plan(llama) and runs_plan(gemma2) and runs_plan(gemma3)
     layer, attention = llama.layers[0], llama.layers[0].attention
     taken = [replace(layer, attention=replace(attention, window=32)),
              replace(layer, attention=replace(attention, qk_norm=True)),
              replace(layer, sandwich=True), replace(layer, mlp="gelu_tanh"),
              replace(layer, norm=replace(layer.norm, offset=True)),
              replace(layer, attention=replace(attention, scale=0.2)),
-             replace(layer, attention=replace(attention, rope=LOCAL_ROPE))]
+             replace(layer, attention=replace(attention, rope=LOCAL_ROPE)),
+             replace(layer, attention=replace(attention, softcap=5.0))]
     for first in taken:
         assert runs_plan(replace(llama, layers=(first,) + llama.layers[1:]))
-    assert runs_plan(replace(llama, embedding_scale=8.0))
-    refused = [replace(layer, attention=replace(attention, softcap=5.0)),
-               replace(layer, norm=replace(layer.norm, eps=layer.norm.eps * 2)),
+    assert runs_plan(replace(llama, embedding_scale=8.0, final_softcap=30.0))
+    refused = [replace(layer, norm=replace(layer.norm, eps=layer.norm.eps * 2)),
                replace(layer, mlp="relu")]
-    for plan in (llama, gemma3):
+    for plan in (llama, gemma2, gemma3):
         for first in refused:
             assert not runs_plan(replace(plan, layers=plan.layers[:1] + (first,)
                                          + plan.layers[2:]))
-        assert not runs_plan(replace(plan, final_softcap=30.0))
-    assert not runs_plan(model_plan(load(checkpoints("gemma2")).module.spec))
 
 
 def test_heads_the_c_rope_does_not_take_run_one_by_one(tmp_path, monkeypatch):

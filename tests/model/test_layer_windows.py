@@ -15,10 +15,11 @@ from rtpkv.model_factory.tiny import build_tiny_checkpoint
 
 LENGTHS = (W // 2, W, 3 * W)
 NEW = 24   # decodes: the shortest prompt's queries pass the window too
-# Gemma 2 soft-caps attention logits, which only the torch backend does;
+# Gemma 2 soft-caps attention logits, which the torch and cpu-paged backends do;
 # flash-attn: the CPU stand-in (conftest)
-CASES = [("gemma2", "torch"), ("gemma3", "torch"),
-         pytest.param("gemma3", "cpu-paged", marks=needs_c_kernels), ("gemma3", "flash-attn")]
+CASES = [("gemma2", "torch"), pytest.param("gemma2", "cpu-paged", marks=needs_c_kernels),
+         ("gemma3", "torch"), pytest.param("gemma3", "cpu-paged", marks=needs_c_kernels),
+         ("gemma3", "flash-attn")]
 
 
 def _hf_generate(hf, ids, new=NEW):
@@ -198,7 +199,7 @@ def test_unsupported_gemma_configs_are_refused_by_field(change, message):
         ModelSpec.from_config(dict(GEMMA3_270M, **change))
 
 
-@pytest.mark.parametrize("backend", ["cpu-paged", "flash-attn"])
+@pytest.mark.parametrize("backend", ["flash-attn"])
 def test_softcapped_attention_on_another_backend_is_refused_by_name(checkpoints, monkeypatch,
                                                                    request, backend):
     use_attention(backend, monkeypatch, request)
