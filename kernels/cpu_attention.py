@@ -146,11 +146,11 @@ class CpuPagedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: CpuMetadata, scale: float,
-                sinks: Optional[torch.Tensor] = None,
-                softcap: Optional[float] = None) -> torch.Tensor:
-        """`sinks`: (H,) logits, one per query head, that join each softmax's denominator
-        (gpt-oss's attention sinks); `softcap`: scores become softcap * tanh(score / softcap)
-        before the mask (Gemma 2)."""
+                softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`softcap`: scores become softcap * tanh(score / softcap) before the mask (Gemma 2).
+        `sinks`: (H,) logits, one per query head, that join each softmax's denominator
+        (gpt-oss's attention sinks)."""
         write_kv(k_cache, v_cache, k, v, meta.write_rows)
         q = q.contiguous()
         T, H, D = q.shape
