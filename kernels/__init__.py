@@ -25,13 +25,15 @@ def auto_attention(device: torch.device, dtype: torch.dtype, head_dim: int,
     on CUDA flash-attn for float16/bfloat16 when the package imports, else the Triton kernels
     when triton imports (any of the three float dtypes), else the torch reference; on a CPU the
     paged C kernel when it builds and supports the dtype and head size, else the torch
-    reference. A model that soft-caps attention logits (`softcap`: Gemma 2) gets the torch
-    reference, the only backend that does; one with attention sinks (`sinks`: gpt-oss) the
-    paged C kernel or the torch reference, the two that add them."""
+    reference. A model that soft-caps attention logits (`softcap`: Gemma 2) gets one of the
+    two backends that do: the paged C kernel on a CPU where it runs, else the torch reference;
+    one with attention sinks (`sinks`: gpt-oss) the paged C kernel or the torch reference, the
+    two that add them."""
     from rtpkv.kernels import cpu_attention, flash_attention, triton_support
 
-    if softcap:
-        return "torch", "the model soft-caps attention logits, which only the torch backend does"
+    if softcap and device.type != "cpu":
+        return "torch", ("the model soft-caps attention logits, which only the torch and the "
+                         "cpu-paged backends do")
     dtype_name = str(dtype).removeprefix("torch.")
     if sinks and device.type != "cpu":
         return "torch", "the model has attention sinks, which flash-attn and Triton do not add"
@@ -62,14 +64,14 @@ def attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
     falls back to Triton (or the torch reference where triton does not import) where flash-attn
     imports but cannot run. `kv_dtype` is the pool's (torch.int8 for the int8 cache, which
     neither flash-attn nor Triton reads); the model's by default. `softcap`: the model
-    soft-caps attention logits (only the torch backend does); `sinks`: it has attention sinks
-    (the torch and cpu-paged backends add them)."""
+    soft-caps attention logits (only the torch and cpu-paged backends do); `sinks`: it has
+    attention sinks (the torch and cpu-paged backends add them)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"RTPKV_ATTENTION={name!r} is invalid: accepted values are "
                          f"{', '.join(ATTENTION_BACKENDS)}")
-    if softcap and name not in ("auto", "torch"):
+    if softcap and name not in ("auto", "torch", "cpu-paged"):
         raise ValueError(f"RTPKV_ATTENTION={name} does not soft-cap attention logits "
-                         "(attn_logit_softcapping, Gemma 2): use torch or auto")
+                         "(attn_logit_softcapping, Gemma 2): use cpu-paged, torch or auto")
     if sinks and name in ("flash-attn", "triton"):
         raise ValueError(f"RTPKV_ATTENTION={name} does not add attention sinks (gpt-oss's "
                          "per-head softmax logits): use cpu-paged, torch or auto")

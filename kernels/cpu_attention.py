@@ -31,7 +31,7 @@ class _Args(ctypes.Structure):
                 ("q_pos", _P), ("tables", _P), ("max_blocks", _I), ("T", _I), ("H", _I),
                 ("KVH", _I), ("D", _I), ("B", _I), ("S", _I), ("scale", ctypes.c_float),
                 ("bf16", ctypes.c_int), ("window", _I), ("kv_int8", ctypes.c_int),
-                ("sinks", _P)]
+                ("sinks", _P), ("softcap", ctypes.c_float)]
 
 
 _SIGNATURES: Signatures = {"rtpkv_paged_attention": ([ctypes.POINTER(_Args), _P, _I], None),
@@ -103,12 +103,14 @@ class CpuMetadata:
 
 
 def kernel_args(meta: CpuMetadata, T: int, H: int, KVH: int, D: int, scale: float,
-                bf16: bool, kv_int8: bool) -> _Args:
-    """The kernel's arguments for this step's batch (`kv_int8`: the int8 KV cache's rows); q,
-    the caches, out and the sinks (none by default) are left to set."""
+                bf16: bool, kv_int8: bool, softcap: Optional[float] = None) -> _Args:
+    """The kernel's arguments for this step's batch (`kv_int8`: the int8 KV cache's rows;
+    `softcap`: Gemma 2's attention soft-cap); q, the caches, out and the sinks (none by
+    default) are left to set."""
     return _Args(None, None, None, None, meta.row_seq_at, meta.positions_at, meta.tables_at,
                  meta.width, T, H, KVH, D, meta.block_size,
-                 meta.num_slots, scale, int(bf16), meta.window, int(kv_int8), None)
+                 meta.num_slots, scale, int(bf16), meta.window, int(kv_int8), None,
+                 softcap or 0.0)
 
 
 class CpuPagedAttention:
@@ -144,15 +146,17 @@ class CpuPagedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: CpuMetadata, scale: float,
+                softcap: Optional[float] = None,
                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """`sinks`: (H,) logits, one per query head, that join each softmax's denominator
+        """`softcap`: scores become softcap * tanh(score / softcap) before the mask (Gemma 2).
+        `sinks`: (H,) logits, one per query head, that join each softmax's denominator
         (gpt-oss's attention sinks)."""
         write_kv(k_cache, v_cache, k, v, meta.write_rows)
         q = q.contiguous()
         T, H, D = q.shape
         out = torch.empty((T, H, D), dtype=torch.float32)
         args = kernel_args(meta, T, H, k.shape[1], D, scale, q.dtype == torch.bfloat16,
-                           k_cache.dtype == torch.int8)
+                           k_cache.dtype == torch.int8, softcap)
         args.q, args.k_cache, args.v_cache = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
         args.out = out.data_ptr()
         if sinks is not None:

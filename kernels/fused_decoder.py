@@ -2,8 +2,9 @@
 kernels end to end: float32 on the CPU, linear layers all on the avx2, the bf16-weight, the
 int8 or the w8a8 kernel, the CPU paged-attention backend (over a float32 or an int8 KV cache),
 the fused ops, each sparse layer's mixture of experts in its own C call (kernels/moe_experts.py,
-which decoder.c calls by address), and a layer plan (model_factory/plan.py) of Llama's layers,
-with or without Qwen3's q/k norms (`runs_plan`). It calls the same kernels the per-layer Python
+which decoder.c calls by address), and a layer plan (model_factory/plan.py) it computes
+(`runs_plan`: Llama's, Qwen3's and Gemma 3's layers, each over its own window, RoPE table and KV
+cache group). It calls the same kernels the per-layer Python
 path calls, in the same order, so the two give the same bits (tests/kernels/test_fused_decoder.py);
 it only removes the Python between them, which dominates the small kernels of a one-token decode
 step. `FusedDecoder.build`
@@ -35,15 +36,16 @@ from rtpkv.kernels.int8_linear import Int8Linear, QuantizedLinear
 
 class DecoderModel(Protocol):
     """What the fused decoder reads of a model (model_factory's CausalLM is one): its spec and
-    layer plan, the backbone's embedding, layers and final norm (`model`), the LM head, the RoPE
-    table and the attention backend. The kernels name this shape, not the model's class."""
+    layer plan, the backbone's embedding, layers and final norm (`model`), the LM head, the
+    plan's RoPE tables by name, the embedding scale and the attention backend. The kernels name
+    this shape, not the model's class."""
 
     spec: Any
     plan: Any   # a model_factory/plan.py ModelPlan (data the kernels read; not imported here)
     model: torch.nn.Module
     lm_head: torch.nn.Module
-    cos: torch.Tensor
-    sin: torch.Tensor
+    ropes: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    embedding_scale: Optional[torch.Tensor]
     attention: Any
 
 _P = ctypes.c_void_p
@@ -55,30 +57,40 @@ class LinearArgs(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P),
-                ("qkv", LinearArgs), ("o", LinearArgs), ("gate_up", LinearArgs),
-                ("down", LinearArgs), ("moe", _P), ("k_cache", _P), ("v_cache", _P)]
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("pre_ff_norm", _P), ("post_ff_norm", _P),
+                ("q_norm", _P), ("k_norm", _P), ("cos", _P), ("sin", _P),
+                ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("gelu", _I),
+                ("qkv", LinearArgs),
+                ("o", LinearArgs), ("gate_up", LinearArgs), ("down", LinearArgs), ("moe", _P),
+                ("k_cache", _P), ("v_cache", _P)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I),
                 ("head_dim", _I), ("inter", _I), ("eps", ctypes.c_float),
                 ("linear_kind", _I), ("int8_group", _I), ("panel_rows", _I),
-                ("cos", _P), ("sin", _P), ("final_norm", _P), ("embedding", _P),
+                ("embedding_scale", ctypes.c_float), ("final_softcap", ctypes.c_float),
+                ("final_norm", _P), ("embedding", _P),
                 ("lm_head", LinearArgs), ("vocab", _I)]
+
+
+class _View(ctypes.Structure):
+    _fields_ = [("q_seq", _P), ("q_pos", _P), ("tables", _P), ("max_blocks", _I),
+                ("write_rows", _P), ("window", _I)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("T", _I), ("ids", _P), ("residual", _P), ("out", _P), ("num_logits", _I),
-                ("logit_rows", _P), ("logits", _P), ("positions", _P), ("write_rows", _P),
-                ("attn", _Args), ("tile_start", _P), ("num_tiles", _I),
+                ("logit_rows", _P), ("logits", _P), ("positions", _P),
+                ("attn", _Args), ("views", ctypes.POINTER(_View)), ("num_views", _I),
+                ("layer_view", _P), ("tile_start", _P), ("num_tiles", _I),
                 ("layer", ctypes.POINTER(_Layer)), ("x", _P), ("qkv", _P), ("q", _P),
                 ("att", _P), ("h", _P), ("gate_up", _P), ("act", _P), ("seconds", _P)]
 
 
 class _Burst(ctypes.Structure):
-    _fields_ = [("steps", _I), ("tokens", _P), ("ids", _P), ("positions", _P), ("q_pos", _P),
-                ("write_rows", _P), ("stop_start", _P), ("stop_ids", _P)]
+    _fields_ = [("steps", _I), ("tokens", _P), ("ids", _P), ("positions", _P),
+                ("stop_start", _P), ("stop_ids", _P)]
 
 
 # forwards of at most this many rows (decode batches) keep their scratch for the next: a
@@ -100,32 +112,42 @@ def _library() -> Optional[ctypes.CDLL]:
                          "w8a8_linear", "paged_attention", "moe_experts")
 
 
-def runs_plan(plan: Any, head_dim: int) -> bool:
-    """Whether decoder.c computes `plan`: every layer the same Llama layer (attention without an
-    output gate, two plain RMSNorms of one epsilon, SwiGLU, the 1/sqrt(head_dim) scale, no
-    soft-cap, no attention sinks, one RoPE table and one window; q/k norms or none; no residual
-    scale), no embedding scale, no final soft-cap, logit scale nor logits divisor. Any other plan
-    is refused whole: the C code has no op for the rest (Gemma's offset and sandwich norms, GeGLU,
-    soft-caps, per-layer windows and RoPE tables, sinks, Cohere's LayerNorm and parallel block,
-    recurrent layers, attention without RoPE, Granite's multipliers)."""
-    first = plan.layers[0]
-    attention = first.attention
-    return (all(layer == first for layer in plan.layers) and len(plan.ropes) == 1
-            and first.mixer == "attention" and not attention.output_gate
-            and not first.sandwich and not first.parallel and first.mlp == "silu"
-            and not first.norm.offset and not first.norm.centered
-            and plan.final_norm == first.norm and attention.softcap is None
-            and not attention.sinks and attention.rope is not None
-            and attention.scale == head_dim ** -0.5
-            and first.residual_scale is None
-            and plan.embedding_scale is None and plan.final_softcap is None
-            and plan.logit_scale is None and plan.logits_divisor is None)
+# the layer plan's MLP kinds decoder.c computes, as its `gelu` flag
+MLP_KINDS = {"silu": 0, "gelu_tanh": 1}
+
+
+def runs_plan(plan: Any) -> bool:
+    """Whether decoder.c computes `plan`. Per layer it takes Llama's two norms or Gemma's four,
+    plain or (1 + w) (the same RMSNorm over a weight holding 1 + w), SwiGLU or GeGLU, any softmax
+    scale, q/k norms or none, any of the plan's RoPE tables and any window (each layer's
+    attention metadata gives its window and its KV cache group's tables); and an embedding
+    scale, and Gemma 2's soft-caps of attention scores (the paged kernel's, as the per-layer
+    path's cpu-paged backend computes them) and of the logits (activation.soft_cap's C kernel).
+    It needs one epsilon for every norm: a plan with norms of two is refused whole, as is one
+    with what the C code has no op for (recurrent layers, attention output gates, attention
+    sinks, Cohere's LayerNorm, parallel block and logit scale, layers without RoPE, Granite's
+    residual scale and logits divisor)."""
+    eps = plan.final_norm.eps
+    return (all(layer.mlp in MLP_KINDS and layer.norm.eps == eps
+                and layer.mixer == "attention" and not layer.attention.output_gate
+                and not layer.parallel and not layer.norm.centered
+                and not layer.attention.sinks and layer.attention.rope is not None
+                and layer.residual_scale is None
+                for layer in plan.layers)
+            and not plan.final_norm.centered and plan.logit_scale is None
+            and plan.logits_divisor is None)
 
 
 def _sparse(mlp: torch.nn.Module) -> bool:
     """Whether a layer's MLP is a mixture of experts (model_factory/moe.py's SparseMoe, whose
     `kernel` is the layer's C call, or None where it has none)."""
     return hasattr(mlp, "experts")
+
+
+def _norm_weight(norm: torch.nn.Module) -> int:
+    """The address of the float32 weight the RMSNorm multiplies by: a (1 + w) norm's 1 + w
+    (model_factory/llama.py's RMSNorm.scale), else its weight."""
+    return (norm.weight if norm.scale is None else norm.scale).data_ptr()
 
 
 def linear_args(layer: torch.nn.Module) -> LinearArgs:
@@ -145,7 +167,6 @@ class FusedDecoder:
         self.hidden, self.heads, self.kv_heads = spec.hidden_size, spec.num_heads, spec.num_kv_heads
         self.head_dim, inter = spec.head_dim, spec.intermediate_size
         self.vocab = spec.vocab_size
-        self.scale = backbone.layers[0].self_attn.scale
         q_size = self.heads * self.head_dim
         # a forward's scratch, T rows each of x, qkv, q, attention out, h, gate_up, act, in one
         # buffer: where each starts, in floats per row of T, and the floats per row of all
@@ -159,9 +180,10 @@ class FusedDecoder:
             len(backbone.layers), self.hidden, self.heads, self.kv_heads, self.head_dim,
             inter, spec.rms_norm_eps, kind,
             first.group_size if isinstance(first, Int8Linear) else 0,   # LINEAR_INT8's only
-            panel_rows,
-            module.cos.data_ptr(), module.sin.data_ptr(), backbone.norm.weight.data_ptr(),
-            backbone.embed_tokens.weight.data_ptr(), linear_args(module.lm_head), self.vocab)
+            panel_rows, 0.0 if module.embedding_scale is None else module.embedding_scale.item(),
+            module.plan.final_softcap or 0.0,
+            _norm_weight(backbone.norm), backbone.embed_tokens.weight.data_ptr(),
+            linear_args(module.lm_head), self.vocab)
         # the last layer table made, with the addresses of the K/V caches it points into
         self._table: Optional[tuple[tuple[int, ...], ctypes.Array]] = None
         # each thread's float32 buffer for `logits` (residual, final hidden and scratch rows),
@@ -191,7 +213,7 @@ class FusedDecoder:
             and isinstance(module.attention, CpuPagedAttention)
             and all(layer.mlp.kernel is not None for layer in backbone.layers
                     if _sparse(layer.mlp))
-            and runs_plan(module.plan, spec.head_dim)
+            and runs_plan(module.plan)
             and len({m.path for m in linears}) == 1 and linears[0].path in LINEAR_KINDS
             and spec.head_dim % fused_ops.ROPE_MULTIPLE == 0
             and spec.hidden_size % fused_ops.ROW_MULTIPLE == 0
@@ -211,13 +233,22 @@ class FusedDecoder:
         if cached is None or cached[0] != key:
             layers = self.module.model.layers
             table = (_Layer * len(layers))()
-            for entry, layer, (k_cache, v_cache) in zip(table, layers, kv_caches):
+            plans = self.module.plan.layers
+            for entry, layer, plan, (k_cache, v_cache) in zip(table, layers, plans, kv_caches):
                 attn, mlp = layer.self_attn, layer.mlp
-                entry.input_norm = layer.input_layernorm.weight.data_ptr()
-                entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-                if attn.qk_norm:
-                    entry.q_norm = attn.q_norm.weight.data_ptr()
-                    entry.k_norm = attn.k_norm.weight.data_ptr()
+                entry.input_norm = _norm_weight(layer.input_layernorm)
+                entry.post_norm = _norm_weight(layer.post_attention_layernorm)
+                if plan.sandwich:
+                    entry.pre_ff_norm = _norm_weight(layer.pre_feedforward_layernorm)
+                    entry.post_ff_norm = _norm_weight(layer.post_feedforward_layernorm)
+                if plan.attention.qk_norm:
+                    entry.q_norm = _norm_weight(attn.q_norm)
+                    entry.k_norm = _norm_weight(attn.k_norm)
+                cos, sin = self.module.ropes[plan.attention.rope]
+                entry.cos, entry.sin = cos.data_ptr(), sin.data_ptr()
+                entry.scale = plan.attention.scale
+                entry.softcap = plan.attention.softcap or 0.0
+                entry.gelu = MLP_KINDS[plan.mlp]
                 entry.qkv, entry.o = linear_args(attn.qkv), linear_args(attn.o_proj)
                 if _sparse(mlp):
                     entry.moe = mlp.kernel.address
@@ -228,19 +259,41 @@ class FusedDecoder:
             cached = self._table = (key, table)
         return cached[1]
 
+    def _views(self, metas: Sequence[CpuMetadata]) -> tuple[ctypes.Array, ctypes.Array]:
+        """The distinct views among the layers' `metas` (a model of one window and one KV cache
+        group has one) and each layer's index into them."""
+        index: dict[int, int] = {}
+        distinct: list[CpuMetadata] = []
+        order = []
+        for meta in metas:
+            i = index.get(id(meta))
+            if i is None:
+                i = index[id(meta)] = len(distinct)
+                distinct.append(meta)
+            order.append(i)
+        views = (_View * len(distinct))(*(
+            _View(m.row_seq_at, m.positions_at, m.tables_at, m.width, m.write_rows_at, m.window)
+            for m in distinct))
+        return views, (_I * len(order))(*order)
+
     def _step(self, T: int, positions: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-              meta: CpuMetadata, residual: int, out: int, scratch: int, ids: Optional[int] = None,
-              logit_rows: Optional[int] = None, num_logits: int = 0,
+              metas: Sequence[CpuMetadata], residual: int, out: int, scratch: int,
+              ids: Optional[int] = None, logit_rows: Optional[int] = None, num_logits: int = 0,
               logits: Optional[int] = None) -> _Step:
         """One C forward's arguments over addresses: `positions`, `ids` and `logit_rows` of
-        int64 values, `scratch` of T * scratch_width floats."""
-        attn = kernel_args(meta, T, self.heads, self.kv_heads, self.head_dim, self.scale,
+        int64 values, `scratch` of T * scratch_width floats; `metas` each layer's (the batch's
+        rows and tiles are the same in all of them)."""
+        first = metas[0]
+        attn = kernel_args(first, T, self.heads, self.kv_heads, self.head_dim, 0.0,
                            bf16=False, kv_int8=kv_caches[0][0].dtype == torch.int8)
-        return _Step(T, ids, residual, out, num_logits, logit_rows, logits, positions,
-                     meta.write_rows_at, attn, meta.tile_start_at, meta.num_tiles,
-                     self._layer_table(kv_caches),
+        views, layer_view = self._views(metas)
+        step = _Step(T, ids, residual, out, num_logits, logit_rows, logits, positions, attn,
+                     views, len(views), ctypes.addressof(layer_view), first.tile_start_at,
+                     first.num_tiles, self._layer_table(kv_caches),
                      *(scratch + 4 * T * start for start in self.scratch_starts),
                      ptr(self.seconds))
+        step.layer_view_array = layer_view   # held as long as the step
+        return step
 
     def _buffer(self, T: int, floats: int) -> torch.Tensor:
         """A float32 buffer of at least `floats` floats: this thread's, kept for forwards of up
@@ -254,21 +307,22 @@ class FusedDecoder:
 
     def forward(self, residual: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: CpuMetadata) -> torch.Tensor:
-        """residual: (T, hidden) embeddings (updated in place); returns the final hidden states."""
+                metas: Sequence[CpuMetadata]) -> torch.Tensor:
+        """residual: (T, hidden) embeddings, scaled (updated in place); returns the final hidden
+        states. `metas`: each layer's attention metadata."""
         T = residual.shape[0]
         buffer = residual.new_empty(T * self.scratch_width)
         out = residual.new_empty(T, self.hidden)
         # the C code reads int64 (the per-layer path takes any integer dtype); no copy when so
         positions = positions.to(torch.int64).contiguous()
-        step = self._step(T, positions.data_ptr(), kv_caches, meta, residual.data_ptr(),
+        step = self._step(T, positions.data_ptr(), kv_caches, metas, residual.data_ptr(),
                           out.data_ptr(), buffer.data_ptr())
         self.lib.rtpkv_decoder_forward(ctypes.byref(self.model), ctypes.byref(step))
         return out
 
     def _from_ids(self, ids: Sequence[int], positions: Sequence[int],
-                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: CpuMetadata,
-                  rows: Sequence[int], logits: torch.Tensor
+                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                  metas: Sequence[CpuMetadata], rows: Sequence[int], logits: torch.Tensor
                   ) -> tuple[_Step, array, torch.Tensor]:
         """The arguments of a forward from token `ids` at `positions` to the LM head's logits
         of `rows`, on this thread's scratch; with the int64 array of ids, positions and rows
@@ -280,33 +334,34 @@ class FusedDecoder:
         ints.extend(positions)
         ints.extend(rows)
         address, size = ints.buffer_info()[0], ints.itemsize
-        step = self._step(T, address + size * T, kv_caches, meta, base, base + 4 * T * E,
+        step = self._step(T, address + size * T, kv_caches, metas, base, base + 4 * T * E,
                           base + 8 * T * E, ids=address, logit_rows=address + size * 2 * T,
                           num_logits=len(rows), logits=logits.data_ptr())
         return step, ints, buffer
 
     def logits(self, ids: Sequence[int], positions: Sequence[int],
-               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: CpuMetadata,
-               rows: Sequence[int]) -> torch.Tensor:
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+               metas: Sequence[CpuMetadata], rows: Sequence[int]) -> torch.Tensor:
         """The LM head's float32 logits (len(rows), vocab) of `rows` of this forward over token
         `ids` at `positions`. Unchecked here (CausalLM.forward_logits checks): ids below the
         vocabulary's size, one position per id, at most len(ids) rows, each below it."""
         logits = torch.empty(len(rows), self.vocab, dtype=torch.float32)
-        step, _ints, _buffer = self._from_ids(ids, positions, kv_caches, meta, rows, logits)
+        step, _ints, _buffer = self._from_ids(ids, positions, kv_caches, metas, rows, logits)
         self.lib.rtpkv_decoder_forward(ctypes.byref(self.model), ctypes.byref(step))
         return logits
 
     def generate(self, ids: Sequence[int], positions: Sequence[int],
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: CpuMetadata,
-                 steps: int, stops: Sequence[Sequence[int]]) -> list[list[int]]:
-        """Up to `steps` greedy decode steps of len(ids) sequences, one row each (`meta` built
-        for the first step, its block tables covering every position the steps reach; its
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 metas: Sequence[CpuMetadata], steps: int,
+                 stops: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Up to `steps` greedy decode steps of len(ids) sequences, one row each (`metas` built
+        for the first step, their block tables covering every position the steps reach; their
         positions and write rows are advanced in place): each step's arg-max tokens, a list per
         step, in row order; each step's logits overwrite the last's. Stops early once every row
         has produced one of its `stops`. Unchecked here (CausalLM.generate checks)."""
         T = len(ids)
         logits = torch.empty(T, self.vocab, dtype=torch.float32)   # not kept: vocab-sized
-        step, ints, _buffer = self._from_ids(ids, positions, kv_caches, meta, range(T), logits)
+        step, ints, _buffer = self._from_ids(ids, positions, kv_caches, metas, range(T), logits)
         stop = array("q", [0])
         for row in stops:
             stop.append(stop[-1] + len(row))
@@ -314,8 +369,8 @@ class FusedDecoder:
             stop.extend(row)
         tokens = array("q", bytes(8 * steps * T))
         address, stop_at = ints.buffer_info()[0], stop.buffer_info()[0]
-        burst = _Burst(steps, tokens.buffer_info()[0], address, address + 8 * T,
-                       meta.positions_at, meta.write_rows_at, stop_at, stop_at + 8 * (T + 1))
+        burst = _Burst(steps, tokens.buffer_info()[0], address, address + 8 * T, stop_at,
+                       stop_at + 8 * (T + 1))
         done = self.lib.rtpkv_decoder_generate(ctypes.byref(self.model), ctypes.byref(step),
                                                ctypes.byref(burst))
         return [tokens[i * T:(i + 1) * T].tolist() for i in range(done)]

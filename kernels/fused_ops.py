@@ -1,8 +1,8 @@
 """Bindings of csrc/fused_ops.c: RMSNorm (with the residual add), SiLU-and-mul, gpt-oss's
-clamped SwiGLU and RoPE as one
-pass each over memory on the CPU, the int8 KV cache's quantized write, and the greedy pick.
-`library()` is None where the C kernels cannot be built; the callers in norm.py, activation.py,
-rope.py and kv_quant.py then run their torch reference, `argmax` torch's."""
+clamped SwiGLU, GELU-and-mul and RoPE as one pass each over memory on the CPU, the int8 KV
+cache's quantized write, the greedy pick and the logit soft-cap. `library()` is None where the
+C kernels cannot be built; the callers in norm.py, activation.py, rope.py and kv_quant.py then
+run their torch reference, `argmax` torch's."""
 
 from __future__ import annotations
 
@@ -22,9 +22,11 @@ _SIGNATURES: Signatures = {
     "rtpkv_silu_and_mul": ([_P, _P, _I, _I, ctypes.c_int], None),
     "rtpkv_clamped_swiglu": ([_P, _P, _I, _I, ctypes.c_float, ctypes.c_float, ctypes.c_int],
                              None),
+    "rtpkv_gelu_tanh_and_mul": ([_P, _P, _I, _I, ctypes.c_int], None),
     "rtpkv_rope": ([_P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int], None),
     "rtpkv_write_kv_int8": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_int], None),
     "rtpkv_argmax": ([_P, _I, _I, _P], None),
+    "rtpkv_softcap": ([_P, _I, ctypes.c_float], None),
 }
 
 
@@ -32,7 +34,7 @@ def library() -> Optional[ctypes.CDLL]:
     return bound_library("fused_ops", _SIGNATURES)
 
 
-ROW_MULTIPLE = 8    # the fused ops' rows: whole vectors of 8 floats (RMSNorm, SiLU-and-mul)
+ROW_MULTIPLE = 8    # the fused ops' rows: whole vectors of 8 floats (RMSNorm, the gated MLPs)
 ROPE_MULTIPLE = 16  # RoPE's head dim: two halves of whole vectors
 
 

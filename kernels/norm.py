@@ -48,8 +48,12 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rms_norm_float_weight(x: torch.Tensor, weight: torch.Tensor, eps: float,
                           residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Gemma's order: the normalized input times a float32 `weight` in float32, then one
-    rounding to x's dtype; transformers' torch ops, so its bits (the C kernel's sum of squares
-    differs in the last bit, which is enough to move a W8A8 activation by a quantization step)."""
+    rounding to x's dtype. For float32 x that is rms_norm's product (the rounding is none), so
+    the C kernel computes it where it takes the tensors: the fused decoder calls the same kernel
+    (kernels/fused_decoder.py), so the two paths share its bits. Otherwise transformers' torch
+    ops."""
+    if x.dtype == torch.float32:
+        return rms_norm(x, weight, eps, residual)
     if residual is not None:
         residual.add_(x)
         x = residual

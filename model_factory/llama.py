@@ -25,7 +25,8 @@ from torch import nn
 from rtpkv.kernels import (AttentionBackend, AttentionBatch, apply_rope_, attention_backend,
                            rms_norm, rope_table, silu_and_mul)
 from rtpkv.kernels import weight_types
-from rtpkv.kernels.activation import clamped_swiglu, clamped_swiglu_and_mul, gelu_tanh_and_mul
+from rtpkv.kernels.activation import (clamped_swiglu, clamped_swiglu_and_mul, gelu_tanh_and_mul,
+                                     soft_cap)
 from rtpkv.kernels.norm import layer_norm_no_bias, rms_norm_float_weight
 from rtpkv.kernels.fused_decoder import FusedDecoder
 from rtpkv.kernels.gated_delta import sigmoid_gate_
@@ -392,8 +393,8 @@ class CausalLM(nn.Module):
         residual = self.model.embed_tokens(input_ids)   # the residual stream, added to in place
         if self.embedding_scale is not None:
             residual = residual * self.embedding_scale
-        if self.fused is not None:   # it runs one window only: every layer's meta is the same
-            return self.fused.forward(residual, positions, kv_caches, meta[0])
+        if self.fused is not None:
+            return self.fused.forward(residual, positions, kv_caches, meta)
         h = None
         for layer, plan, kv, layer_meta in zip(self.model.layers, self.plan.layers, kv_caches,
                                                meta):
@@ -408,7 +409,7 @@ class CausalLM(nn.Module):
             logits = logits * self.plan.logit_scale
         cap = self.plan.final_softcap
         if cap is not None:   # in the model's dtype, as transformers
-            logits = torch.tanh(logits / cap) * cap
+            logits = soft_cap(logits, cap)
         if self.plan.logits_divisor is not None:
             logits = logits / self.plan.logits_divisor
         return logits.float()
@@ -424,7 +425,7 @@ class CausalLM(nn.Module):
             if rows and not (len(rows) <= len(ids) and 0 <= min(rows) <= max(rows) < len(ids)):
                 raise IndexError(f"logit rows {min(rows)}..{max(rows)} ({len(rows)} of them) "
                                  f"are not rows of a forward of {len(ids)} tokens")
-            return self.fused.logits(ids, positions, kv_caches, meta[0], rows)
+            return self.fused.logits(ids, positions, kv_caches, meta, rows)
         device = self.cos.device
         hidden = self.forward(torch.tensor(ids, device=device),
                               torch.tensor(positions, device=device), kv_caches, meta)
@@ -434,22 +435,25 @@ class CausalLM(nn.Module):
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: list[Any], steps: int,
                  stops: list[list[int]]) -> list[list[int]]:
         """Up to `steps` greedy decode steps of one token per sequence in one C call
-        (FusedDecoder.generate, `meta` built for the first step with tables covering the last):
+        (FusedDecoder.generate, `meta` built for the first step with tables covering the last,
+        each layer's):
         each step's arg-max tokens; fewer steps once every row has met one of its `stops`.
         Only where the fused decoder runs."""
         if self.fused is None:
             raise RuntimeError("decode steps in one call need the fused CPU decoder")
-        meta = meta[0]   # the fused decoder runs one window: every layer's is the same
-        lengths = meta.table_lengths
-        if not (len(ids) == len(stops) == len(lengths) == meta.T and steps >= 1):
-            raise ValueError(f"{len(ids)} ids, {len(stops)} stop lists, {len(lengths)} block "
-                             f"tables, {meta.T} rows and {steps} steps")
+        distinct = {id(m): m for m in meta}.values()   # one per window and KV cache group
+        for layer_meta in distinct:
+            lengths = layer_meta.table_lengths
+            if not (len(ids) == len(stops) == len(lengths) == layer_meta.T and steps >= 1):
+                raise ValueError(f"{len(ids)} ids, {len(stops)} stop lists, {len(lengths)} "
+                                 f"block tables, {layer_meta.T} rows and {steps} steps")
         self.check_ids(ids, [p + steps - 1 for p in positions])   # the last step's positions
-        B = meta.block_size
-        for row, (position, length) in enumerate(zip(positions, lengths)):
-            if (position + steps - 1) // B >= length:   # the C loop writes K/V at each position
-                raise IndexError(f"row {row}: {steps} steps from position {position} pass the "
-                                 f"end of its block table ({length} blocks of {B})")
+        for layer_meta in distinct:   # the C loop writes K/V at each position, in every group
+            B = layer_meta.block_size
+            for row, (position, length) in enumerate(zip(positions, layer_meta.table_lengths)):
+                if (position + steps - 1) // B >= length:
+                    raise IndexError(f"row {row}: {steps} steps from position {position} pass "
+                                     f"the end of its block table ({length} blocks of {B})")
         return self.fused.generate(ids, positions, kv_caches, meta, steps, stops)
 
     def check_ids(self, ids: list[int], positions: list[int]) -> None:

@@ -1,10 +1,10 @@
 /* The elementwise steps of a decoder layer fused into one pass each over memory: RMSNorm (with
- * the residual add before it), SiLU(gate) * up, RoPE in place, and the int8 KV cache's quantized
- * write. Rows are independent and each is computed the same way whatever the number of rows, so
- * these keep batch invariance. Values are float32 or bfloat16; bfloat16 results are rounded (to
- * nearest even) where torch's ops round them, so the numbers follow the torch reference of
- * kernels/norm.py, rope.py, activation.py and kv_quant.py (RoPE and the int8 write bit for bit,
- * the others to float32 rounding).
+ * the residual add before it), SiLU(gate) * up, GELU(gate) * up, RoPE in place, and the int8
+ * KV cache's quantized write. Rows are independent and each is computed the same way whatever
+ * the number of rows, so these keep batch invariance. Values are float32 or bfloat16; bfloat16
+ * results are rounded (to nearest even) where torch's ops round them, so the numbers follow the
+ * torch reference of kernels/norm.py, rope.py, activation.py and kv_quant.py (RoPE and the
+ * int8 write bit for bit, the others to float32 rounding).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -131,6 +131,41 @@ void rtpkv_clamped_swiglu(const void *gate_up, void *out, int64_t rows, int64_t 
                    bf16);
         }
     }
+}
+
+/* out[r] = gelu(gate_up[r][:inter]) * gate_up[r][inter:] with GELU's tanh approximation
+ * (transformers' gelu_pytorch_tanh): 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3),
+ * computed as g / (1 + exp(-2y)), the same value without tanh's cancellation near -1. */
+void rtpkv_gelu_tanh_and_mul(const void *gate_up, void *out, int64_t rows, int64_t inter,
+                             int bf16) {
+    const v8 one = _mm256_set1_ps(1.0f), cubic = _mm256_set1_ps(0.044715f);
+    const v8 minus_two_c = _mm256_set1_ps(-2.0f * 0.7978845608028654f);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < inter; i += 8) {
+            const v8 g = load8(gate_up, r * 2 * inter + i, bf16);
+            const v8 u = load8(gate_up, r * 2 * inter + inter + i, bf16);
+            const v8 inner = _mm256_fmadd_ps(_mm256_mul_ps(cubic, g), _mm256_mul_ps(g, g), g);
+            const v8 e = exp8(_mm256_mul_ps(minus_two_c, inner));
+            const v8 gelu = as_dtype(_mm256_div_ps(g, _mm256_add_ps(one, e)), bf16);
+            store8(out, r * inter + i, _mm256_mul_ps(gelu, u), bf16);
+        }
+    }
+}
+
+/* x = cap * tanh(x / cap) in place over n float32 values (Gemma 2's final logit soft-cap): each
+ * value computed alone (vec_math.h's softcap8), the last n % 8 through a padded vector. */
+void rtpkv_softcap(float *x, int64_t n, float cap) {
+    const v8 c = _mm256_set1_ps(cap);
+    const int64_t whole = n - n % 8;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < whole; i += 8)
+        _mm256_storeu_ps(x + i, softcap8(_mm256_loadu_ps(x + i), c));
+    if (whole == n) return;
+    float tail[8] = {0};
+    memcpy(tail, x + whole, (size_t)(n - whole) * sizeof(float));
+    _mm256_storeu_ps(tail, softcap8(_mm256_loadu_ps(tail), c));
+    memcpy(x + whole, tail, (size_t)(n - whole) * sizeof(float));
 }
 
 /* Rotates heads [0, heads) of each token in place: x1 * cos - x2 * sin, x2 * cos + x1 * sin

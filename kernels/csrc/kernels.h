@@ -13,10 +13,13 @@ void rtpkv_rms_norm(const void *x, void *residual, const void *weight, void *out
 void rtpkv_head_norm(float *x, int64_t T, int64_t stride, int64_t heads, int64_t dim,
                      const float *weight, float eps);
 void rtpkv_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int bf16);
+void rtpkv_gelu_tanh_and_mul(const void *gate_up, void *out, int64_t rows, int64_t inter,
+                             int bf16);
 void rtpkv_rope(void *q, void *k, int64_t tokens, int64_t q_heads, int64_t k_heads,
                 int64_t q_stride, int64_t k_stride, int64_t dim, const void *cos, const void *sin,
                 const int64_t *positions, int bf16);
 void rtpkv_argmax(const float *x, int64_t rows, int64_t cols, int64_t *out);
+void rtpkv_softcap(float *x, int64_t n, float cap);
 void rtpkv_write_kv_int8(const void *k, const void *v, int8_t *k_cache, int8_t *v_cache,
                          const int64_t *rows, int64_t T, int64_t KVH, int64_t D, int64_t k_stride,
                          int64_t v_stride, int bf16);

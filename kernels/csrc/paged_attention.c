@@ -11,7 +11,8 @@
  *   p_c     = for each c < 8, an fma chain over d = c, c + 8, c + 16, ... < D in order, from 0:
  *             p_c = fma(q[d], k[j][d], p_c);
  *   score_j = ((p_0 + p_1) + (p_2 + p_3)) + ((p_4 + p_5) + (p_6 + p_7));
- *   x_j     = score_j * scale, or -inf outside the query's keys [first, valid);
+ *   x_j     = score_j * scale (with a soft-cap c: c * tanh(score_j * scale / c), vec_math.h's
+ *             softcap8, or its 16-lane softcap16), or -inf outside the query's keys [first, valid);
  *   m'      = max(m, x_0, x_1, ...);  z = (m' == -inf ? 0 : m');  alpha = exp(m - z);
  *   w_j     = exp(x_j - z);  sum = ((0 + w_0) + w_1) + ...;  l = fma(l, alpha, sum);
  *   acc[d]  = acc[d] * alpha, then the chain acc[d] = fma(w_j, v[j][d], acc[d]) over j in order;
@@ -92,6 +93,7 @@ typedef __m512i ivec;
 #define ild(p) _mm512_loadu_si512((const void *)(p))
 #define iset1 _mm512_set1_epi32
 #define isub _mm512_sub_epi32
+#define vsoftcap softcap16
 
 static inline vec vexp_nonpos(vec x) {
     const vec low = vset1(-87.0f);
@@ -131,6 +133,7 @@ typedef __m256i ivec;
 #define isub _mm256_sub_epi32
 
 #define vexp_nonpos exp_nonpos
+#define vsoftcap softcap8
 
 static inline vec zero_if_ninf(vec m) {
     return _mm256_andnot_ps(_mm256_cmp_ps(m, vset1(-INFINITY), _CMP_EQ_OQ), m);
@@ -221,7 +224,7 @@ static inline __attribute__((always_inline)) void qk_chain(
  * over the keys (for blocks no row masks). */
 static inline __attribute__((always_inline)) void qk_tile(
         const float *qT, int64_t NQP, int64_t i0, const float *k, int64_t D, float *sT, vec scale,
-        float *mx, const int QV, const int NK) {
+        const float *cap, float *mx, const int QV, const int NK) {
     vec a[2][NK_MAX], b[2][NK_MAX], pair[2][NK_MAX], low[2][NK_MAX];
 #define CHAINS(c) qk_chain(qT, NQP, i0, k, D, c, a, QV, NK); qk_chain(qT, NQP, i0, k, D, c + 1, b, QV, NK)
 #define EACH for (int g = 0; g < QV; g++) for (int j = 0; j < NK; j++)
@@ -233,6 +236,7 @@ static inline __attribute__((always_inline)) void qk_tile(
     EACH pair[g][j] = vadd(a[g][j], b[g][j]);
     CHAINS(6);
     EACH low[g][j] = vmul(vadd(low[g][j], vadd(pair[g][j], vadd(a[g][j], b[g][j]))), scale);
+    if (cap) EACH low[g][j] = vsoftcap(low[g][j], vset1(*cap));
 #undef CHAINS
 #undef EACH
     for (int g = 0; g < QV; g++) {
@@ -246,11 +250,11 @@ static inline __attribute__((always_inline)) void qk_tile(
 }
 
 #define QK_CASE(qv, nk) \
-    case (qv) * 16 + (nk): qk_tile(qT, NQP, i0, k, D, sT + j0 * NQP, scale, mx, qv, nk); break;
+    case (qv) * 16 + (nk): qk_tile(qT, NQP, i0, k, D, sT + j0 * NQP, scale, cap, mx, qv, nk); break;
 
 /* The scaled scores of the n keys of block kb; with `mx`, their running row maxima too. */
 static void qk_lanes(const float *qT, int64_t NQP, const float *kb, int64_t D, int64_t n, float *sT,
-                     vec scale, float *mx) {
+                     vec scale, const float *cap, float *mx) {
     for (int64_t i0 = 0; i0 < NQP; i0 += 2 * LANES) {
         const int qv = NQP - i0 >= 2 * LANES ? 2 : 1;
         for (int64_t j0 = 0; j0 < n; j0 += NK_MAX) {
@@ -358,7 +362,8 @@ static void attend_query_lanes(const attn_args *a, int64_t t0, int64_t nt, int64
         /* A block every row reads whole needs no mask: the scores come scaled, with maxima. */
         const int whole = n == B && min_pos >= p * B + B - 1 && max_lo <= p * B;
         if (whole) memcpy(mnew, m, sizeof(m));
-        qk_lanes(&qT[0][0], NQP, kb, D, n, &sT[0][0], scale, whole ? mnew : NULL);
+        qk_lanes(&qT[0][0], NQP, kb, D, n, &sT[0][0], scale, a->softcap ? &a->softcap : NULL,
+                 whole ? mnew : NULL);
         for (int64_t i0 = 0; i0 < NQP; i0 += LANES) {
             const vec m_old = vld(m + i0);
             vec mx = m_old;
@@ -558,8 +563,9 @@ static void attend_dim_lanes(const attn_args *a, int64_t t0, int64_t nt, int64_t
                 const __m256i in = _mm256_andnot_si256(
                     _mm256_cmpgt_epi32(_mm256_set1_epi32((int)first), jj),
                     _mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), jj));
-                const v8 x = _mm256_blendv_ps(ninf, _mm256_mul_ps(ld(s + j0), scale),
-                                              _mm256_castsi256_ps(in));
+                v8 x = _mm256_mul_ps(ld(s + j0), scale);
+                if (a->softcap) x = softcap8(x, bcast(a->softcap));
+                x = _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(in));
                 st(s + j0, x);
                 mx = _mm256_max_ps(mx, x);
             }

@@ -20,6 +20,7 @@ typedef struct {
     int kv_int8;            /* K/V are int8 rows with their scale; else of q's dtype */
     const float *sinks;     /* (H,) a logit per query head in every softmax's denominator
                              * (attention sinks, gpt-oss); NULL: none */
+    float softcap;          /* scores become softcap * tanh(score / softcap) (Gemma 2); 0: not */
 } attn_args;
 
 void rtpkv_paged_attention(const attn_args *a, const int64_t *tile_start, int64_t num_tiles);

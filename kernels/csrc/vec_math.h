@@ -31,6 +31,17 @@ static inline __m256 exp_clamped(__m256 c) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+/* cap * tanh(x / cap) (Gemma 2's soft-capping of attention scores and logits), tanh(y) as
+ * sign(y) (1 - e) / (1 + e) with e = exp(-2|y|), which keeps its precision at both ends. */
+static inline __m256 softcap8(__m256 x, __m256 cap) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    const __m256 y = _mm256_div_ps(x, cap);
+    const __m256 e = exp_clamped(_mm256_max_ps(
+        _mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_andnot_ps(sign, y)), _mm256_set1_ps(-87.0f)));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    return _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(sign, y)), cap);
+}
+
 #if defined(__AVX512F__)
 /* exp_clamped on 16 lanes: the same operations on each lane, so the same bits. */
 static inline __m512 exp_clamped16(__m512 c) {
@@ -49,6 +60,20 @@ static inline __m512 exp_clamped16(__m512 c) {
     const __m512i e = _mm512_slli_epi32(
         _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* softcap8 on 16 lanes: the same operations on each lane, so the same bits. */
+static inline __m512 softcap16(__m512 x, __m512 cap) {
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 y = _mm512_div_ps(x, cap);
+    const __m512 abs_y = _mm512_castsi512_ps(_mm512_andnot_si512(sign, _mm512_castps_si512(y)));
+    const __m512 e = exp_clamped16(_mm512_max_ps(
+        _mm512_mul_ps(_mm512_set1_ps(-2.0f), abs_y), _mm512_set1_ps(-87.0f)));
+    const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __m512i y_sign = _mm512_and_si512(sign, _mm512_castps_si512(y));
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), y_sign)),
+                         cap);
 }
 #endif
 

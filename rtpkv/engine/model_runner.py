@@ -144,5 +144,5 @@ class ModelRunner:
         its first step writes, so the first step's tables serve them all) in one call: each
         step's tokens, in chunk order (CausalLM.generate)."""
         ids, batch = self.batch(chunks)
-        meta = self.module.attention_metadata(batch)
+        meta = self.module.attention_metadata(batch, self._layer_batches(chunks, batch))
         return self.module.generate(ids, batch.positions, self.kv_caches, meta, steps, stops)

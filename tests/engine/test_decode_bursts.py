@@ -281,3 +281,34 @@ def test_num_scheduler_steps_is_validated(monkeypatch):
     monkeypatch.setenv("NUM_SCHEDULER_STEPS", "65")
     with pytest.raises(ConfigError, match="NUM_SCHEDULER_STEPS='65' is invalid"):
         Settings.from_env()
+
+
+GEMMA_MODES = {"float32": {}, "int8": dict(weight_type="INT8"),
+               "w8a8-int8-kv": dict(weight_type="W8A8_INT8", kv_cache_dtype="int8")}
+
+
+@pytest.mark.parametrize("mode", GEMMA_MODES)
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_runs_in_bursts(make_pipeline, checkpoints, arch, mode):
+    """Gemma's plans on the fused decoder (Gemma 2's soft-caps: the burst's arg-max is over the
+    soft-capped logits, as single steps sample), its sliding layers in a KV cache group of their own
+    (their own block tables, releasing blocks that leave the window): at prompts shorter than,
+    equal to and 3x the window, bursts give each request's single-step tokens, batched as
+    alone, and a rerun over a prompt and its output reuses blocks and gives the tokens of a
+    pipeline without reuse."""
+    from conftest import GEMMA_WINDOW
+
+    prompts = [_ids(n, 30 + n) for n in (GEMMA_WINDOW - 12, GEMMA_WINDOW, 3 * GEMMA_WINDOW)]
+    options = dict(path=checkpoints(arch), seq_size_per_block=8, **GEMMA_MODES[mode])
+    _, alone = _outputs(make_pipeline, 1, prompts, max_new_tokens=40, **options)
+    pipe = make_pipeline(num_scheduler_steps=8, reuse_cache=True, **options)
+    assert pipe.model.module.fused is not None and len(pipe.engine.runner.groups) > 1
+    streams = [pipe(p, generate_config={"top_k": 1, "ignore_eos": True, "max_new_tokens": 40})
+               for p in prompts]
+    assert [list(s)[-1].output_ids for s in streams] == alone
+    assert _bursts(pipe) > 0
+    longer = prompts[2] + alone[2]
+    again = run(pipe, longer, max_new_tokens=12)
+    fresh = make_pipeline(num_scheduler_steps=8, reuse_cache=False, **options)
+    assert again.aux_info["reuse_len"] > 0
+    assert again.output_ids == run(fresh, longer, max_new_tokens=12).output_ids

@@ -1,7 +1,8 @@
 """The fused decoder (kernels/fused_decoder.py) gives the bits of the layers run one by one:
 hidden states and the KV it writes, on a batch of decodes, a chunk after a cached prefix and a
 fresh prompt, for each architecture it takes (qkv bias, tied embeddings, GQA, a window, q/k
-norms, mixtures of experts with a dense layer between or a shared expert), in float32, with int8
+norms, mixtures of experts with a dense layer between or a shared expert, Gemma 3's layer plan
+with each layer's own window and RoPE table, Gemma 2's soft-caps), in float32, with int8
 weights (weight-only and W8A8) and with the int8 KV cache; it is not used where a layer would
 leave the C kernels."""
 
@@ -10,11 +11,11 @@ from dataclasses import replace
 import pytest
 import torch
 from attention_batches import attention_batch
-from conftest import load, run
+from conftest import ARCHITECTURES, load, run
 
 from rtpkv.kernels.fused_decoder import runs_plan
 from rtpkv.kernels.kv_quant import quantize_rows
-from rtpkv.model_factory.plan import LOCAL_ROPE, model_plan
+from rtpkv.model_factory.plan import GATED_DELTA, LOCAL_ROPE, MAMBA2, model_plan
 from rtpkv.model_factory.tiny import build_tiny_checkpoint
 
 from conftest import needs_c_kernels
@@ -30,18 +31,20 @@ SEQS = [(9, 1), (12, 1), (6, 5), (0, 13)]     # (first position, tokens this ste
 ROWS = [0, 1, 6, 19]   # the rows the engine would sample: the last of each sequence
 
 
-def _forward(module, batch, kv, fused):
-    """Hidden states of `batch`, and the KV pool after it, with or without the fused decoder;
-    and the logits of ROWS from `forward_logits`, the engine's call, on a copy of the pool."""
+def _forward(module, batch, kv, fused, layer_batches=None):
+    """Hidden states of `batch` (each layer's view: `layer_batches`), and the KV pool after it,
+    with or without the fused decoder; and the logits of ROWS from `forward_logits`, the
+    engine's call, on a copy of the pool."""
     kept, module.fused = module.fused, (module.fused if fused else None)
     try:
         kv, kv_logits = ([(k.clone(), v.clone()) for k, v in kv] for _ in range(2))
         ids = torch.randint(3, module.spec.vocab_size, (len(batch.positions),),
                             generator=torch.Generator().manual_seed(1))
         with torch.inference_mode():
-            hidden = module(ids, batch.positions_tensor, kv, module.attention_metadata(batch))
+            hidden = module(ids, batch.positions_tensor, kv,
+                            module.attention_metadata(batch, layer_batches))
             logits = module.forward_logits(ids.tolist(), batch.positions, kv_logits,
-                                           module.attention_metadata(batch), ROWS)
+                                           module.attention_metadata(batch, layer_batches), ROWS)
         return hidden, logits, kv
     finally:
         module.fused = kept
@@ -59,6 +62,13 @@ def _forward(module, batch, kv, fused):
     ("qwen2_moe", {"weight_type": "INT8"}, None),        # a shared expert
     ("mixtral", {"kv_cache_dtype": "int8", "weight_type": "W8A8_INT8"}, None),
     ("mixtral", {"weight_type": "BF16"}, None),
+    ("gemma3", {}, None),     # Gemma's plan: per-layer windows and RoPE tables, (1 + w) norms,
+    ("gemma3", {}, 6),        # sandwich norms, GeGLU, q/k norms, the embedding scale
+    ("gemma3", {"weight_type": "INT8"}, None),
+    ("gemma3", {"kv_cache_dtype": "int8", "weight_type": "W8A8_INT8"}, None),
+    ("gemma2", {}, None),     # and soft-caps of attention scores and logits
+    ("gemma2", {"kv_cache_dtype": "int8", "weight_type": "INT8"}, 6),
+    ("gemma2", {"weight_type": "W8A8_INT8"}, None),
 ])
 def test_the_fused_decoder_gives_the_bits_of_the_layers(checkpoints, monkeypatch, arch, options,
                                                         window):
@@ -66,16 +76,23 @@ def test_the_fused_decoder_gives_the_bits_of_the_layers(checkpoints, monkeypatch
     model = load(checkpoints(arch), **options)
     module = model.module
     assert module.fused is not None
+    batch = attention_batch(TABLES, SEQS, BLOCK, NUM_BLOCKS, module.spec.num_kv_heads,
+                            window=window)
+    _check_bits(model, batch)
+
+
+def _check_bits(model, batch, layer_batches=None):
+    """The fused decoder's hidden states, K/V writes and logits are the layers' bits."""
+    module = model.module
     spec = module.spec
-    batch = attention_batch(TABLES, SEQS, BLOCK, NUM_BLOCKS, spec.num_kv_heads, window=window)
     g = torch.Generator().manual_seed(0)
     kv = [(torch.randn(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim, generator=g),
            torch.randn(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim, generator=g))
           for _ in range(spec.num_layers)]
     if model.kv_dtype == torch.int8:
         kv = [(quantize_rows(k), quantize_rows(v)) for k, v in kv]
-    fused, fused_logits, fused_kv = _forward(module, batch, kv, fused=True)
-    layers, layers_logits, layers_kv = _forward(module, batch, kv, fused=False)
+    fused, fused_logits, fused_kv = _forward(module, batch, kv, True, layer_batches)
+    layers, layers_logits, layers_kv = _forward(module, batch, kv, False, layer_batches)
     assert torch.equal(fused, layers)
     for (k1, v1), (k2, v2) in zip(fused_kv, layers_kv):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
@@ -85,12 +102,33 @@ def test_the_fused_decoder_gives_the_bits_of_the_layers(checkpoints, monkeypatch
         assert torch.equal(fused_logits, module.logits(layers[ROWS]))
 
 
+# a sliding KV cache group's block tables: other blocks than TABLES', as many per sequence
+GROUP_TABLES = [[20, 15, 2], [0, 17, 22, 23], [18, 21, 16], [19, 13, 3, 12]]
+
+
+@pytest.mark.parametrize("options", [{}, {"kv_cache_dtype": "int8", "weight_type": "W8A8_INT8"}])
+def test_layers_of_their_own_windows_and_tables_give_the_bits_of_the_layers(
+        tmp_path, monkeypatch, options):
+    """Gemma 3 with a window of 4, inside the batch's contexts, its sliding layers reading and
+    writing other block tables than its full layers (a KV cache group of their own): the fused
+    decoder gives the layers' bits."""
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
+    model = load(build_tiny_checkpoint(tmp_path, **{**ARCHITECTURES["gemma3"],
+                                                    "sliding_window": 4}), **options)
+    module = model.module
+    assert module.fused is not None
+    windows = [layer.attention.window for layer in module.plan.layers]
+    assert set(windows) == {None, 4}
+    batch = attention_batch(TABLES, SEQS, BLOCK, NUM_BLOCKS, module.spec.num_kv_heads)
+    sliding = replace(batch, block_tables=GROUP_TABLES)
+    _check_bits(model, batch, [batch if w is None else sliding for w in windows])
+
+
 @pytest.mark.parametrize("arch,env,options", [
     ("llama", {"RTPKV_LINEAR": "onednn"}, {}),          # a oneDNN GEMM in between
     ("llama", {"RTPKV_ATTENTION": "torch"}, {}),        # the torch attention backend
     ("mixtral", {"RTPKV_LINEAR": "onednn"}, {}),        # experts off the C kernels
-    ("gemma3", {"RTPKV_LINEAR": "avx2"}, {}),           # Gemma's layer plan
-    ("gemma2", {"RTPKV_LINEAR": "avx2"}, {}),           # and soft-capping (the torch backend)
+    ("gemma2", {"RTPKV_ATTENTION": "torch"}, {}),       # soft-capped on the torch backend
     ("llama", {}, {"dtype": "bfloat16"}),
 ])
 def test_the_layers_run_one_by_one_where_one_leaves_the_c_kernels(checkpoints, monkeypatch,
@@ -101,27 +139,42 @@ def test_the_layers_run_one_by_one_where_one_leaves_the_c_kernels(checkpoints, m
 
 
 def test_the_c_decoder_refuses_any_plan_it_does_not_compute(checkpoints):
-    """runs_plan: a Llama plan (one window in every layer included) runs in C; changing any one
-    thing decoder.c has no op for, in one layer or the model, refuses the whole plan."""
-    spec = load(checkpoints("llama")).module.spec
-    plan = model_plan(spec)
-    assert runs_plan(plan, spec.head_dim)
-    layer, attention = plan.layers[0], plan.layers[0].attention
-    windowed = replace(layer, attention=replace(attention, window=32))
-    assert runs_plan(replace(plan, layers=(windowed,) * len(plan.layers)), spec.head_dim)
-    normed = replace(layer, attention=replace(attention, qk_norm=True))
-    assert runs_plan(replace(plan, layers=(normed,) * len(plan.layers)), spec.head_dim)
-    changed = [replace(layer, sandwich=True), replace(layer, mlp="gelu_tanh"),
-               replace(layer, norm=replace(layer.norm, offset=True)), windowed,
-               replace(layer, attention=replace(attention, softcap=5.0)),
-               replace(layer, attention=replace(attention, scale=0.2)),
-               replace(layer, attention=replace(attention, rope=LOCAL_ROPE))]
-    for first in changed:
-        assert not runs_plan(replace(plan, layers=(first,) + plan.layers[1:]), spec.head_dim)
-    assert not runs_plan(replace(plan, embedding_scale=8.0), spec.head_dim)
-    assert not runs_plan(replace(plan, final_softcap=30.0), spec.head_dim)
-    assert not runs_plan(replace(plan, ropes={**plan.ropes, LOCAL_ROPE: spec.rope}),
-                         spec.head_dim)
+    """runs_plan: Llama's and Gemma 2/3's plans run in C, and so does any layer's own window,
+    RoPE table, scale, soft-cap, norm kind or MLP kind; a norm of another epsilon, an MLP kind
+    it has no kernel for, attention sinks, Cohere's centered norm or parallel block, a layer
+    without RoPE, a recurrent mixer, an attention output gate or a residual scale in any one
+    layer refuses the whole plan, as does a logit scale or divisor (gpt-oss's and Cohere2's
+    plans are refused)."""
+    llama, gemma2, gemma3, gpt_oss, cohere2 = (
+        model_plan(load(checkpoints(arch)).module.spec)
+        for arch in ("llama", "gemma2", "gemma3", "gpt_oss", "cohere2"))
+    assert runs_plan(llama) and runs_plan(gemma2) and runs_plan(gemma3)
+    assert not runs_plan(gpt_oss) and not runs_plan(cohere2)
+    layer, attention = llama.layers[0], llama.layers[0].attention
+    taken = [replace(layer, attention=replace(attention, window=32)),
+             replace(layer, attention=replace(attention, qk_norm=True)),
+             replace(layer, sandwich=True), replace(layer, mlp="gelu_tanh"),
+             replace(layer, norm=replace(layer.norm, offset=True)),
+             replace(layer, attention=replace(attention, scale=0.2)),
+             replace(layer, attention=replace(attention, rope=LOCAL_ROPE)),
+             replace(layer, attention=replace(attention, softcap=5.0))]
+    for first in taken:
+        assert runs_plan(replace(llama, layers=(first,) + llama.layers[1:]))
+    assert runs_plan(replace(llama, embedding_scale=8.0, final_softcap=30.0))
+    refused = [replace(layer, norm=replace(layer.norm, eps=layer.norm.eps * 2)),
+               replace(layer, mlp="relu"), replace(layer, parallel=True),
+               replace(layer, norm=replace(layer.norm, centered=True)),
+               replace(layer, attention=replace(attention, sinks=True)),
+               replace(layer, attention=replace(attention, rope=None)),
+               replace(layer, mixer=GATED_DELTA), replace(layer, mixer=MAMBA2),
+               replace(layer, attention=replace(attention, output_gate=True)),
+               replace(layer, residual_scale=0.5)]
+    for plan in (llama, gemma2, gemma3):
+        for first in refused:
+            assert not runs_plan(replace(plan, layers=plan.layers[:1] + (first,)
+                                         + plan.layers[2:]))
+        assert not runs_plan(replace(plan, logit_scale=0.25))
+        assert not runs_plan(replace(plan, logits_divisor=4.0))
 
 
 def test_heads_the_c_rope_does_not_take_run_one_by_one(tmp_path, monkeypatch):

@@ -1,15 +1,16 @@
-"""The C kernels of the CPU fast path agree with their torch references: the fused RMSNorm,
-SiLU-and-mul and RoPE, the greedy arg-max, and the attention kernel's two vectorisations (query
-rows in the lanes for prefill tiles, the head dimension in the lanes for decodes), which must
-give the same bits for a token."""
+"""The C kernels of the CPU fast path agree with their torch references: the fused RMSNorm
+(Gemma's (1 + w) one in float32 too: the same kernel), SiLU-and-mul, GELU-and-mul and RoPE, the
+greedy arg-max, and the attention kernel's two vectorisations (query rows in the lanes for
+prefill tiles, the head dimension in the lanes for decodes), which must give the same bits for
+a token."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from rtpkv.kernels import AttentionBatch, attention_backend, fused_ops
-from rtpkv.kernels.activation import silu_and_mul
-from rtpkv.kernels.norm import rms_norm, rms_norm_reference
+from rtpkv.kernels.activation import gelu_tanh_and_mul, silu_and_mul, soft_cap
+from rtpkv.kernels.norm import rms_norm, rms_norm_float_weight, rms_norm_reference
 from rtpkv.kernels.rope import apply_rope_, rope_table
 
 from conftest import needs_c_kernels
@@ -50,6 +51,45 @@ def test_silu_and_mul_matches_torch(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_matches_torch(dtype):
+    """Gates far in both tails included (exp saturating to 0 and to infinity)."""
+    gate_up = _randn(19, 2 * 48, dtype=dtype) * 4
+    gate_up[0, :8] = torch.tensor([-120.0, -60.0, -9.0, -1e-3, 0.0, 1e-3, 9.0, 120.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(gelu_tanh_and_mul(gate_up), F.gelu(gate, approximate="tanh") * up,
+                               **tol)
+
+
+def test_the_soft_cap_matches_torch():
+    """Gemma 2's logit soft-cap on float32 (a length that leaves a tail of 5), saturating far
+    out, exact at 0 and odd; other dtypes run transformers' torch ops."""
+    x = _randn(3, 101, dtype=torch.float32) * 40
+    x[0, :6] = torch.tensor([-1e4, -1e-6, 0.0, 1e-6, 1e4, 30.0])
+    ours = soft_cap(x, 30.0)
+    torch.testing.assert_close(ours, torch.tanh(x / 30.0) * 30.0, atol=1e-5, rtol=1e-6)
+    assert ours[0, 2] == 0 and ours[0, 0] == -30.0 and ours[0, 4] == 30.0
+    assert torch.equal(soft_cap(-x, 30.0), -ours)
+    assert torch.equal(soft_cap(x[:, 3:40].contiguous(), 30.0), ours[:, 3:40])   # lane-free
+    half = x.to(torch.bfloat16)
+    assert torch.equal(soft_cap(half, 30.0), torch.tanh(half / 30.0) * 30.0)
+
+
+def test_the_offset_norm_is_transformers_formula():
+    """Gemma's (1 + w) RMSNorm on float32, the C kernel over the float32 1 + w: transformers'
+    torch ops (normalize, multiply by 1 + w in float32) to float32 rounding, the residual add
+    bit for bit."""
+    x, w, res = (_randn(37, 64, dtype=torch.float32, seed=s) for s in (0, 1, 2))
+    scale = 1.0 + w
+    ours_res, ref_res = res.clone(), res.clone()
+    ours = rms_norm_float_weight(x, scale, 1e-6, ours_res)
+    ref_res.add_(x)
+    ref = ref_res * torch.rsqrt(ref_res.pow(2).mean(-1, keepdim=True) + 1e-6) * scale
+    assert torch.equal(ours_res, ref_res)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_in_place_on_views_of_the_fused_qkv_is_the_torch_rotation_bit_for_bit(dtype):
     T, H, KVH, D = 9, 4, 2, 32
     cos, sin = rope_table(1.0 / (10000 ** (torch.arange(0, D, 2) / D)), 64, dtype, CPU)
@@ -80,25 +120,33 @@ def _one_sequence(positions: list[int], window=None) -> AttentionBatch:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("window", [None, 13])
+@pytest.mark.parametrize("window,softcap", [(None, None), (13, None), (None, 0.5), (13, 0.5)])
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_a_token_computed_in_a_prefill_tile_or_as_a_decode_gives_the_same_bits(dtype, window,
-                                                                               head_dim):
+def test_a_token_computed_in_a_prefill_tile_or_as_a_decode_gives_the_same_bits(
+        dtype, window, softcap, head_dim):
     """A 20-token chunk after a 25-token prefix (tiles of 16 and 4 tokens, 32 and 8 query rows:
     query rows in the lanes, blocks read whole or masked) and each of its tokens alone as a decode
     (2 query rows: the head dimension in the lanes) read the same cache and give identical
-    outputs."""
+    outputs; with Gemma 2's soft-cap (small, so that it bends the scores), close to the torch
+    backend's."""
     kernel = attention_backend(CPU, dtype, head_dim, "cpu-paged")
     caches = [_randn(KVH * NUM_BLOCKS * B, head_dim, dtype=dtype, seed=s) for s in (3, 4)]
     T, start = 20, 25
     q, k, v = (_randn(T, h, head_dim, dtype=dtype, seed=s) for h, s in ((H, 5), (KVH, 6), (KVH, 7)))
     chunk = _one_sequence(list(range(start, start + T)), window)
-    together = kernel.forward(q, k, v, *caches, kernel.build(chunk), head_dim ** -0.5)
+    ref_caches = [c.clone() for c in caches]
+    together = kernel.forward(q, k, v, *caches, kernel.build(chunk), head_dim ** -0.5, softcap)
     for i in range(T):
         alone = _one_sequence([start + i], window)
         out = kernel.forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], *caches, kernel.build(alone),
-                             head_dim ** -0.5)
+                             head_dim ** -0.5, softcap)
         assert torch.equal(out, together[i:i + 1]), f"token {i}"
+    if softcap is not None:
+        torch_backend = attention_backend(CPU, dtype, head_dim, "torch")
+        ref = torch_backend.forward(q, k, v, *ref_caches, torch_backend.build(chunk),
+                                    head_dim ** -0.5, softcap=softcap)
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(together.to(dtype), ref, **tol)
 
 
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
@@ -144,6 +192,7 @@ def test_without_the_library_the_torch_references_run(monkeypatch):
     assert torch.equal(res, ref_res)
     gate, up = x.chunk(2, dim=-1)
     assert torch.equal(silu_and_mul(x), F.silu(gate) * up)
+    assert torch.equal(gelu_tanh_and_mul(x), F.gelu(gate, approximate="tanh") * up)
 
 
 def test_the_argmax_is_torchs_nan_ties_and_infinities_included(monkeypatch):

@@ -62,8 +62,9 @@ ATTENTION_SHAPES = [(8, 4, 64), (9, 3, 64), (4, 4, 72), (8, 2, 128), (4, 1, 40)]
 ATTENTION_SEQS = [(37, 1), (5, 1), (0, 1), (20, 23), (0, 40), (70, 3), (3, 17)]
 
 
-def _paged_attention(heads, kv_heads, dim, block, window, dtype, kv_int8):
-    """The CPU paged-attention kernel over a mixed batch, at the current level."""
+def _paged_attention(heads, kv_heads, dim, block, window, dtype, kv_int8, softcap=None):
+    """The CPU paged-attention kernel over a mixed batch, at the current level (`softcap`:
+    Gemma 2's soft-cap of the scores)."""
     blocks = [-(-(s + n) // block) for s, n in ATTENTION_SEQS]
     tables = [list(range(1 + sum(blocks[:i]), 1 + sum(blocks[:i + 1])))[::-1]
               for i in range(len(blocks))]
@@ -75,7 +76,8 @@ def _paged_attention(heads, kv_heads, dim, block, window, dtype, kv_int8):
     rows = [torch.randn(kv_heads * num_blocks * block, dim, generator=g) for _ in range(2)]
     caches = [quantize_rows(r) if kv_int8 else r.to(dtype) for r in rows]
     backend = CpuPagedAttention(dtype)
-    return backend.forward(q, k, v, caches[0], caches[1], backend.build(batch), dim ** -0.5)
+    return backend.forward(q, k, v, caches[0], caches[1], backend.build(batch), dim ** -0.5,
+                           softcap=softcap)
 
 
 @pytest.mark.parametrize("dtype,kv_int8", [(torch.float32, False), (torch.bfloat16, False),
@@ -84,12 +86,13 @@ def _paged_attention(heads, kv_heads, dim, block, window, dtype, kv_int8):
 @pytest.mark.parametrize("block", [4, 32])
 def test_paged_attention_gives_the_same_bits_at_every_level(dtype, kv_int8, block):
     """Prefill tiles (query rows in the lanes) and decodes (the head dimension in the lanes), with
-    and without a window, give each level's kernel the same bits."""
+    and without a window, with and without a soft-cap (2: most scores are bent by it), give each
+    level's kernel the same bits."""
     for shape in ATTENTION_SHAPES:
-        for window in (None, 13):
+        for window, softcap in ((None, None), (13, None), (None, 2.0), (13, 2.0)):
             first, *others = _on_every_level(
-                lambda: _paged_attention(*shape, block, window, dtype, kv_int8))
-            assert all(torch.equal(first, other) for other in others), (shape, window)
+                lambda: _paged_attention(*shape, block, window, dtype, kv_int8, softcap))
+            assert all(torch.equal(first, other) for other in others), (shape, window, softcap)
 
 
 def test_bf16_weights_give_the_float32_kernels_bits_over_the_rounded_weights():
