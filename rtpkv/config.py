@@ -173,8 +173,9 @@ class RuntimeConfig(BaseModel):
     # per-tenant bound on cached blocks (rtpkv.cache.block_pool): a salted tenant past it has
     # its own cached blocks evicted first; cache_salt_quotas overrides it per salt ("" = no salt)
     cache_salt_quota_blocks: Optional[int] = Field(None, ge=0)
-    # a recurrent model's (Qwen3-Next, Qwen3.5) saved states: one every LINEAR_STEP blocks of a
-    # request (rtpkv.cache.state_group), and the pool's memory split one per that many blocks
+    # a recurrent model's (Qwen3-Next, Qwen3.5, Granite 4.0-H) saved states: one every
+    # LINEAR_STEP blocks of a request (rtpkv.cache.state_group), and the pool's memory split one
+    # per that many blocks
     linear_step: int = 8
     cache_salt_quotas: Optional[dict[str, int]] = None
     multi_task_prompt: Optional[str] = None
