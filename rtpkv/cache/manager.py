@@ -757,25 +757,28 @@ class KVCacheManager(CacheDiagnostics):
         group, chain = self.state_group, self._chain(seq)
         j, state = group.hit(chain, len(seq.block_table), self._pinned_state(seq),
                              self.reuse_applies(seq))
-        loaded = None
-        if group.ladder and self.reuse_applies(seq) and j < len(seq.block_table):
-            loaded = group.from_tiers(chain, len(seq.block_table), j, seq.allows_tier)
-            if loaded is not None:
-                j, state = loaded
-        for block_id in reversed(seq.block_table[j:]):
-            self.pool.release(block_id)
-        del seq.block_table[j:], seq.block_keys[j:]
-        left = j * self.block_size
-        for source in list(reused):
-            reused[source] = min(reused[source], left)
-            left -= reused[source]
-            if not reused[source] and source != "local":
-                del reused[source]
+        held = [state] if state is not None else []
+        for block_id in held:          # a checkpoint loaded from a tier cannot evict it
+            group.pool.acquire(block_id)
         try:
+            if group.ladder and self.reuse_applies(seq) and j < len(seq.block_table):
+                loaded = group.from_tiers(chain, len(seq.block_table), j, seq.allows_tier)
+                if loaded is not None:
+                    j, state = loaded
+                    held.append(state)
+            for block_id in reversed(seq.block_table[j:]):
+                self.pool.release(block_id)
+            del seq.block_table[j:], seq.block_keys[j:]
+            left = j * self.block_size
+            for source in list(reused):
+                reused[source] = min(reused[source], left)
+                left -= reused[source]
+                if not reused[source] and source != "local":
+                    del reused[source]
             group.start(seq, state)
         finally:
-            if loaded is not None:
-                group.pool.release(state)      # copied into the live slot: cached, evictable
+            for block_id in held:      # copied into the live slot: cached, evictable
+                group.pool.release(block_id)
 
     def _copy_partial(self, seq: CacheSequence) -> int:
         """Copy the partial-block hit at the end of `seq`'s table (found again: tiers may
