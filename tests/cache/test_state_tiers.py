@@ -11,8 +11,10 @@ from conftest import idle_in_use, run
 from rtpkv.cache.connector import KvCacheConnector
 from rtpkv.cache.prefix_index import KeyChain
 from rtpkv.cache.state_group import tier_key
+from rtpkv.cache.tiers.base import TierLayout
 from rtpkv.cache.tiers.disk import SUFFIX
 from rtpkv.cache.tiers.factory import STATE_NAMESPACE
+from rtpkv.cache.tiers.record import decode_record, encode_record
 
 B, STEP = 4, 2               # a state saved every 8 tokens
 OPTIONS = dict(seq_size_per_block=B, linear_step=STEP, max_num_batched_tokens=16)
@@ -131,11 +133,12 @@ def test_states_the_device_pool_evicts_come_back_from_host_memory(arch, checkpoi
     pipe.engine.cache.check_integrity()
 
 
-@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+@pytest.mark.parametrize("damage", ["missing", "corrupt", "foreign"])
 def test_a_damaged_or_missing_state_record_gives_a_shorter_hit(
         damage, checkpoints, make_pipeline, tmp_path):
-    """On disk, the state after block 7 (32 tokens) removed or damaged: the hit ends on the
-    state before it (24 tokens), with the same outputs; a corrupt record is counted."""
+    """On disk, the state after block 7 (32 tokens) removed, damaged, or rewritten as a record
+    of another layout (4 bytes shorter) under its key: the hit ends on the state before it (24
+    tokens), with the same outputs; a corrupt record is counted, a foreign one too."""
     path = checkpoints("qwen3_next")
     plain = _plain(make_pipeline, path)
     options = dict(OPTIONS, reuse_cache=True, enable_memory_cache_disk=True,
@@ -145,11 +148,17 @@ def test_a_damaged_or_missing_state_record_gives_a_shorter_hit(
     _flushed(first)
     cache = first.engine.cache
     key = KeyChain(cache.index, PROMPT, b"", 0, root=cache.roots[0]).key(7)
+    layout = cache.state_group.ladder.tiers[0].layout
     first.stop()
     record = tmp_path / STATE_NAMESPACE / (tier_key(key).hex() + SUFFIX)
     assert record.exists()
     if damage == "missing":
         record.unlink()
+    elif damage == "foreign":
+        meta, payload = decode_record(record.read_bytes(), layout)
+        shorter = TierLayout(layout.fingerprint, layout.block_size, layout.dtype,
+                             (layout.shape[0] - 4,))
+        record.write_bytes(encode_record(meta, payload[:-4], shorter))
     else:
         data = bytearray(record.read_bytes())
         data[-3] ^= 0xFF
@@ -160,5 +169,37 @@ def test_a_damaged_or_missing_state_record_gives_a_shorter_hit(
     _same(res, plain[0])
     stats = second.engine.cache.state_group.stats()["tiers"]
     assert stats["disk_corrupt_files"] == (damage == "corrupt")
+    assert stats["disk_foreign_files"] == (damage == "foreign")
     assert idle_in_use(second) == 0
 
+
+def test_a_salted_prefix_state_is_found_with_its_salt_only(checkpoints, make_pipeline,
+                                                          tmp_path):
+    path = checkpoints("qwen3_next")
+    options = dict(OPTIONS, reuse_cache=True, enable_memory_cache_disk=True,
+                   memory_cache_disk_paths=str(tmp_path))
+    first = make_pipeline(path, **options)
+    run(first, PROMPT, max_new_tokens=NEW, cache_salt="a")
+    _flushed(first)
+    first.stop()
+    pipe = make_pipeline(path, **options)
+    assert run(pipe, AGAIN[0], max_new_tokens=NEW, cache_salt="b").aux_info["reuse_len"] == 0
+    assert run(pipe, AGAIN[1], max_new_tokens=NEW, cache_salt="a").aux_info["reuse_len"] == 32
+
+
+
+def test_a_connector_instance_keeps_blocks_only(checkpoints, make_pipeline):
+    """A kv_connector given as an instance holds the KV blocks' staging, so no state goes
+    there: a fresh pipeline finds the blocks but no state, computes all, answers the same."""
+    path = checkpoints("qwen3_next")
+    plain = _plain(make_pipeline, path)
+    DictConnector.blocks = {}
+    first = make_pipeline(path, reuse_cache=True, kv_connector=DictConnector(), **OPTIONS)
+    assert not first.engine.cache.state_group.ladder
+    run(first, PROMPT, max_new_tokens=NEW)
+    first.stop()
+    assert DictConnector.blocks
+    second = make_pipeline(path, reuse_cache=True, kv_connector=DictConnector(), **OPTIONS)
+    res = run(second, AGAIN[0], max_new_tokens=NEW, return_logits=True)
+    assert res.aux_info["reuse_len"] == 0
+    _same(res, plain[0])

@@ -123,7 +123,7 @@ def _build(config: Any, model: Any, layout: TierLayout, share: float,
                                password=config.remote_cache_password,
                                ttl_s=config.remote_cache_ttl_s,
                                timeout_ms=config.remote_cache_timeout_ms))
-    connector = _connector_tier(config, layout, model)
+    connector = _connector_tier(config, layout, namespace)
     if connector is not None:
         tiers.append(connector)
     if tiers and not namespace:
@@ -161,7 +161,7 @@ def _disk_tier(config: Any, layout: TierLayout, share: float, namespace: str):
     return disk
 
 
-def _connector_tier(config: Any, layout: TierLayout, model: Any):
+def _connector_tier(config: Any, layout: TierLayout, namespace: str):
     module, class_name = config.kv_connector_module, config.kv_connector_class
     spec = config.kv_connector
     if (module is None) != (class_name is None):
@@ -175,6 +175,10 @@ def _connector_tier(config: Any, layout: TierLayout, model: Any):
             raise ConfigError(str(exc)) from None
     if spec is None:
         return None
+    if namespace and not isinstance(spec, type):
+        log.info("KV connector state tier: none (kv_connector is an instance, which holds the "
+                 "KV blocks' staging; give a class to keep states there too)")
+        return None
     layers = layout.shape[1] if len(layout.shape) > 1 else 1    # a state record: one "layer"
     context = ConnectorContext(layout=layout, num_layers=layers,
                                num_staging_blocks=CONNECTOR_STAGING_BLOCKS)
@@ -182,5 +186,6 @@ def _connector_tier(config: Any, layout: TierLayout, model: Any):
         tier = make_connector_tier(spec, context)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    log.info("KV connector tier: %s", type(tier.connector).__qualname__)
+    log.info("%s connector tier: %s", "state" if namespace else "KV",
+             type(tier.connector).__qualname__)
     return tier
