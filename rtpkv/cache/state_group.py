@@ -188,6 +188,7 @@ class StateGroup:
         blocks whose end has a state record in an allowed tier (asked at every `step`-th
         boundary and at `blocks`), loaded into a checkpoint block the caller holds (one
         reference) and indexed; None where none loads."""
+        self.ladder.begin_walk()   # a connector lets go of what an earlier walk staged
         for j in range(blocks, floor, -1):
             if j % self.step and j != blocks:
                 continue

@@ -115,7 +115,8 @@ def test_a_fresh_pipeline_resumes_from_a_state_in_a_write_through_tier(
 def test_states_the_device_pool_evicts_come_back_from_host_memory(arch, checkpoints,
                                                                   make_pipeline):
     """A pool of 16 blocks and 8 saved states: other prompts (with reuse, so saving states)
-    evict the prompt's blocks and states to host memory; the prompt then resumes from there."""
+    evict the prompt's blocks and states to host memory; two prompts extending it, batched,
+    then resume from there."""
     path = checkpoints(arch)
     plain = _plain(make_pipeline, path)
     pipe = make_pipeline(path, reuse_cache=True, kv_cache_max_tokens=64,
@@ -124,8 +125,10 @@ def test_states_the_device_pool_evicts_come_back_from_host_memory(arch, checkpoi
     for seed in range(3):
         run(pipe, _tokens(50, 81 + seed), max_new_tokens=1)
     assert pipe.engine.cache.state_group.ladder.offloaded["memory"] > 0
-    for ids, ref in zip(AGAIN, plain):
-        res = run(pipe, ids, max_new_tokens=NEW, return_logits=True)
+    streams = [pipe(ids, top_k=1, ignore_eos=True, max_new_tokens=NEW, return_logits=True)
+               for ids in AGAIN]                           # batched
+    for stream, ref in zip(streams, plain):
+        res = list(stream)[-1]
         assert res.aux_info["reuse_len"] == 32
         _same(res, ref)
     assert _state_onboarded(pipe, "memory") >= 1
