@@ -12,6 +12,8 @@ max_seq_len need. Token counts are tokens of every layer: with KV cache groups
 A recurrent model (rtpkv/cache/state_group.py) splits the same memory between KV blocks and
 saved states, one state per LINEAR_STEP blocks: a block is counted as its K/V plus that share of
 a state. Its live states (one per CONCURRENCY_LIMIT request) come on top, as activations do.
+The host and disk tiers' bounds are split between blocks and saved states the same way
+(`_state_share`; the states' tiers: tiers/factory.py's `build_state_tiers`).
 """
 
 from __future__ import annotations
