@@ -18,8 +18,8 @@ prefix, and the connector is built a second time with the state layout.
 
 from __future__ import annotations
 
-import logging
 import hashlib
+import logging
 import os
 from typing import Any, Optional, Sequence
 
