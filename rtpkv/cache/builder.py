@@ -12,6 +12,8 @@ max_seq_len need. Token counts are tokens of every layer: with KV cache groups
 A recurrent model (rtpkv/cache/state_group.py) splits the same memory between KV blocks and
 saved states, one state per LINEAR_STEP blocks: a block is counted as its K/V plus that share of
 a state. Its live states (one per CONCURRENCY_LIMIT request) come on top, as activations do.
+The host and disk tiers' bounds are split between blocks and saved states the same way
+(`_state_share`; the states' tiers: tiers/factory.py's `build_state_tiers`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from rtpkv.cache.manager import KVCacheManager
 from rtpkv.cache.prefix_index import PrefixIndex
 from rtpkv.cache.state_group import StateGroup
 from rtpkv.cache.tenants import TenantQuotas
-from rtpkv.cache.tiers.factory import build_tiers
+from rtpkv.cache.tiers.factory import build_state_tiers, build_tiers
 from rtpkv.errors import ConfigError
 from rtpkv.model_factory.recurrent import StatePool
 from rtpkv.torch_threads import serial_torch
@@ -53,10 +55,12 @@ def build_cache(model: "Model", config: "RuntimeConfig",
                  "(whole blocks)")
         partial = False
     groups = kv_groups(spec.layer_windows, window)
-    tiers = build_tiers(config, model, B, slots(groups))
-    if specs and tiers:
-        log.info("tiers hold no recurrent state: a hit through them is cut back to the last "
-                 "state saved in the device pool (LINEAR_STEP)")
+    state_share = _state_share(model, config, groups, StatePool.slot_bytes(specs))
+    tiers = build_tiers(config, model, B, slots(groups), 1.0 - state_share)
+    state_tiers = build_state_tiers(config, model, B, specs, state_share) if specs else []
+    if specs and tiers and len(groups) > 1:
+        log.info("a recurrent model with several KV cache groups takes device hits only: "
+                 "its tier hits are not used")
     num_blocks = pool_blocks(model, config, groups, StatePool.slot_bytes(specs))
     events = KVEventBuffer(config.kv_cache_event_buffer_max_size)
     with serial_torch():
@@ -68,7 +72,8 @@ def build_cache(model: "Model", config: "RuntimeConfig",
         checkpoints = max(1, num_blocks // config.linear_step)
         state_group = StateGroup(specs, checkpoints, config.concurrency_limit,
                                  config.linear_step, B, PrefixIndex(root, B), events,
-                                 len(groups), model.device)
+                                 len(groups), model.device, state_tiers,
+                                 config.secondary_offload_min_priority)
         log.info("recurrent states: %d saved (a state every %d blocks, LINEAR_STEP) and %d live, "
                  "%.2f MiB each", checkpoints, config.linear_step, config.concurrency_limit,
                  state_group.states.bytes_per_slot / 2**20)
@@ -90,6 +95,19 @@ def build_cache(model: "Model", config: "RuntimeConfig",
              memory.nbytes / 2**20, ", int8 with a float32 scale per token and head"
              if memory.int8 else "")
     return cache
+
+
+def _state_share(model: "Model", config: "RuntimeConfig", groups: Sequence[KVGroup],
+                 state_bytes: int) -> float:
+    """The part of the host and disk tiers' bounds a recurrent model's saved states get: as
+    in the device pool, a state per LINEAR_STEP blocks (0 without states)."""
+    if not state_bytes:
+        return 0.0
+    spec, B = model.spec, config.seq_size_per_block
+    block = KVMemory.bytes_per_block(slots(groups) if groups else spec.num_layers, B,
+                                     spec.num_kv_heads, spec.head_dim, model.kv_dtype)
+    state = state_bytes / config.linear_step
+    return state / (block + state)
 
 
 def pool_blocks(model: "Model", config: "RuntimeConfig",

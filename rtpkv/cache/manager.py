@@ -50,8 +50,9 @@ vLLM's "mamba" kind): a live state slot per running request and saved states (ch
 every LINEAR_STEP-th block boundary, keyed like the attention blocks they end. A hit
 is then the longest prefix whose attention blocks are held and whose end has a checkpoint
 (`lookup` cuts it there), and admission copies that checkpoint into the request's live slot.
-The tiers hold no state: their hits are cut back to the last checkpoint on the device
-(`_cut_to_state`).
+Checkpoints ride tiers of their own (the state group's ladder): admission walks the attention
+chain through the device and the tiers, then cuts it back to the longest prefix with a
+checkpoint at its end on the device or in a state tier (`_cut_to_state`), loading that state.
 
 Its other rooms: `build_cache` (builder.py) builds it from the configuration and sizes the
 pool; `tenants` (tenants.py) counts each salt's blocks and holds the quotas; what it says about
@@ -176,6 +177,8 @@ class KVCacheManager(CacheDiagnostics):
     def close(self) -> None:
         """Flush and close the tiers; the cache is not used afterwards."""
         self.ladder.close()
+        if self.state_group is not None:
+            self.state_group.ladder.close()
 
     def announce_tiers(self) -> None:
         """Report as KV events what the tiers held before a listener came (a restarted
@@ -513,8 +516,8 @@ class KVCacheManager(CacheDiagnostics):
         try:
             device = match.device
             if self.state_group is not None and self.ladder and self.reuse_applies(seq):
-                # tiers hold no state: the walk continues the whole device chain, and the hit
-                # is cut back afterwards to the last saved state it covers (_cut_to_state)
+                # the walk continues the whole device chain, and the hit is cut back afterwards
+                # to the last saved state it covers, on the device or a tier (_cut_to_state)
                 device = self._attention_lookup(seq, seq.num_tokens - 1).device
             for block_id in device:
                 self.pool.acquire(block_id)
@@ -748,21 +751,34 @@ class KVCacheManager(CacheDiagnostics):
 
     def _cut_to_state(self, seq: CacheSequence, reused: dict[str, int]) -> None:
         """A recurrent model's table, device and tier hits alike, cut back to the longest
-        prefix with a saved state at its end (the blocks past it released: they stay cached),
-        `reused` cut with it (device first, then each tier in the walk's order), and the
-        request's live slot started from that state."""
-        j, state = self.state_group.hit(self._chain(seq), len(seq.block_table),
-                                        self._pinned_state(seq), self.reuse_applies(seq))
-        for block_id in reversed(seq.block_table[j:]):
-            self.pool.release(block_id)
-        del seq.block_table[j:], seq.block_keys[j:]
-        left = j * self.block_size
-        for source in list(reused):
-            reused[source] = min(reused[source], left)
-            left -= reused[source]
-            if not reused[source] and source != "local":
-                del reused[source]
-        self.state_group.start(seq, state)
+        prefix with a saved state at its end, on the device or in a state tier (the blocks
+        past it released: they stay cached), `reused` cut with it (device first, then each
+        tier in the walk's order), and the request's live slot started from that state."""
+        group, chain = self.state_group, self._chain(seq)
+        j, state = group.hit(chain, len(seq.block_table), self._pinned_state(seq),
+                             self.reuse_applies(seq))
+        held = [state] if state is not None else []
+        for block_id in held:          # a checkpoint loaded from a tier cannot evict it
+            group.pool.acquire(block_id)
+        try:
+            if group.ladder and self.reuse_applies(seq) and j < len(seq.block_table):
+                loaded = group.from_tiers(chain, len(seq.block_table), j, seq.allows_tier)
+                if loaded is not None:
+                    j, state = loaded
+                    held.append(state)
+            for block_id in reversed(seq.block_table[j:]):
+                self.pool.release(block_id)
+            del seq.block_table[j:], seq.block_keys[j:]
+            left = j * self.block_size
+            for source in list(reused):
+                reused[source] = min(reused[source], left)
+                left -= reused[source]
+                if not reused[source] and source != "local":
+                    del reused[source]
+            group.start(seq, state)
+        finally:
+            for block_id in held:      # copied into the live slot: cached, evictable
+                group.pool.release(block_id)
 
     def _copy_partial(self, seq: CacheSequence) -> int:
         """Copy the partial-block hit at the end of `seq`'s table (found again: tiers may

@@ -22,10 +22,20 @@ indexes them. The state after n tokens has the same bits however it was computed
 batches), so a checkpoint found by key and verified by its tokens and salt is the state a
 recomputation would reach: the hit is the longest prefix whose attention blocks are held and
 whose end has a checkpoint (`hit`), and prefill continues from the checkpoint's copy.
+
+Tiers (`tiers`: tiers/factory.py's `build_state_tiers`, a ladder of their own): a checkpoint
+the pool evicts is offloaded like a KV block (to the first tier its last request allowed, at
+the offload priority threshold), one that commits is written through to the tiers that keep
+everything, as one record whose layout names the state group (`state_tier_layout`) under
+`tier_key` of its block's key (the model root and salts are in that key). `from_tiers` finds
+the longest prefix of a tier hit whose end has a record, loads it into a checkpoint block
+(written back into the StatePool slot) and indexes it; a record that is missing, corrupt or of
+another layout is a miss, so the hit is shorter, never wrong.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Callable, Optional, Sequence
 
@@ -35,10 +45,20 @@ from rtpkv.cache.block_pool import BlockPool
 from rtpkv.cache.events import KVEventBuffer
 from rtpkv.cache.prefix_index import KeyChain, PrefixIndex
 from rtpkv.cache.retention import KvCacheRetentionConfig
+from rtpkv.cache.block import DEFAULT_PRIORITY, Block
 from rtpkv.cache.sequence import CacheSequence
+from rtpkv.cache.tiers.base import BlockMeta, KVTier
+from rtpkv.cache.tiers.ladder import Allows, TierLadder
 from rtpkv.model_factory.recurrent import StatePool, StateSpec
 
 MAMBA = "mamba"   # vLLM's KVCacheSpecKind of a state group
+_TIER_KEY_TAG = b"rtpkv-state\0"
+
+
+def tier_key(key: bytes) -> bytes:
+    """A state record's key in the tiers, from the chained key of the block it ends: never a
+    KV block's key (a connector or Redis may hold both), with that key's root and salts."""
+    return hashlib.sha256(_TIER_KEY_TAG + key).digest()
 
 
 class StateGroup:
@@ -46,13 +66,18 @@ class StateGroup:
                  live_slots: int, step: int, block_size: int, index: PrefixIndex,
                  events: KVEventBuffer, group: int,
                  device: torch.device = torch.device("cpu"),
+                 tiers: Sequence[KVTier] = (), offload_min_priority: int = DEFAULT_PRIORITY,
                  clock: Callable[[], float] = time.monotonic):
         """`num_checkpoints` saved states and `live_slots` running requests' states; `step`:
-        LINEAR_STEP (a checkpoint every `step` blocks); `group`: the group's index in events."""
+        LINEAR_STEP (a checkpoint every `step` blocks); `group`: the group's index in events;
+        `tiers`: where evicted (and, write-through, committed) checkpoints go (no KV events:
+        a router knows the state group by its device blocks)."""
         self.states = StatePool(specs, num_checkpoints + live_slots, device)
         for block_id in range(num_checkpoints):   # checkpoint block b is StatePool slot b
             assert self.states.allocate() == block_id
-        self.pool = BlockPool(num_checkpoints, index, events, clock=clock, ghosts=0)
+        self.ladder = TierLadder(tiers, offload_min_priority)
+        self.pool = BlockPool(num_checkpoints, index, events, clock=clock, ghosts=0,
+                              on_evict=self._offload if self.ladder else None)
         self.live_slots = live_slots
         self.step = step
         self.block_size = block_size
@@ -117,12 +142,73 @@ class StateGroup:
         their position's retention priority, cached)."""
         B = self.block_size
         done = [(i, b) for i, b in seq.state_pending if (i + 1) * B <= seq.num_computed]
+        tiers = self.ladder.allowed(seq.allows_tier)
         for i, block_id in done:
             priority, duration = retention.block_retention(i * B, seq.num_prompt)
-            self.pool.commit(block_id, chain.key(i), chain.parent(i), 0, chain.tokens(i),
-                             chain.extra(i), priority, duration, chain.tenant(i), self.group)
+            if (self.pool.commit(block_id, chain.key(i), chain.parent(i), 0, chain.tokens(i),
+                                 chain.extra(i), priority, duration, chain.tenant(i), self.group)
+                    and self.ladder):
+                self.pool.stamp(block_id, priority, duration, tiers)
+                self.ladder.write_through(self._meta(chain.key(i), chain.tokens(i),
+                                                     chain.extra(i), priority),
+                                          seq.allows_tier, lambda: self._read(block_id))
             self.pool.release(block_id)
             seq.state_pending.remove((i, block_id))
+
+    # ------------------------------------------------------------------ tiers
+    @staticmethod
+    def _meta(key: bytes, tokens: tuple[int, ...], extra: bytes,
+              priority: int = DEFAULT_PRIORITY) -> BlockMeta:
+        """The tier record's identity of the state after the block of `key`: its own key, the
+        block's key as its parent, the block's tokens and extra bytes (verified on a load)."""
+        return BlockMeta(key=tier_key(key), parent_key=key, tokens=tokens, extra=extra,
+                         priority=priority)
+
+    def _read(self, slot: int) -> torch.Tensor:
+        """Slot `slot`'s state as one record payload: every tensor's bytes, in order."""
+        return torch.cat([t.detach().to("cpu").contiguous().reshape(-1).view(torch.int8)
+                          for t in self.states.read_slot(slot)])
+
+    def _write(self, slot: int, payload: torch.Tensor) -> None:
+        """Slot `slot` set from a `_read` payload."""
+        specs = [spec for layer in self.states.specs for spec in layer]
+        values = torch.split(payload, [spec.nbytes for spec in specs])
+        self.states.write_slot(slot, [v.contiguous().view(spec.dtype).reshape(spec.shape)
+                                      for v, spec in zip(values, specs)])
+
+    def _offload(self, block: Block) -> None:
+        """The pool is evicting checkpoint `block`: offer it to the tiers."""
+        slot = block.block_id
+        self.ladder.offload(self._meta(block.key, block.tokens, block.extra, block.priority),
+                            block.tiers, lambda: self._read(slot))
+
+    def from_tiers(self, chain: KeyChain, blocks: int, floor: int,
+                   allows: Allows) -> Optional[tuple[int, int]]:
+        """(j, checkpoint): the longest prefix of at most `blocks` and more than `floor` whole
+        blocks whose end has a state record in an allowed tier (asked at every `step`-th
+        boundary and at `blocks`), loaded into a checkpoint block the caller holds (one
+        reference) and indexed; None where none loads."""
+        self.ladder.begin_walk()   # a connector lets go of what an earlier walk staged
+        for j in range(blocks, floor, -1):
+            if j % self.step and j != blocks:
+                continue
+            i = j - 1
+            meta = self._meta(chain.key(i), chain.tokens(i), chain.extra(i))
+            for tier in self.ladder.tiers:
+                if not allows(tier.name) or not tier.lookup([meta.key]):
+                    continue
+                if not self.pool.num_allocatable():
+                    return None
+                block_id = self.pool.allocate()   # before the load: an eviction may offload
+                payload = self.ladder.load(tier, meta)
+                if payload is None:
+                    self.pool.release(block_id)
+                    continue
+                self._write(block_id, payload)
+                self.pool.onboard(block_id, chain.key(i), chain.parent(i), 0, chain.tokens(i),
+                                  chain.extra(i), chain.tenant(i), self.group)
+                return j, block_id
+        return None
 
     def _held(self, chain: KeyChain, i: int) -> Optional[int]:
         """The checkpoint after block i of `chain`, verified (tokens and extra bytes), if held."""
@@ -169,13 +255,15 @@ class StateGroup:
                 "checkpoints_pinned": pool.num_pinned, "evictions": pool.evictions,
                 "live_slots": self.live_slots,
                 "live_slots_free": self.states.num_free,
-                "bytes_per_state": self.states.bytes_per_slot}
+                "bytes_per_state": self.states.bytes_per_slot,
+                "tiers": self.ladder.stats()}
 
     def check_integrity(self, live: Optional[Sequence[CacheSequence]]) -> None:
         """The checkpoint pool's invariant; given the live requests, every checkpoint's
         reference count equals its pins plus the requests that planned it, and every live
         slot belongs to exactly one of them."""
         self.pool.check_integrity()
+        self.ladder.check_integrity()
         if live is None:
             return
         expected = [b.pin_count for b in self.pool.blocks]

@@ -174,9 +174,9 @@ def test_linear_step_is_checked_and_named(monkeypatch):
 
 def test_a_host_tier_hit_is_cut_back_to_the_last_saved_state_on_the_device(checkpoints,
                                                                           make_pipeline):
-    """The tiers hold no state: a prefix whose blocks were offloaded to host memory while its
-    saved states stayed on the device is onboarded up to the last of them, and answers as
-    without reuse."""
+    """A prefix whose blocks were offloaded to host memory while its saved states stayed on
+    the device is onboarded up to the last of them, and answers as without reuse (states
+    through the tiers: tests/cache/test_state_tiers.py)."""
     path = checkpoints("qwen3_5")
     tiered = dict(OPTIONS, kv_cache_max_tokens=64, enable_memory_cache=True,
                   memory_cache_size_mb=4)
