@@ -508,81 +508,75 @@ class KVCacheManager(CacheDiagnostics, GroupOnboarding):
         pool, a partial-block hit included), "partial" (that hit alone, if any) and each tier's
         name. On any exception `seq` holds no block afterwards."""
         assert not seq.block_table, "admit a request once, or again after free"
-        B = self.block_size
-        if len(self.groups) > 1:
-            return self._group_admit(seq, match)
-        partial = 0
         try:
-            device = match.device
-            if self.state_group is not None and self.ladder and self.reuse_applies(seq):
-                # the walk continues the whole device chain, and the hit is cut back afterwards
-                # to the last saved state it covers, on the device or a tier (_cut_to_state)
-                device = self._attention_lookup(seq, seq.num_tokens - 1).device
-            for block_id in device:
-                self.pool.acquire(block_id)
-                seq.block_table.append(block_id)
-                seq.block_keys.append(self.pool.blocks[block_id].key)
-            reused = {"local": len(device) * B}
-            if self.ladder and self.reuse_applies(seq):
-                start = len(seq.block_table)
-                self.ladder.begin_walk()
-                hits = self.ladder.walk(self._metas(seq, start), start, seq.allows_tier,
-                                        seq.tier_plan)
-                for hit in hits:
-                    loaded = self._onboard(seq, hit)
-                    if loaded:
-                        reused[hit.tier.name] = loaded * B
-                    if loaded < len(hit.metas):
-                        break
-            seq.tier_plan = None
-            if self.state_group is not None:
-                self._cut_to_state(seq, reused)
-            if self.partial_reuse and self.reuse_applies(seq):
-                partial = self._copy_partial(seq)
+            reused, partial = (self._group_admit(seq, match) if len(self.groups) > 1
+                               else self._one_table_admit(seq, match))
         except BaseException:
             self.free(seq)
             raise
         if partial:
             reused["local"] += partial
             reused["partial"] = partial
-        seq.num_computed = len(seq.block_keys) * B + partial
+        seq.num_computed = len(seq.block_keys) * self.block_size + partial
         return reused
 
-    def _group_admit(self, seq: CacheSequence, match: PrefixMatch) -> dict[str, int]:
+    def _one_table_admit(self, seq: CacheSequence, match: PrefixMatch
+                         ) -> tuple[dict[str, int], int]:
+        """admit with one block table: (tokens reused per source, the partial-block hit's)."""
+        B = self.block_size
+        device = match.device
+        if self.state_group is not None and self.ladder and self.reuse_applies(seq):
+            # the walk continues the whole device chain, and the hit is cut back afterwards
+            # to the last saved state it covers, on the device or a tier (_cut_to_state)
+            device = self._attention_lookup(seq, seq.num_tokens - 1).device
+        for block_id in device:
+            self.pool.acquire(block_id)
+            seq.block_table.append(block_id)
+            seq.block_keys.append(self.pool.blocks[block_id].key)
+        reused = {"local": len(device) * B}
+        if self.ladder and self.reuse_applies(seq):
+            start = len(seq.block_table)
+            self.ladder.begin_walk()
+            hits = self.ladder.walk(self._metas(seq, start), start, seq.allows_tier,
+                                    seq.tier_plan)
+            for hit in hits:
+                loaded = self._onboard(seq, hit)
+                if loaded:
+                    reused[hit.tier.name] = loaded * B
+                if loaded < len(hit.metas):
+                    break
+        seq.tier_plan = None
+        if self.state_group is not None:
+            self._cut_to_state(seq, reused)
+        partial = self.partial_reuse and self.reuse_applies(seq)
+        return reused, self._copy_partial(seq) if partial else 0
+
+    def _group_admit(self, seq: CacheSequence, match: PrefixMatch
+                     ) -> tuple[dict[str, int], int]:
         """admit with KV cache groups: each group shares its entries of the match, then the
         tiers extend the prefix every group serves (`_group_onboard`), then a partial-block hit
         is copied in every group."""
         B = self.block_size
         views = self._views(seq)
-        partial = 0
-        try:
-            for (group, view), entries in zip(views, [match.device, *match.groups]):
-                chain = self._chain(view, group.index)
-                for i, block_id in enumerate(entries):
-                    if block_id != RELEASED:
-                        self.pool.acquire(block_id)
-                    view.block_table.append(block_id)
-                    view.block_keys.append(chain.key(i))
-            reused = {"local": len(match.device) * B}
-            # a recurrent model with several attention groups takes device hits only: its
-            # groups' tables are not cut back to a saved state (no such model yet)
-            if self.ladder and self.reuse_applies(seq) and self.state_group is None:
-                for name, tokens in self._group_onboard(seq, len(match.device)).items():
-                    reused[name] = reused.get(name, 0) + tokens
-            for _, view in views:
-                view.tier_plan = None
-            if self.state_group is not None:
-                self.state_group.start(seq, match.state)
-            if self.partial_reuse and self.reuse_applies(seq):
-                partial = self._group_copy_partial(seq)
-        except BaseException:
-            self.free(seq)
-            raise
-        if partial:
-            reused["local"] += partial
-            reused["partial"] = partial
-        seq.num_computed = len(seq.block_keys) * B + partial
-        return reused
+        for (group, view), entries in zip(views, [match.device, *match.groups]):
+            chain = self._chain(view, group.index)
+            for i, block_id in enumerate(entries):
+                if block_id != RELEASED:
+                    self.pool.acquire(block_id)
+                view.block_table.append(block_id)
+                view.block_keys.append(chain.key(i))
+        reused = {"local": len(match.device) * B}
+        # a recurrent model with several attention groups takes device hits only: its
+        # groups' tables are not cut back to a saved state (no such model yet)
+        if self.ladder and self.reuse_applies(seq) and self.state_group is None:
+            for name, tokens in self._group_onboard(seq, len(match.device)).items():
+                reused[name] = reused.get(name, 0) + tokens
+        for _, view in views:
+            view.tier_plan = None
+        if self.state_group is not None:
+            self.state_group.start(seq, match.state)
+        partial = self.partial_reuse and self.reuse_applies(seq)
+        return reused, self._group_copy_partial(seq) if partial else 0
 
     def _group_copy_partial(self, seq: CacheSequence) -> int:
         """Copy a partial-block hit into a fresh block in every group (found again: tiers may

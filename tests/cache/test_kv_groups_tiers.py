@@ -12,7 +12,7 @@ from conftest import GEMMA_WINDOW as W, idle_in_use, random_prompt, run
 from cache_sequence import Seq
 
 from rtpkv.cache import KVCacheManager, PrefixIndex
-from rtpkv.cache.connector import KvCacheConnector
+from dict_connector import DictConnector
 from rtpkv.cache.groups import KVGroup, model_root_name
 from rtpkv.cache.prefix_index import KeyChain
 from rtpkv.cache.tiers.disk import SUFFIX
@@ -22,29 +22,6 @@ N = 100                          # > 3W: reusable whole blocks 0..11 (96 tokens)
 REUSABLE = (N - 1) // B * B
 NEW = 4
 A, C = random_prompt(N, seed=41), random_prompt(N, seed=42)
-
-
-class DictConnector(KvCacheConnector):
-    """A user store in a class attribute, shared by every instance (a 'remote' store)."""
-
-    blocks: dict[bytes, torch.Tensor] = {}
-
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        n = 0
-        while n < request.num_blocks and request.block_keys[n] in self.blocks:
-            n += 1
-        return n * self.context.layout.block_size, False
-
-    def register_kv_caches(self, kv_cache_tensor):
-        self.kv = kv_cache_tensor
-
-    def start_load_kv(self):
-        for t in self._metadata.load:
-            self.kv[t.block_id].copy_(self.blocks[t.key])
-
-    def wait_for_save(self):
-        for t in self._metadata.save:
-            self.blocks[t.key] = self.kv[t.block_id].clone()
 
 
 def same(res, ref) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import idle_in_use, run
 
-from rtpkv.cache.connector import KvCacheConnector
+from dict_connector import DictConnector
 from rtpkv.cache.prefix_index import KeyChain
 from rtpkv.cache.state_group import tier_key
 from rtpkv.cache.tiers.base import TierLayout
@@ -28,29 +28,6 @@ def _tokens(n, seed):
 
 PROMPT = _tokens(35, 80)     # 8 whole blocks: states after blocks 1, 3, 5, 7 (8..32 tokens)
 AGAIN = [PROMPT + _tokens(6, 90), PROMPT + _tokens(9, 91)]
-
-
-class DictConnector(KvCacheConnector):
-    """A user store in a class attribute, shared by every instance (a 'remote' store)."""
-
-    blocks: dict[bytes, torch.Tensor] = {}
-
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        n = 0
-        while n < request.num_blocks and request.block_keys[n] in self.blocks:
-            n += 1
-        return n * self.context.layout.block_size, False
-
-    def register_kv_caches(self, kv_cache_tensor):
-        self.kv = kv_cache_tensor
-
-    def start_load_kv(self):
-        for t in self._metadata.load:
-            self.kv[t.block_id].copy_(self.blocks[t.key])
-
-    def wait_for_save(self):
-        for t in self._metadata.save:
-            self.blocks[t.key] = self.kv[t.block_id].clone()
 
 
 def _same(a, b):

@@ -1,65 +1,17 @@
-"""Granite 4.0-H, the Mamba2 hybrid (model_factory/granite.py, model_factory/mamba2.py): greedy
-tokens and logits equal transformers' (float32) on tiny random checkpoints (a mixture of experts
-with RoPE and every multiplier away from 1; dense without RoPE), prompts shorter and longer than
-a prefill chunk, alone and batched (the bits of alone), reuse off and on; with state
-checkpoints (rtpkv/cache/state_group.py) reuse on gives the bits of reuse off, a hit ends on the
+"""Granite 4.0-H, the Mamba2 hybrid (model_factory/granite.py, model_factory/mamba2.py; its
+transformers parity and state slots are tests/model/test_linear_attention.py's, with every
+recurrent hybrid): with state checkpoints (rtpkv/cache/state_group.py) reuse on gives the bits of reuse off, a hit ends on the
 last saved boundary, a state saved inside a chunk has the bits of one pass; what its config must
 hold is refused by name; no state slot nor checkpoint outlives its request."""
 
 import pytest
 import torch
-import transformers
 
-from conftest import hf_reference, random_prompt, run
+from conftest import random_prompt, run
 from rtpkv.cache.prefix_index import KeyChain
 from rtpkv.errors import ConfigError
 from rtpkv.kernels import mamba2
 from rtpkv.model_factory.spec import ModelSpec
-
-CHUNK = 32   # MAX_NUM_BATCHED_TOKENS: prompts of 20 and 75 tokens, one chunk and three
-
-
-def _hf(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-@pytest.mark.parametrize("reuse", [False, True])
-@pytest.mark.parametrize("arch", ["granite_hybrid", "granite_hybrid_dense"])
-def test_greedy_tokens_and_logits_match_transformers(checkpoints, make_pipeline, arch, reuse):
-    """Prompts shorter and longer than a prefill chunk, alone and then all at once: the tokens
-    and logits of transformers; batched, the bits of alone."""
-    path = checkpoints(arch)
-    hf = _hf(path)
-    pipe = make_pipeline(path, max_num_batched_tokens=CHUNK, seq_size_per_block=8,
-                         reuse_cache=reuse)
-    prompts = [random_prompt(20, 1), random_prompt(75, 2),
-               random_prompt(75, 2)[:50] + random_prompt(9, 3)]
-    alone = [run(pipe, p, max_new_tokens=8, return_logits=True) for p in prompts]
-    for prompt, res in zip(prompts, alone):
-        tokens, logits = hf_reference(hf, prompt, 8)
-        assert res.output_ids == tokens
-        torch.testing.assert_close(res.logits, logits, atol=1e-4, rtol=0)
-    streams = [pipe(p, top_k=1, ignore_eos=True, max_new_tokens=8, return_logits=True)
-               for p in prompts]
-    for res, stream in zip(alone, streams):
-        together = list(stream)[-1]
-        assert together.output_ids == res.output_ids
-        assert torch.equal(together.logits, res.logits)
-    states = pipe.engine.cache.state_group.states
-    assert states.num_free == states.num_slots - pipe.engine.cache.state_group.pool.num_blocks
-
-
-def test_no_state_slot_outlives_its_request(checkpoints, make_pipeline):
-    pipe = make_pipeline(checkpoints("granite_hybrid_dense"), concurrency_limit=2)
-    stream = pipe(random_prompt(30, 5), top_k=1, ignore_eos=True, max_new_tokens=200)
-    next(iter(stream))
-    stream.close()   # cancelled mid-decode
-    run(pipe, random_prompt(12, 6), max_new_tokens=3)
-    group = pipe.engine.cache.state_group
-    assert group.live_slots == 2 and group.states.num_free == 2
-    # two Mamba2 layers: a conv window of 3 over 128 + 2 x 8 channels, 8 x 16 x 8 SSM state
-    assert group.states.bytes_per_slot == 2 * 4 * (3 * 144 + 8 * 16 * 8)
-
 
 BASE = {"architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 64, "hidden_size": 32,
         "intermediate_size": 64, "shared_intermediate_size": 48, "num_hidden_layers": 2,

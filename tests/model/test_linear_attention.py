@@ -1,20 +1,24 @@
 """The Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): the recurrence's kernel (csrc/gated_delta.c
 and its torch fallback) gives a state computed in chunks the bits of one pass and a sequence
-batched the bits of alone, snapshots inside a chunk included; the models match transformers
-(float32) on greedy tokens and logits, prompts shorter and longer than a prefill chunk, alone
-and batched; what is not supported is refused by name; no state slot outlives its request."""
+batched the bits of alone, snapshots inside a chunk included; every recurrent hybrid (these and
+Granite 4.0-H's Mamba2 ones) matches transformers (float32) on greedy tokens and logits, prompts
+shorter and longer than a prefill chunk, alone and batched; what is not supported is refused by
+name; no state slot outlives its request."""
 
 import pytest
 import torch
 import transformers
 
-from conftest import c_kernels_missing, hf_reference, run
+from conftest import c_kernels_missing, hf_reference, random_prompt, run
 from rtpkv.errors import ConfigError
 from rtpkv.kernels import gated_delta as gd
 from rtpkv.model_factory.spec import ModelSpec
 
 SHAPE = gd.DeltaShape(key_heads=2, value_heads=4, key_dim=16, value_dim=8, conv_kernel=4)
 HYBRIDS = ["qwen3_next", "qwen3_5"]
+# every recurrent hybrid: the Gated DeltaNet ones, and Granite 4.0-H's Mamba2 ones (a mixture with
+# RoPE and every multiplier away from 1; dense without RoPE)
+RECURRENT = HYBRIDS + ["granite_hybrid", "granite_hybrid_dense"]
 CHUNK = 32   # MAX_NUM_BATCHED_TOKENS: prompts of 20 and 75 tokens, one chunk and three
 
 KERNELS = {"c": gd.gated_delta, "torch": gd.reference}
@@ -95,13 +99,8 @@ def _hf(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def _prompt(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 600, (n,), generator=g).tolist()
-
-
 @pytest.mark.parametrize("reuse", [False, True])
-@pytest.mark.parametrize("arch", HYBRIDS)
+@pytest.mark.parametrize("arch", RECURRENT)
 def test_greedy_tokens_and_logits_match_transformers(checkpoints, make_pipeline, arch, reuse):
     """Prompts shorter and longer than a prefill chunk, alone and then all at once: the tokens
     and logits of transformers; batched, the bits of alone."""
@@ -109,7 +108,7 @@ def test_greedy_tokens_and_logits_match_transformers(checkpoints, make_pipeline,
     hf = _hf(path)
     pipe = make_pipeline(path, max_num_batched_tokens=CHUNK, seq_size_per_block=8,
                          reuse_cache=reuse)
-    prompts = [_prompt(20, 1), _prompt(75, 2), _prompt(75, 2)[:50] + _prompt(9, 3)]
+    prompts = [random_prompt(20, 1), random_prompt(75, 2), random_prompt(75, 2)[:50] + random_prompt(9, 3)]
     alone = [run(pipe, p, max_new_tokens=8, return_logits=True) for p in prompts]
     for prompt, res in zip(prompts, alone):
         tokens, logits = hf_reference(hf, prompt, 8)
@@ -125,15 +124,20 @@ def test_greedy_tokens_and_logits_match_transformers(checkpoints, make_pipeline,
     assert states.num_free == states.num_slots - pipe.engine.cache.state_group.pool.num_blocks
 
 
-def test_no_state_slot_outlives_its_request(checkpoints, make_pipeline):
-    pipe = make_pipeline(checkpoints("qwen3_5"), concurrency_limit=2)
-    stream = pipe(_prompt(30, 5), top_k=1, ignore_eos=True, max_new_tokens=200)
+@pytest.mark.parametrize("arch,state_bytes", [
+    # three Gated DeltaNet layers: a conv window of 3 over 2 x 32 + 64 channels, 4 x 16 x 16 state
+    ("qwen3_5", 3 * (4 * (2 * 32 + 64) * 3 + 4 * 4 * 16 * 16)),
+    # two Mamba2 layers: a conv window of 3 over 128 + 2 x 8 channels, 8 x 16 x 8 SSM state
+    ("granite_hybrid_dense", 2 * 4 * (3 * 144 + 8 * 16 * 8))])
+def test_no_state_slot_outlives_its_request(checkpoints, make_pipeline, arch, state_bytes):
+    pipe = make_pipeline(checkpoints(arch), concurrency_limit=2)
+    stream = pipe(random_prompt(30, 5), top_k=1, ignore_eos=True, max_new_tokens=200)
     next(iter(stream))
     stream.close()   # cancelled mid-decode
-    run(pipe, _prompt(12, 6), max_new_tokens=3)
+    run(pipe, random_prompt(12, 6), max_new_tokens=3)
     group = pipe.engine.cache.state_group
     assert group.live_slots == 2 and group.states.num_free == 2
-    assert group.states.bytes_per_slot == 3 * (4 * (2 * 32 + 64) * 3 + 4 * 4 * 16 * 16)
+    assert group.states.bytes_per_slot == state_bytes
 
 
 BASE = {"architectures": ["Qwen3_5ForCausalLM"], "vocab_size": 64, "hidden_size": 32,

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import hf_reference, run
 
-from rtpkv.cache.connector import KvCacheConnector
+from dict_connector import DictConnector
 from rtpkv.cache.tiers import BlockMeta
 from rtpkv.cache.tiers.factory import tier_layout
 from rtpkv.cache.tiers.record import encode_record
@@ -357,29 +357,6 @@ def test_host_evictions_go_to_disk_and_come_back(make_pipeline, tmp_path):
 
 
 # ---------------------------------------------------------------------------- connector
-class DictConnector(KvCacheConnector):
-    """A user store in a class attribute (shared by every instance: a 'remote' store)."""
-
-    blocks: dict[bytes, torch.Tensor] = {}
-
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        n = 0
-        while n < request.num_blocks and request.block_keys[n] in self.blocks:
-            n += 1
-        return n * self.context.layout.block_size, False
-
-    def register_kv_caches(self, kv_cache_tensor):
-        self.kv = kv_cache_tensor
-
-    def start_load_kv(self):
-        for t in self._metadata.load:
-            self.kv[t.block_id].copy_(self.blocks[t.key])
-
-    def wait_for_save(self):
-        for t in self._metadata.save:
-            self.blocks[t.key] = self.kv[t.block_id].clone()
-
-
 class RaisingConnector(DictConnector):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         raise RuntimeError("store unreachable")
