@@ -233,7 +233,6 @@ class SparseMoe(nn.Module):
         self.normalize_top_k = moe.normalize_top_k
         self.scale_in_float32 = moe.scale_in_float32
         self.softmax_after_top_k = moe.softmax_after_top_k
-        self.activation = moe.activation
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=moe.router_bias)
         self.experts = nn.ModuleList(make_mlp(moe.expert_intermediate_size)
                                      for _ in range(moe.num_experts))
