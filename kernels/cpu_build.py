@@ -85,7 +85,20 @@ def cpu_kind() -> str:
     extras = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16",
                           "amx_tile", "amx_int8", "amx_bf16") if f in flags]
     model = _cpuinfo("model name").partition(":")[2].strip() or "unknown CPU"
+    family = _cpuinfo("cpu family").partition(":")[2].strip()
+    number = _cpuinfo("model").partition(":")[2].strip()
+    if family:
+        core = _amd_core(int(family), "avx512f" in flags) if "AMD" in model else None
+        model += f" (family {family} model {number}{': ' + core if core else ''})"
     return f"{model}, {os.cpu_count()} CPUs, {' '.join(extras) or 'no AVX2'}"
+
+
+def _amd_core(family: int, avx512: bool) -> str | None:
+    """AMD's core generation from the CPU family: a cloud VM's model name is often only "AMD
+    EPYC", and Zen 4 and Zen 5 differ in cache sizes and 512-bit datapath width."""
+    if family == 25:
+        return "Zen 4" if avx512 else "Zen 3"
+    return {23: "Zen or Zen 2", 26: "Zen 5"}.get(family)
 
 
 def select_isa(name: str) -> None:

@@ -170,3 +170,17 @@ def test_bf16_weights_run_fused_and_close_to_transformers(llama_path, hf, make_p
                                         "return_logits": True}) for p in prompts]
     batched = [list(s)[-1] for s in streams]
     assert [b.output_ids for b in batched] == [a.output_ids for a in alone]
+
+
+def test_the_cpu_kind_names_the_family_and_amds_core_generation(monkeypatch):
+    info = {"model name": "model name\t: AMD EPYC", "cpu family": "cpu family\t: 26",
+            "model": "model\t\t: 2"}
+    monkeypatch.setattr(cpu_build, "_cpuinfo", lambda field: info.get(field, ""))
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: "avx2 fma avx512f")
+    assert cpu_build.cpu_kind().startswith("AMD EPYC (family 26 model 2: Zen 5), ")
+    info["cpu family"] = "cpu family\t: 25"
+    assert "family 25 model 2: Zen 4)" in cpu_build.cpu_kind()
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: "avx2 fma")
+    assert "family 25 model 2: Zen 3)" in cpu_build.cpu_kind()
+    info["model name"] = "model name\t: Intel(R) Xeon(R) Platinum 8480+"
+    assert cpu_build.cpu_kind().startswith("Intel(R) Xeon(R) Platinum 8480+ (family 25 model 2), ")
