@@ -50,7 +50,7 @@ import random
 import statistics
 import sys
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -137,12 +137,15 @@ def load_trace(path: Path, requests: int, tokens_per_id: int, max_ids: int,
 
 
 async def replay(url: str, model: str, trace: list[Request], concurrency: int,
-                 timeout: float, speedup: Optional[float] = None) -> dict[str, Any]:
+                 timeout: float, speedup: Optional[float] = None, keep_alive: bool = False
+                 ) -> dict[str, Any]:
     """Streams one completion per trace request, with its conversation in `x-session-id` as a
     chat client would send it (only a router set up for sessions reads it). Closed loop
     (`speedup` None): `concurrency` clients take the requests in order, one at a time each.
     Open loop: each request is sent at its arrival time divided by `speedup`. TTFT is the time
-    from sending to the first chunk with text."""
+    from sending to the first chunk with text. Each request on a connection of its own unless
+    `keep_alive` (Dynamo 1.6.1's HTTP server leaves Nagle's algorithm on: on a kept-alive
+    connection the client's delayed ACK holds a stream's first event back up to 40 ms)."""
     ttfts: list[float] = []
     errors: Counter[str] = Counter()
     prompt = cached = generated = failed = 0
@@ -197,10 +200,11 @@ async def replay(url: str, model: str, trace: list[Request], concurrency: int,
         await asyncio.gather(*sent)
 
     t0 = time.perf_counter()
-    # idle connections are let go after 2 s, before the server's 5 s keep-alive ends: a request
-    # sent on a connection the server is closing fails with a ReadError, a client artifact
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64,
-                          keepalive_expiry=2.0)
+    # fresh: a connection per request. kept: idle connections are let go after 2 s, before the
+    # server's 5 s keep-alive ends (a request sent on a connection the server is closing fails
+    # with a ReadError, a client artifact)
+    limits = httpx.Limits(max_connections=None, keepalive_expiry=2.0,
+                          max_keepalive_connections=64 if keep_alive else 0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
         if speedup is None:
             queue = iter(trace)
@@ -247,7 +251,81 @@ def run_setup(setup: str, replicas: int, load: float, args: Any, trace: list[Req
                                router_args=sessions if setup.endswith("+sessions") else ())
             url = fleet.router_url
         return asyncio.run(replay(url, "bench", trace, int(load), args.request_timeout,
-                                  load if open_loop else None))
+                                  load if open_loop else None, args.connections == "kept"))
+
+
+# ----------------------------------------------------------------------------- simulation
+SIMULATED = ("round_robin", "prefix-aware", CEILING)
+
+
+def simulate(trace: list[Request], replicas: int, pool_tokens: int, block: int
+             ) -> dict[str, float]:
+    """Hit rates of an LRU block cache per replica replaying `trace` in order, one request at
+    a time (no queue, outputs not cached; a request's blocks released tail first, so the head
+    is the most recently used): round_robin; prefix-aware (the replica holding the
+    longest cached prefix beyond the first block, which every request shares; ties to the one
+    that served fewest: what a cache-aware router can reach at best); and CEILING (one replica
+    with the N pools together). A request reuses its cached leading blocks, all but its last
+    token at most, as rtpkv does. What the pool size and slice length do to the room a router
+    has (the ceiling over round robin), without starting a fleet."""
+    def hit_rate(pools: list["OrderedDict[tuple[int, ...], None]"], capacity: int,
+                 choose: Callable[[list[tuple[int, ...]], list[int]], int]) -> float:
+        served = [0] * len(pools)
+        cached = total = 0
+        for req in trace:
+            blocks = [tuple(req.prompt[i:i + block])
+                      for i in range(0, len(req.prompt) - block + 1, block)]
+            chosen = choose(blocks, served)
+            pool = pools[chosen]
+            hits = 0
+            while hits < len(blocks) and blocks[hits] in pool:
+                hits += 1
+            cached += min(hits * block, len(req.prompt) - 1)
+            total += len(req.prompt)
+            for b in reversed(blocks):   # released tail first, as rtpkv's pool releases them:
+                pool[b] = None           # a shared head outlives the tails
+                pool.move_to_end(b)
+            while len(pool) > capacity:
+                pool.popitem(last=False)
+            served[chosen] += 1
+        return cached / total if total else 0.0
+
+    def round_robin(pools: list[Any]) -> Callable[..., int]:
+        turn = iter(range(len(trace)))
+        return lambda blocks, served: next(turn) % len(pools)
+
+    def prefix_aware(pools: list[Any]) -> Callable[..., int]:
+        def choose(blocks: list[tuple[int, ...]], served: list[int]) -> int:
+            def held(i: int) -> int:
+                n = 0
+                while n < len(blocks) and blocks[n] in pools[i]:
+                    n += 1
+                return n if n > 1 else 0
+            return max(range(len(pools)), key=lambda i: (held(i), -served[i]))
+        return choose
+
+    capacity = pool_tokens // block
+    out = {}
+    for name, make, n, cap in (("round_robin", round_robin, replicas, capacity),
+                               ("prefix-aware", prefix_aware, replicas, capacity),
+                               (CEILING, round_robin, 1, capacity * replicas)):
+        pools = [OrderedDict() for _ in range(n)]
+        out[name] = hit_rate(pools, cap, make(pools))
+    return out
+
+
+def simulation_table(trace: list[Request], replicas: list[int], pools: list[int], block: int
+                     ) -> str:
+    """simulate() for every replica count and pool size: the rows of BENCHMARKS' table."""
+    rows = []
+    for pool in pools:
+        for n in replicas:
+            r = simulate(trace, n, pool, block)
+            rows.append([f"{pool:,}", str(n), *(f"{r[s]:.3f}" for s in SIMULATED),
+                         f"{_ratio(r[CEILING], r['round_robin']):.2f}x",
+                         f"{_ratio(r['prefix-aware'], r[CEILING]):.0%}"])
+    return table(["KV tokens per replica", "replicas", *SIMULATED, "ceiling / round robin",
+                  "prefix-aware / ceiling"], rows)
 
 
 # ---------------------------------------------------------------------------------- goals
@@ -391,10 +469,18 @@ def main() -> None:
     parser.add_argument("--model", help="checkpoint (default: the small counting model with "
                                         "a byte-level tokenizer, FLEET_CHECKPOINT)")
     parser.add_argument("--port", type=int, default=31000, help="router port; replicas above it")
+    parser.add_argument("--connections", choices=("fresh", "kept"), default="fresh",
+                        help="fresh: a connection per request (default); kept: kept-alive "
+                             "connections, where Dynamo's frontend's first event waits on the "
+                             "client's delayed ACK (it leaves Nagle's algorithm on)")
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--time-limit", type=float, default=7200.0,
                         help="hard limit on every process the benchmark starts, seconds")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/rtpkv-bench-fleet"))
+    parser.add_argument("--simulate", type=int, nargs="+", metavar="KV_TOKENS",
+                        help="start no fleet: print an LRU simulation's hit rates (round robin, "
+                             "prefix-aware, the ceiling) of --requests at these pool sizes per "
+                             "replica, for each --replicas")
     args = parser.parse_args()
     for name in ("requests", "tokens_per_id", "max_ids", "max_new_tokens", "kv_tokens",
                  "threads_per_replica"):
@@ -408,6 +494,11 @@ def main() -> None:
     tokens_per_id = args.tokens_per_id or args.block
     trace = load_trace(args.trace, args.requests, tokens_per_id, args.max_ids,
                        args.max_new_tokens, vocab)
+    if args.simulate:
+        print(f"LRU simulation of {len(trace)} requests, {tokens_per_id} token ids per hash id, "
+              f"at most {args.max_ids} ids a prompt, block {args.block}:")
+        print(simulation_table(trace, args.replicas, args.simulate, args.block))
+        return
     open_loop = args.arrivals == "trace"
     loads = args.speedup if open_loop else [float(c) for c in args.concurrency]
     load_name = "speedup" if open_loop else "concurrency"
