@@ -38,7 +38,8 @@ kv_aware's, 0 failed requests; at 4 replicas, hit rate >= 2x round_robin's.
                   dynamo-credit1-temp dynamo-credit2-temp]
 
 The model is the small counting model of benchmarks/common.py with a byte-level tokenizer
-(FLEET_CHECKPOINT) unless --model names another. Method: docs/BENCHMARKS.md.
+(FLEET_CHECKPOINT), or with --model-size prefill a heavier one (PREFILL_CHECKPOINT), unless
+--model names another. Method: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ DYNAMO_SETUPS = {"dynamo-credit0": {"overlap_score_credit": 0.0},
                  "dynamo-credit0.5": {"overlap_score_credit": 0.5},
                  "dynamo-credit1": {"overlap_score_credit": 1.0},
                  "dynamo-credit2": {"overlap_score_credit": 2.0},
+                 "dynamo-credit4": {"overlap_score_credit": 4.0},
+                 "dynamo-credit8": {"overlap_score_credit": 8.0},
+                 "dynamo-credit4-decay1": {"overlap_score_credit": 4.0,
+                                           "overlap_score_credit_decay": 1.0},
+                 "dynamo-credit4-requests4": {"overlap_score_credit": 4.0,
+                                              "decode_active_request_weight": 4.0},
+                 "dynamo-credit2-prefill0.5": {"overlap_score_credit": 2.0,
+                                               "prefill_load_scale": 0.5},
                  "dynamo-credit1-temp": {"overlap_score_credit": 1.0},
                  "dynamo-credit2-temp": {"overlap_score_credit": 2.0}}
 SETUPS = ("round_robin", "round_robin+redis", "cache_aware", "kv_aware", "kv_aware+sessions",
@@ -86,6 +95,13 @@ DEFAULT_SETUPS = ("round_robin", "kv_aware", "dynamo-credit0", "dynamo-credit1",
 # replies do through the sentencepiece byte-fallback tokenizer (2 of 40 requests in a trial).
 FLEET_CHECKPOINT = dict(COUNTS_CHECKPOINT, architecture="Qwen2ForCausalLM", vocab_size=1024,
                         tokenizer_vocab_size=1024)
+# --model-size prefill: the same with 4 layers of hidden 256, so a prompt token's prefill costs
+# about 30x the counting model's: a reused block saves more than a router's per-request path
+# costs, and queues form at lower loads (where the TTFT goals can tell routers apart).
+PREFILL_CHECKPOINT = dict(FLEET_CHECKPOINT, hidden_size=256, intermediate_size=704, num_layers=4,
+                          num_heads=4, num_kv_heads=2)
+MODEL_SIZES = {"counts": ("fleet", FLEET_CHECKPOINT),
+               "prefill": ("fleet-prefill", PREFILL_CHECKPOINT)}
 CEILING = "alone (ceiling)"
 SESSION_TTL_S = 600   # kv_aware+sessions: vllm-router's --kv-aware-session-affinity-ttl-secs
 LOWEST_TOKEN_ID = 100   # prompt ids are drawn above the tokenizer's special tokens
@@ -468,6 +484,10 @@ def main() -> None:
                              "past it): at least what the replicas' pools hold")
     parser.add_argument("--model", help="checkpoint (default: the small counting model with "
                                         "a byte-level tokenizer, FLEET_CHECKPOINT)")
+    parser.add_argument("--model-size", choices=tuple(MODEL_SIZES), default="counts",
+                        help="without --model: counts, the small counting model (2 layers, "
+                             "hidden 64); prefill, 4 layers of hidden 256, whose prefill per "
+                             "token costs ~30x more (lower --speedup with it)")
     parser.add_argument("--port", type=int, default=31000, help="router port; replicas above it")
     parser.add_argument("--connections", choices=("fresh", "kept"), default="fresh",
                         help="fresh: a connection per request (default); kept: kept-alive "
@@ -488,8 +508,9 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
     if min(args.replicas) < 1 or min(args.speedup) <= 0 or min(args.concurrency) < 1:
         parser.error("--replicas and --concurrency: at least 1 each; --speedup: above 0")
-    args.model = args.model or str(cached_tiny_checkpoint("fleet", show_progress=False,
-                                                          **FLEET_CHECKPOINT))
+    if args.model is None:
+        name, dims = MODEL_SIZES[args.model_size]
+        args.model = str(cached_tiny_checkpoint(name, show_progress=False, **dims))
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     tokens_per_id = args.tokens_per_id or args.block
     trace = load_trace(args.trace, args.requests, tokens_per_id, args.max_ids,
