@@ -66,9 +66,12 @@ from redis_server import RedisServer  # noqa: E402
 from rtpkv.fleet.launcher import Fleet  # noqa: E402
 from rtpkv.model_factory.tiny import cached_tiny_checkpoint  # noqa: E402
 
-# NVIDIA Dynamo's frontend and KV router over `rtpkv dynamo-worker`s, its knobs swept: the
-# overlap score credit (0 ignores cached blocks, 1 is Dynamo's default, 2 favours them) and the
-# softmax temperature of its worker choice (0: always the cheapest worker).
+# NVIDIA Dynamo's frontend and KV router over `rtpkv dynamo-worker`s, its knobs swept (the
+# parameters of its cost function's policy YAML, which 1.6.1 reads and 1.7 keeps): the overlap
+# score credit (0 ignores cached blocks, 1 is Dynamo's default, above 1 favours them), the
+# credit's decay with the holder's excess prefill load, a decode cost per request in flight,
+# the weight of prefill load, and the softmax temperature of its worker choice (0: always the
+# cheapest worker); DYNAMO_FRONTEND_ARGS: the frontend's own flags some setups add.
 DYNAMO_SETUPS = {"dynamo-credit0": {"overlap_score_credit": 0.0},
                  "dynamo-credit0.5": {"overlap_score_credit": 0.5},
                  "dynamo-credit1": {"overlap_score_credit": 1.0},
@@ -81,8 +84,14 @@ DYNAMO_SETUPS = {"dynamo-credit0": {"overlap_score_credit": 0.0},
                                               "decode_active_request_weight": 4.0},
                  "dynamo-credit2-prefill0.5": {"overlap_score_credit": 2.0,
                                                "prefill_load_scale": 0.5},
+                 "dynamo-credit2-output-blocks": {"overlap_score_credit": 2.0},
+                 "dynamo-credit2-no-prefill-tokens": {"overlap_score_credit": 2.0},
                  "dynamo-credit1-temp": {"overlap_score_credit": 1.0},
                  "dynamo-credit2-temp": {"overlap_score_credit": 2.0}}
+# output-blocks: a request's output counts as load as it grows; no-prefill-tokens: prompt
+# tokens in flight do not count as load (what is left weighs cached blocks against decoding)
+DYNAMO_FRONTEND_ARGS = {"dynamo-credit2-output-blocks": ("--router-track-output-blocks",),
+                        "dynamo-credit2-no-prefill-tokens": ("--no-router-track-prefill-tokens",)}
 SETUPS = ("round_robin", "round_robin+redis", "cache_aware", "kv_aware", "kv_aware+sessions",
           *DYNAMO_SETUPS)
 # What the goals need (round_robin, kv_aware) and the credit sweep, sized for ~8 minutes a
@@ -260,7 +269,8 @@ def run_setup(setup: str, replicas: int, load: float, args: Any, trace: list[Req
             policy = dict(DYNAMO_SETUPS[setup])
             if setup.endswith("-temp"):
                 policy["router_temperature"] = args.dynamo_temperature
-            fleet.start_router("dynamo", "kv", dynamo_policy=policy)
+            fleet.start_router("dynamo", "kv", dynamo_policy=policy,
+                               router_args=DYNAMO_FRONTEND_ARGS.get(setup, ()))
             url = fleet.router_url
         elif not alone:
             sessions = ["--kv-aware-session-affinity-ttl-secs", str(SESSION_TTL_S)]
