@@ -9,8 +9,8 @@ Setups: round_robin; round_robin with every replica on one Redis tier; cache_awa
 approximate tree over what it routed); kv_aware (vllm-router fed by the replicas' KV events);
 kv_aware+sessions (the same, with its session affinity: a conversation's first request is placed
 by the events, its later turns stay on that replica); dynamo-* (NVIDIA Dynamo's frontend and KV
-router over `rtpkv dynamo-worker`s, fed by the same events, its overlap score credit at 0, 0.5, 1
-or 2, and with --dynamo-temperature). The ceiling: the same trace on one replica alone, without a
+router over `rtpkv dynamo-worker`s, fed by the same events, its overlap score credit at 0 to 8,
+with --dynamo-temperature, and its other load knobs: DYNAMO_SETUPS). The ceiling: the same trace on one replica alone, without a
 router, whose pool is the N replicas' pools together (its threads: one replica's); it sees every
 turn, and runs once per replica count, closed loop at 4 clients (CEILING_CLIENTS: no request's
 earlier turn is still in flight, so nothing is lost to a queue).
@@ -35,7 +35,11 @@ kv_aware's, 0 failed requests; at 4 replicas, hit rate >= 2x round_robin's.
         [--replicas 2 4] [--speedup 16 32 | --arrivals closed --concurrency 4 8]
         [--setups round_robin round_robin+redis cache_aware kv_aware kv_aware+sessions
                   dynamo-credit0 dynamo-credit0.5 dynamo-credit1 dynamo-credit2
-                  dynamo-credit1-temp dynamo-credit2-temp]
+                  dynamo-credit4 dynamo-credit8 dynamo-credit4-decay1 dynamo-credit4-requests4
+                  dynamo-credit2-prefill0.5 dynamo-credit2-output-blocks
+                  dynamo-credit2-no-prefill-tokens dynamo-credit1-temp dynamo-credit2-temp]
+        [--model-size counts|prefill] [--connections fresh|kept]
+    python benchmarks/fleet.py --trace PATH --simulate KV_TOKENS... [--requests N] [--replicas ...]
 
 The model is the small counting model of benchmarks/common.py with a byte-level tokenizer
 (FLEET_CHECKPOINT), or with --model-size prefill a heavier one (PREFILL_CHECKPOINT), unless
