@@ -10,10 +10,11 @@ approximate tree over what it routed); kv_aware (vllm-router fed by the replicas
 kv_aware+sessions (the same, with its session affinity: a conversation's first request is placed
 by the events, its later turns stay on that replica); dynamo-* (NVIDIA Dynamo's frontend and KV
 router over `rtpkv dynamo-worker`s, fed by the same events, its overlap score credit at 0 to 8,
-with --dynamo-temperature, and its other load knobs: DYNAMO_SETUPS). The ceiling: the same trace on one replica alone, without a
-router, whose pool is the N replicas' pools together (its threads: one replica's); it sees every
-turn, and runs once per replica count, closed loop at 4 clients (CEILING_CLIENTS: no request's
-earlier turn is still in flight, so nothing is lost to a queue).
+with --dynamo-temperature, and its other load knobs: DYNAMO_SETUPS). The ceiling: the same
+trace on one replica alone, without a router, whose pool is the N replicas' pools together (its
+threads: one replica's); it sees every turn, and runs once per replica count, closed loop at 4
+clients (CEILING_CLIENTS: no request's earlier turn is still in flight, so nothing is lost to a
+queue). --simulate starts no fleet: an LRU simulation of the pools (simulate()).
 
 Trace scaled down: each hash id becomes a fixed run of --tokens-per-id token ids drawn from the
 id alone (equal ids, equal tokens; by default one id is one KV block, so requests that share a
