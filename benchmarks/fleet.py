@@ -9,11 +9,12 @@ Setups: round_robin; round_robin with every replica on one Redis tier; cache_awa
 approximate tree over what it routed); kv_aware (vllm-router fed by the replicas' KV events);
 kv_aware+sessions (the same, with its session affinity: a conversation's first request is placed
 by the events, its later turns stay on that replica); dynamo-* (NVIDIA Dynamo's frontend and KV
-router over `rtpkv dynamo-worker`s, fed by the same events, its overlap score credit at 0, 0.5, 1
-or 2, and with --dynamo-temperature). The ceiling: the same trace on one replica alone, without a
-router, whose pool is the N replicas' pools together (its threads: one replica's); it sees every
-turn, and runs once per replica count, closed loop at 4 clients (CEILING_CLIENTS: no request's
-earlier turn is still in flight, so nothing is lost to a queue).
+router over `rtpkv dynamo-worker`s, fed by the same events, its overlap score credit at 0 to 8,
+with --dynamo-temperature, and its other load knobs: DYNAMO_SETUPS). The ceiling: the same
+trace on one replica alone, without a router, whose pool is the N replicas' pools together (its
+threads: one replica's); it sees every turn, and runs once per replica count, closed loop at 4
+clients (CEILING_CLIENTS: no request's earlier turn is still in flight, so nothing is lost to a
+queue). --simulate starts no fleet: an LRU simulation of the pools (simulate()).
 
 Trace scaled down: each hash id becomes a fixed run of --tokens-per-id token ids drawn from the
 id alone (equal ids, equal tokens; by default one id is one KV block, so requests that share a
@@ -35,10 +36,15 @@ kv_aware's, 0 failed requests; at 4 replicas, hit rate >= 2x round_robin's.
         [--replicas 2 4] [--speedup 16 32 | --arrivals closed --concurrency 4 8]
         [--setups round_robin round_robin+redis cache_aware kv_aware kv_aware+sessions
                   dynamo-credit0 dynamo-credit0.5 dynamo-credit1 dynamo-credit2
-                  dynamo-credit1-temp dynamo-credit2-temp]
+                  dynamo-credit4 dynamo-credit8 dynamo-credit4-decay1 dynamo-credit4-requests4
+                  dynamo-credit2-prefill0.5 dynamo-credit2-output-blocks
+                  dynamo-credit2-no-prefill-tokens dynamo-credit1-temp dynamo-credit2-temp]
+        [--model-size counts|prefill] [--connections fresh|kept]
+    python benchmarks/fleet.py --trace PATH --simulate KV_TOKENS... [--requests N] [--replicas ...]
 
 The model is the small counting model of benchmarks/common.py with a byte-level tokenizer
-(FLEET_CHECKPOINT) unless --model names another. Method: docs/BENCHMARKS.md.
+(FLEET_CHECKPOINT), or with --model-size prefill a heavier one (PREFILL_CHECKPOINT), unless
+--model names another. Method: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ import random
 import statistics
 import sys
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -65,27 +71,54 @@ from redis_server import RedisServer  # noqa: E402
 from rtpkv.fleet.launcher import Fleet  # noqa: E402
 from rtpkv.model_factory.tiny import cached_tiny_checkpoint  # noqa: E402
 
-# NVIDIA Dynamo's frontend and KV router over `rtpkv dynamo-worker`s, its knobs swept: the
-# overlap score credit (0 ignores cached blocks, 1 is Dynamo's default, 2 favours them) and the
-# softmax temperature of its worker choice (0: always the cheapest worker).
+# NVIDIA Dynamo's frontend and KV router over `rtpkv dynamo-worker`s, its knobs swept (the
+# parameters of its cost function's policy YAML, which 1.6.1 reads and 1.7 keeps): the overlap
+# score credit (0 ignores cached blocks, 1 is Dynamo's default, above 1 favours them), the
+# credit's decay with the holder's excess prefill load, a decode cost per request in flight,
+# the weight of prefill load, and the softmax temperature of its worker choice (0: always the
+# cheapest worker); DYNAMO_FRONTEND_ARGS: the frontend's own flags some setups add.
 DYNAMO_SETUPS = {"dynamo-credit0": {"overlap_score_credit": 0.0},
                  "dynamo-credit0.5": {"overlap_score_credit": 0.5},
                  "dynamo-credit1": {"overlap_score_credit": 1.0},
                  "dynamo-credit2": {"overlap_score_credit": 2.0},
+                 "dynamo-credit4": {"overlap_score_credit": 4.0},
+                 "dynamo-credit8": {"overlap_score_credit": 8.0},
+                 "dynamo-credit4-decay1": {"overlap_score_credit": 4.0,
+                                           "overlap_score_credit_decay": 1.0},
+                 "dynamo-credit4-requests4": {"overlap_score_credit": 4.0,
+                                              "decode_active_request_weight": 4.0},
+                 "dynamo-credit2-prefill0.5": {"overlap_score_credit": 2.0,
+                                               "prefill_load_scale": 0.5},
+                 "dynamo-credit2-output-blocks": {"overlap_score_credit": 2.0},
+                 "dynamo-credit2-no-prefill-tokens": {"overlap_score_credit": 2.0},
                  "dynamo-credit1-temp": {"overlap_score_credit": 1.0},
                  "dynamo-credit2-temp": {"overlap_score_credit": 2.0}}
+# output-blocks: a request's output counts as load as it grows; no-prefill-tokens: prompt
+# tokens in flight do not count as load (what is left weighs cached blocks against decoding)
+DYNAMO_FRONTEND_ARGS = {"dynamo-credit2-output-blocks": ("--router-track-output-blocks",),
+                        "dynamo-credit2-no-prefill-tokens": ("--no-router-track-prefill-tokens",)}
 SETUPS = ("round_robin", "round_robin+redis", "cache_aware", "kv_aware", "kv_aware+sessions",
           *DYNAMO_SETUPS)
-# What the goals need (round_robin, kv_aware) and the credit sweep, sized for ~8 minutes a
-# replica count at the default loads on an idle 2-core machine.
+# What the goals need (round_robin, kv_aware), the credit sweep, and the knob that did best
+# beside credit 2 in trials on the shared machine (the other knobs' hit rates were within
+# run-to-run noise of it or below), sized for ~7 minutes a replica count at the default loads
+# on an idle 2-core machine.
 DEFAULT_SETUPS = ("round_robin", "kv_aware", "dynamo-credit0", "dynamo-credit1",
-                  "dynamo-credit2")
+                  "dynamo-credit2", "dynamo-credit2-no-prefill-tokens")
 # The counting model (what a cache does with a request does not depend on the model) with
 # Qwen2's byte-level tokenizer, whose every id it can emit: Dynamo's frontend detokenizes the
 # replies, and fails a stream whose decoded text changes behind what it sent, which random
 # replies do through the sentencepiece byte-fallback tokenizer (2 of 40 requests in a trial).
 FLEET_CHECKPOINT = dict(COUNTS_CHECKPOINT, architecture="Qwen2ForCausalLM", vocab_size=1024,
                         tokenizer_vocab_size=1024)
+# --model-size prefill: the same with 4 layers of hidden 256, so a prompt token's prefill costs
+# about 10x the counting model's (0.08 ms against 0.008 on one thread): a reused block saves
+# more than a router's per-request path costs, and queues form at lower loads (where the TTFT
+# goals can tell routers apart).
+PREFILL_CHECKPOINT = dict(FLEET_CHECKPOINT, hidden_size=256, intermediate_size=704, num_layers=4,
+                          num_heads=4, num_kv_heads=2)
+MODEL_SIZES = {"counts": ("fleet", FLEET_CHECKPOINT),
+               "prefill": ("fleet-prefill", PREFILL_CHECKPOINT)}
 CEILING = "alone (ceiling)"
 SESSION_TTL_S = 600   # kv_aware+sessions: vllm-router's --kv-aware-session-affinity-ttl-secs
 LOWEST_TOKEN_ID = 100   # prompt ids are drawn above the tokenizer's special tokens
@@ -137,12 +170,15 @@ def load_trace(path: Path, requests: int, tokens_per_id: int, max_ids: int,
 
 
 async def replay(url: str, model: str, trace: list[Request], concurrency: int,
-                 timeout: float, speedup: Optional[float] = None) -> dict[str, Any]:
+                 timeout: float, speedup: Optional[float] = None, keep_alive: bool = False
+                 ) -> dict[str, Any]:
     """Streams one completion per trace request, with its conversation in `x-session-id` as a
     chat client would send it (only a router set up for sessions reads it). Closed loop
     (`speedup` None): `concurrency` clients take the requests in order, one at a time each.
     Open loop: each request is sent at its arrival time divided by `speedup`. TTFT is the time
-    from sending to the first chunk with text."""
+    from sending to the first chunk with text. Each request on a connection of its own unless
+    `keep_alive` (Dynamo 1.6.1's HTTP server leaves Nagle's algorithm on: on a kept-alive
+    connection the client's delayed ACK holds a stream's first event back up to 40 ms)."""
     ttfts: list[float] = []
     errors: Counter[str] = Counter()
     prompt = cached = generated = failed = 0
@@ -197,10 +233,11 @@ async def replay(url: str, model: str, trace: list[Request], concurrency: int,
         await asyncio.gather(*sent)
 
     t0 = time.perf_counter()
-    # idle connections are let go after 2 s, before the server's 5 s keep-alive ends: a request
-    # sent on a connection the server is closing fails with a ReadError, a client artifact
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64,
-                          keepalive_expiry=2.0)
+    # fresh: a connection per request. kept: idle connections are let go after 2 s, before the
+    # server's 5 s keep-alive ends (a request sent on a connection the server is closing fails
+    # with a ReadError, a client artifact)
+    limits = httpx.Limits(max_connections=None, keepalive_expiry=2.0,
+                          max_keepalive_connections=64 if keep_alive else 0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
         if speedup is None:
             queue = iter(trace)
@@ -239,7 +276,8 @@ def run_setup(setup: str, replicas: int, load: float, args: Any, trace: list[Req
             policy = dict(DYNAMO_SETUPS[setup])
             if setup.endswith("-temp"):
                 policy["router_temperature"] = args.dynamo_temperature
-            fleet.start_router("dynamo", "kv", dynamo_policy=policy)
+            fleet.start_router("dynamo", "kv", dynamo_policy=policy,
+                               router_args=DYNAMO_FRONTEND_ARGS.get(setup, ()))
             url = fleet.router_url
         elif not alone:
             sessions = ["--kv-aware-session-affinity-ttl-secs", str(SESSION_TTL_S)]
@@ -247,7 +285,81 @@ def run_setup(setup: str, replicas: int, load: float, args: Any, trace: list[Req
                                router_args=sessions if setup.endswith("+sessions") else ())
             url = fleet.router_url
         return asyncio.run(replay(url, "bench", trace, int(load), args.request_timeout,
-                                  load if open_loop else None))
+                                  load if open_loop else None, args.connections == "kept"))
+
+
+# ----------------------------------------------------------------------------- simulation
+SIMULATED = ("round_robin", "prefix-aware", CEILING)
+
+
+def simulate(trace: list[Request], replicas: int, pool_tokens: int, block: int
+             ) -> dict[str, float]:
+    """Hit rates of an LRU block cache per replica replaying `trace` in order, one request at
+    a time (no queue, outputs not cached; a request's blocks released tail first, so the head
+    is the most recently used): round_robin; prefix-aware (the replica holding the
+    longest cached prefix beyond the first block, which every request shares; ties to the one
+    that served fewest: what a cache-aware router can reach at best); and CEILING (one replica
+    with the N pools together). A request reuses its cached leading blocks, all but its last
+    token at most, as rtpkv does. What the pool size and slice length do to the room a router
+    has (the ceiling over round robin), without starting a fleet."""
+    def hit_rate(pools: list["OrderedDict[tuple[int, ...], None]"], capacity: int,
+                 choose: Callable[[list[tuple[int, ...]], list[int]], int]) -> float:
+        served = [0] * len(pools)
+        cached = total = 0
+        for req in trace:
+            blocks = [tuple(req.prompt[i:i + block])
+                      for i in range(0, len(req.prompt) - block + 1, block)]
+            chosen = choose(blocks, served)
+            pool = pools[chosen]
+            hits = 0
+            while hits < len(blocks) and blocks[hits] in pool:
+                hits += 1
+            cached += min(hits * block, len(req.prompt) - 1)
+            total += len(req.prompt)
+            for b in reversed(blocks):   # released tail first, as rtpkv's pool releases them:
+                pool[b] = None           # a shared head outlives the tails
+                pool.move_to_end(b)
+            while len(pool) > capacity:
+                pool.popitem(last=False)
+            served[chosen] += 1
+        return cached / total if total else 0.0
+
+    def round_robin(pools: list[Any]) -> Callable[..., int]:
+        turn = iter(range(len(trace)))
+        return lambda blocks, served: next(turn) % len(pools)
+
+    def prefix_aware(pools: list[Any]) -> Callable[..., int]:
+        def choose(blocks: list[tuple[int, ...]], served: list[int]) -> int:
+            def held(i: int) -> int:
+                n = 0
+                while n < len(blocks) and blocks[n] in pools[i]:
+                    n += 1
+                return n if n > 1 else 0
+            return max(range(len(pools)), key=lambda i: (held(i), -served[i]))
+        return choose
+
+    capacity = pool_tokens // block
+    out = {}
+    for name, make, n, cap in (("round_robin", round_robin, replicas, capacity),
+                               ("prefix-aware", prefix_aware, replicas, capacity),
+                               (CEILING, round_robin, 1, capacity * replicas)):
+        pools = [OrderedDict() for _ in range(n)]
+        out[name] = hit_rate(pools, cap, make(pools))
+    return out
+
+
+def simulation_table(trace: list[Request], replicas: list[int], pools: list[int], block: int
+                     ) -> str:
+    """simulate() for every replica count and pool size: the rows of BENCHMARKS' table."""
+    rows = []
+    for pool in pools:
+        for n in replicas:
+            r = simulate(trace, n, pool, block)
+            rows.append([f"{pool:,}", str(n), *(f"{r[s]:.3f}" for s in SIMULATED),
+                         f"{_ratio(r[CEILING], r['round_robin']):.2f}x",
+                         f"{_ratio(r['prefix-aware'], r[CEILING]):.0%}"])
+    return table(["KV tokens per replica", "replicas", *SIMULATED, "ceiling / round robin",
+                  "prefix-aware / ceiling"], rows)
 
 
 # ---------------------------------------------------------------------------------- goals
@@ -390,11 +502,23 @@ def main() -> None:
                              "past it): at least what the replicas' pools hold")
     parser.add_argument("--model", help="checkpoint (default: the small counting model with "
                                         "a byte-level tokenizer, FLEET_CHECKPOINT)")
+    parser.add_argument("--model-size", choices=tuple(MODEL_SIZES), default="counts",
+                        help="without --model: counts, the small counting model (2 layers, "
+                             "hidden 64); prefill, 4 layers of hidden 256, whose prefill per "
+                             "token costs ~10x more (lower --speedup with it)")
     parser.add_argument("--port", type=int, default=31000, help="router port; replicas above it")
+    parser.add_argument("--connections", choices=("fresh", "kept"), default="fresh",
+                        help="fresh: a connection per request (default); kept: kept-alive "
+                             "connections, where Dynamo's frontend's first event waits on the "
+                             "client's delayed ACK (it leaves Nagle's algorithm on)")
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--time-limit", type=float, default=7200.0,
                         help="hard limit on every process the benchmark starts, seconds")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/rtpkv-bench-fleet"))
+    parser.add_argument("--simulate", type=int, nargs="+", metavar="KV_TOKENS",
+                        help="start no fleet: print an LRU simulation's hit rates (round robin, "
+                             "prefix-aware, the ceiling) of --requests at these pool sizes per "
+                             "replica, for each --replicas")
     args = parser.parse_args()
     for name in ("requests", "tokens_per_id", "max_ids", "max_new_tokens", "kv_tokens",
                  "threads_per_replica"):
@@ -402,12 +526,18 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
     if min(args.replicas) < 1 or min(args.speedup) <= 0 or min(args.concurrency) < 1:
         parser.error("--replicas and --concurrency: at least 1 each; --speedup: above 0")
-    args.model = args.model or str(cached_tiny_checkpoint("fleet", show_progress=False,
-                                                          **FLEET_CHECKPOINT))
+    if args.model is None:
+        name, dims = MODEL_SIZES[args.model_size]
+        args.model = str(cached_tiny_checkpoint(name, show_progress=False, **dims))
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     tokens_per_id = args.tokens_per_id or args.block
     trace = load_trace(args.trace, args.requests, tokens_per_id, args.max_ids,
                        args.max_new_tokens, vocab)
+    if args.simulate:
+        print(f"LRU simulation of {len(trace)} requests, {tokens_per_id} token ids per hash id, "
+              f"at most {args.max_ids} ids a prompt, block {args.block}:")
+        print(simulation_table(trace, args.replicas, args.simulate, args.block))
+        return
     open_loop = args.arrivals == "trace"
     loads = args.speedup if open_loop else [float(c) for c in args.concurrency]
     load_name = "speedup" if open_loop else "concurrency"

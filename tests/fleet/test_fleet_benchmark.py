@@ -58,3 +58,23 @@ def test_the_goals_are_checked_for_dynamos_best_setting_at_every_load():
     del by_load[8.0]["kv_aware"]
     assert bench.check(bench.GOALS[2][3], "dynamo-credit2", by_load, ceiling)[0] is None
     assert bench.check(bench.GOALS[4][0], "dynamo-credit2", by_load, ceiling)[0] is False
+
+
+def test_the_lru_simulation_counts_hits_per_replica_and_evicts_least_recent_first():
+    def req(*blocks: int) -> "bench.Request":
+        return bench.Request([t for b in blocks for t in [b] * 4], 1, 0.0, "s")
+
+    # two conversations, two turns each, every prompt opening with the shared block 0: round
+    # robin sends each conversation's turns to different replicas, a prefix-aware router keeps
+    # them together (its first turn of B goes to the idler replica, losing the shared block)
+    trace = [req(0, 1), req(0, 1, 3), req(0, 2), req(0, 2, 4)]
+    total = 40
+    r = bench.simulate(trace, replicas=2, pool_tokens=64, block=4)
+    assert r["round_robin"] == (0 + 0 + 4 + 4) / total
+    assert r["prefix-aware"] == (0 + 8 + 0 + 8) / total
+    assert r[bench.CEILING] == (0 + 8 + 4 + 8) / total
+    # a pool of one block: the shared head, released last, is the one that survives
+    assert bench.simulate(trace, replicas=1, pool_tokens=4, block=4)[bench.CEILING] == 12 / total
+    # a request never reuses its last token
+    again = bench.simulate([req(7, 8), req(7, 8)], replicas=1, pool_tokens=64, block=4)
+    assert again[bench.CEILING] == 7 / 16
