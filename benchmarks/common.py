@@ -9,7 +9,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -63,9 +63,9 @@ def kernel_paths(module) -> str:
     from rtpkv.kernels.cpu_build import cpu_kind, isa
 
     layer = module.model.layers[0]
+    mlp = layer.mlp.experts[0] if hasattr(layer.mlp, "experts") else layer.mlp   # a mixture's
     paths = sorted({getattr(m, "path", type(m).__name__) for m in
-                    (layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up,
-                     layer.mlp.down_proj)})
+                    (layer.self_attn.qkv, layer.self_attn.o_proj, mlp.gate_up, mlp.down_proj)})
     attention = module.attention_name
     if attention == "cpu-paged":
         attention += f" ({isa()}, {vector_lanes()} query rows a vector)"
@@ -143,13 +143,14 @@ def random_ids(n: int, seed: int, vocab: int = 8000) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
-def pipeline(counts: bool = False, **options: Any):
+def pipeline(counts: bool = False, checkpoint: Optional[Path] = None, **options: Any):
+    """A pipeline on `checkpoint`, by default the BENCHMARKS.md model (`counts`: the small one)."""
     from rtpkv.model_factory import ModelConfig, ModelFactory
     from rtpkv.pipeline import Pipeline
 
     options.setdefault("kv_cache_mem_mb", 2048)
-    model = ModelFactory.from_huggingface(bench_checkpoint(counts), ModelConfig(**options),
-                                          show_progress=False)
+    model = ModelFactory.from_huggingface(checkpoint or bench_checkpoint(counts),
+                                          ModelConfig(**options), show_progress=False)
     return Pipeline(model, model.tokenizer)
 
 
