@@ -23,8 +23,9 @@ one process about halve each other's step). The checkpoints are built once into 
 cache (their paths are printed). With `--llama-cpp` (the interpreter of a venv with
 llama-cpp-python) and `--llama-cpp-src` (a llama.cpp source tree: llama-cpp-python's sdist
 vendors one), each checkpoint is converted once to a float32 GGUF beside it by that tree's
-converter (benchmarks/gguf_convert.py), and llama.cpp decodes the same prompt on it (2 threads,
-as rtpkv); its greedy tokens are compared with rtpkv's, which shows the two run the same
+converter (benchmarks/gguf_convert.py; with `--weight-type int8` or `w8a8_int8` a Q8_0 GGUF:
+int8 weights on both sides), and llama.cpp decodes the same prompt on it (2 threads, as
+rtpkv); its greedy tokens are compared with rtpkv's, which shows the two run the same
 weights. Runs alternate between the engines; figures are medians. Ratios: each row's decode
 speed over rtpkv's dense Qwen3 (the 0.8x goal of the mixture) and, for llama.cpp's rows,
 rtpkv's on the same checkpoint over llama.cpp's (the 1.5x goal).
@@ -78,13 +79,14 @@ def shapes(moe_shape: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {MOE: moe_shape, DENSE: dense_shape(moe_shape)}
 
 
-def gguf(checkpoint: Path, llama_cpp_src: str) -> Path:
-    """The checkpoint's float32 GGUF, converted once beside it by llama.cpp's converter."""
-    out = checkpoint / "model-f32.gguf"
+def gguf(checkpoint: Path, llama_cpp_src: str, outtype: str) -> Path:
+    """The checkpoint's GGUF in `outtype` (f32 or q8_0), converted once beside it by llama.cpp's
+    converter."""
+    out = checkpoint / f"model-{outtype}.gguf"
     if not out.exists():
-        tmp = checkpoint / "model-f32.gguf.part"
+        tmp = checkpoint / f"model-{outtype}.gguf.part"
         subprocess.run([sys.executable, str(Path(__file__).with_name("gguf_convert.py")),
-                        llama_cpp_src, str(checkpoint), str(tmp), "--outtype", "f32"],
+                        llama_cpp_src, str(checkpoint), str(tmp), "--outtype", outtype],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         tmp.replace(out)
     return out
@@ -162,20 +164,21 @@ def main() -> None:
           f"{spec.vocab_size}; dense: MLP {sitting[DENSE]['intermediate_size']}; "
           f"{weights} weights, {args.threads} threads; each engine in a process of its own")
     same_weights: dict[str, str] = {}   # a llama.cpp row -> the rtpkv row of its checkpoint
+    peer_type = "float32" if weights == "float32" else "q8_0"   # int8 on both sides
     if args.llama_cpp:
         for name, path in paths.items():
             label = name.replace("rtpkv", "llama.cpp")
-            file = gguf(path, args.llama_cpp_src)
+            file = gguf(path, args.llama_cpp_src, "f32" if peer_type == "float32" else "q8_0")
             print(f"{label}: {file}")
             engines[label] = PeerWorker(args.llama_cpp, "peers_llamacpp.py",
                                         [str(file), str(args.threads)],
                                         {"OMP_NUM_THREADS": str(args.threads)}, ("d",))
             rows_info[label] = (*rows_info[name][:2],
                                 sum(decode_bytes_per_token(specs[name],
-                                                           WEIGHT_BYTES["float32"]).values()))
+                                                           WEIGHT_BYTES[peer_type]).values()))
             same_weights[label] = name
     paths_run = {label: ("one C call a step" if worker.ready()["fused"] else "layers one by one")
-                 if label in paths else "llama.cpp, float32 GGUF"
+                 if label in paths else f"llama.cpp, {peer_type} GGUF"
                  for label, worker in engines.items()}
     prompt = random_ids(PROMPT, seed=11, vocab=spec.vocab_size)
     for worker in engines.values():   # warm-up: kernels built, first-call allocations
@@ -196,6 +199,9 @@ def main() -> None:
         parts = decode_bytes_per_token(specs[name], WEIGHT_BYTES[weights])
         print(roof_line(name, sum(parts.values()), roof) + " ("
               + ", ".join(f"{part} {n / 1e6:.1f}" for part, n in parts.items()) + " MB)")
+    for label, name in same_weights.items():
+        if peer_type != weights:
+            print(roof_line(label, rows_info[label][2], roof))
     speeds = {label: statistics.median(r["decode_tok_s"] for r in runs)
               for label, runs in results.items()}
     rows = []
