@@ -22,6 +22,17 @@ HUGE_PAGE = 2 << 20
 ALIGN = 64   # each tensor starts on a cache line, as the allocator's do
 
 
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """`nbytes` of zeroed memory (uint8) starting on a 2 MiB boundary, in a private anonymous
+    mapping advised for huge pages; the tensor keeps the mapping alive. Needs
+    mmap.MADV_HUGEPAGE (Linux)."""
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(region, dtype=torch.uint8)   # holds the mapping
+    start = -whole.data_ptr() % HUGE_PAGE
+    region.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    return whole[start:start + nbytes]
+
+
 def into_huge_pages(holders: Sequence[tuple[Any, str]]) -> bool:
     """Moves tensor `getattr(obj, name)` of each (obj, name) into one mapping advised for huge
     pages, replacing the attribute with a view of the same dtype, shape and values; one tensor
@@ -35,11 +46,8 @@ def into_huge_pages(holders: Sequence[tuple[Any, str]]) -> bool:
         return False
     sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors]
     del tensors
-    region = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buffer = torch.frombuffer(region, dtype=torch.uint8)   # keeps the mapping alive
-    start = -buffer.data_ptr() % HUGE_PAGE                  # whole huge pages from here
-    region.madvise(mmap.MADV_HUGEPAGE, start - start % mmap.PAGESIZE, sum(sizes))
-    offset = start
+    buffer = huge_page_buffer(sum(sizes))
+    offset = 0
     for (obj, name), size in zip(holders, sizes):
         old = getattr(obj, name)
         nbytes = old.numel() * old.element_size()

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rtpkv.kernels.huge_pages import ALIGN, into_huge_pages
+from rtpkv.kernels.huge_pages import ALIGN, HUGE_PAGE, huge_page_buffer, into_huge_pages
 
 pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"),
                                 reason="madvise(MADV_HUGEPAGE) is Linux's")
@@ -39,3 +39,11 @@ def test_a_tensor_it_cannot_move_leaves_all_in_place():
     assert not into_huge_pages([(h, "packed") for h in holders])
     assert all(h.packed is b for h, b in zip(holders, before))
     assert not into_huge_pages([])
+
+
+def test_a_huge_page_buffer_starts_on_a_huge_page_zeroed():
+    buffer = huge_page_buffer(3 * HUGE_PAGE + 5)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == 3 * HUGE_PAGE + 5
+    assert buffer.data_ptr() % HUGE_PAGE == 0 and not buffer.any()
+    buffer[-1] = 7   # writable to its last byte
+    assert buffer[-1] == 7
