@@ -1,5 +1,7 @@
 """Weights moved into one anonymous mapping that Linux may back with 2 MiB pages
-(madvise(MADV_HUGEPAGE); transparent huge pages set to `madvise` or `always`).
+(madvise(MADV_HUGEPAGE); transparent huge pages set to `madvise` or `always`): the C kernels'
+weights of every model on the CPU (model_factory/llama.py), a mixture's per layer
+(model_factory/moe.py), each moved before a C table takes their addresses.
 
 Why: a mixture's decode step reads 8 of 128 experts a layer, so from one step to the next it
 touches a different few MiB of a weight set far larger than the caches, in 4 KiB pages whose
@@ -7,14 +9,15 @@ page-table entries (8 bytes a page: 2.5 MB for the MoE bench's 1.3 GB) are mostl
 new page then costs a page walk that misses too, on top of the hardware prefetcher stopping at
 the page's end. With 2 MiB pages an expert's weights are one or two TLB entries. Measured on
 the experts of the MoE bench shape (a C loop over their float32 GEMVs, 8 layers x top 8 of
-128): 1.035 ms a step against 1.121 in 4 KiB pages, interleaved in one process. The values
-and their order are unchanged (a copy), so every output keeps its bits.
+128): 1.035 ms a step against 1.121 in 4 KiB pages, interleaved in one process; a dense step's
+GEMVs (the bench shape's dense Qwen3: attention, MLP, LM head) 0.91x. The values and their
+order are unchanged (a copy), so every output keeps its bits.
 """
 
 from __future__ import annotations
 
 import mmap
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -56,3 +59,14 @@ def into_huge_pages(holders: Sequence[tuple[Any, str]]) -> bool:
         setattr(obj, name, new)
         offset += size
     return True
+
+
+def kernel_weights(layers: Iterable[Any]) -> list[tuple[Any, str]]:
+    """(layer, name) of each tensor the C kernels read a weight from, for `layers` on a C kernel
+    path (fused_decoder.LINEAR_KINDS): float32 or bf16 panels (`packed`, `q`), int8 blocks and
+    their scales (`q`, `scale`). Other layers (oneDNN's own packed format, torch's) give none."""
+    from rtpkv.kernels.fused_decoder import LINEAR_KINDS
+
+    return [(layer, name) for layer in layers if getattr(layer, "path", None) in LINEAR_KINDS
+            for name in ("packed", "q", "scale")
+            if isinstance(getattr(layer, name, None), torch.Tensor)]
