@@ -108,12 +108,16 @@ WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1 + 4 / 32, "w8a8_int8"
                 "q8_0": 34 / 32}
 
 
-def decode_bytes_per_token(spec: Any, weight_bytes: float = 4.0) -> dict[str, float]:
+def decode_bytes_per_token(spec: Any, weight_bytes: float = 4.0,
+                           router_bytes: float = 4.0) -> dict[str, float]:
     """The weight bytes one decoded token reads from memory, by part, for a model's ModelSpec
-    whose weights take `weight_bytes` each (WEIGHT_BYTES). Counted: every layer's q, k, v and o
-    projections; its MLP: a dense one's gate, up and down projections, or a mixture's router
-    (whole), its top-k experts' gate, up and down projections and its shared expert with that
-    expert's gate; the LM head (the embedding table where tied) and one embedding row. Not
+    whose weights take `weight_bytes` each (WEIGHT_BYTES) and a mixture's router
+    `router_bytes` (float32 by default: rtpkv keeps the router on the float path under the int8
+    weight types, so the experts chosen are the float weights', and llama.cpp's converter keeps
+    it F32 in a quantized GGUF). Counted: every layer's q, k, v and o projections; its MLP: a
+    dense one's gate, up and down projections, or a mixture's router (whole), its top-k experts'
+    gate, up and down projections and its shared expert with that expert's gate; the LM head
+    (the embedding table where tied) and one embedding row. Not
     counted: norms and biases (under 0.1%), the KV cache (2 x layers x KV heads x head_dim x
     its dtype's bytes per token of context: 0.4 MiB at 100 tokens of the MoE bench's float32
     cache), activations. Other layer kinds (linear attention, Mamba) are refused by name."""
@@ -127,7 +131,7 @@ def decode_bytes_per_token(spec: Any, weight_bytes: float = 4.0) -> dict[str, fl
     sparse = len(moe.sparse_layers) if moe is not None else 0
     parts["dense MLP"] = (layers - sparse) * 3 * hidden * spec.intermediate_size
     if moe is not None:
-        parts["router"] = sparse * moe.num_experts * hidden
+        parts["router"] = sparse * moe.num_experts * hidden * router_bytes / weight_bytes
         parts["top-k experts"] = (sparse * moe.experts_per_token * 3 * hidden
                                   * moe.expert_intermediate_size)
         shared = moe.shared_expert_intermediate_size
