@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -62,15 +63,82 @@ def kernel_paths(module) -> str:
     from rtpkv.kernels.cpu_build import cpu_kind, isa
 
     layer = module.model.layers[0]
+    mlp = layer.mlp.experts[0] if hasattr(layer.mlp, "experts") else layer.mlp   # a mixture's
     paths = sorted({getattr(m, "path", type(m).__name__) for m in
-                    (layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up,
-                     layer.mlp.down_proj)})
+                    (layer.self_attn.qkv, layer.self_attn.o_proj, mlp.gate_up, mlp.down_proj)})
     attention = module.attention_name
     if attention == "cpu-paged":
         attention += f" ({isa()}, {vector_lanes()} query rows a vector)"
     return (f"CPU: {cpu_kind()}; kernels built for {isa()}; linear layers: {', '.join(paths)}; "
             f"attention: {attention}; fused decoder: "
             f"{'on' if module.fused is not None else 'off'}; OpenMP wait: {wait_policy()}")
+
+
+def read_bandwidth(threads: int, gib: float = 1.0, runs: int = 5) -> float:
+    """This host's memory read bandwidth (bytes/s) with `threads` threads: the median of `runs`
+    timed sums of a float32 buffer of `gib` GiB (far larger than any L3, so every pass reads
+    memory), torch's vectorised reduction being one sequential read per thread. The buffer is
+    in 2 MiB pages where Linux gives them (kernels/huge_pages.py, as a mixture's experts are), so
+    no page walk slows the read. A decode step that reads its weights once can go no faster
+    than its bytes over this (the roof)."""
+    import mmap
+
+    from rtpkv.kernels.huge_pages import huge_page_buffer
+
+    nbytes = int(gib * 2**30) // 4 * 4
+    buffer = (huge_page_buffer(nbytes) if hasattr(mmap, "MADV_HUGEPAGE")
+              else torch.empty(nbytes, dtype=torch.uint8)).view(torch.float32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buffer.fill_(1.0)   # first touch and the team's start off the clock
+        seconds = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            buffer.sum()
+            seconds.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return nbytes / statistics.median(seconds)
+
+
+# bytes a weight takes per weight type: rtpkv's int8 types keep a float32 scale per 32 inputs,
+# llama.cpp's Q8_0 a float16 one
+WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1 + 4 / 32, "w8a8_int8": 1 + 4 / 32,
+                "q8_0": 34 / 32}
+
+
+def decode_bytes_per_token(spec: Any, weight_bytes: float = 4.0,
+                           router_bytes: float = 4.0) -> dict[str, float]:
+    """The weight bytes one decoded token reads from memory, by part, for a model's ModelSpec
+    whose weights take `weight_bytes` each (WEIGHT_BYTES) and a mixture's router
+    `router_bytes` (float32 by default: rtpkv keeps the router on the float path under the int8
+    weight types, so the experts chosen are the float weights', and llama.cpp's converter keeps
+    it F32 in a quantized GGUF). Counted: every layer's q, k, v and o projections; its MLP: a
+    dense one's gate, up and down projections, or a mixture's router (whole), its top-k experts'
+    gate, up and down projections and its shared expert with that expert's gate; the LM head
+    (the embedding table where tied) and one embedding row. Not
+    counted: norms and biases (under 0.1%), the KV cache (2 x layers x KV heads x head_dim x
+    its dtype's bytes per token of context: 0.4 MiB at 100 tokens of the MoE bench's float32
+    cache), activations. Other layer kinds (linear attention, Mamba) are refused by name."""
+    if spec.linear_attention is not None or spec.mamba is not None:
+        raise ValueError(f"decode_bytes_per_token counts attention and MLP layers only, not "
+                         f"{spec.architecture}'s linear-attention or Mamba layers")
+    hidden, layers = spec.hidden_size, spec.num_layers
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    parts = {"attention": layers * hidden * (2 * q + 2 * kv)}
+    moe = spec.moe
+    sparse = len(moe.sparse_layers) if moe is not None else 0
+    parts["dense MLP"] = (layers - sparse) * 3 * hidden * spec.intermediate_size
+    if moe is not None:
+        parts["router"] = sparse * moe.num_experts * hidden * router_bytes / weight_bytes
+        parts["top-k experts"] = (sparse * moe.experts_per_token * 3 * hidden
+                                  * moe.expert_intermediate_size)
+        shared = moe.shared_expert_intermediate_size
+        parts["shared expert"] = sparse * (3 * hidden * shared
+                                           + (hidden if shared and moe.gated_shared_expert else 0))
+    parts["LM head and embedding row"] = (spec.vocab_size + 1) * hidden
+    return {part: n * weight_bytes for part, n in parts.items() if n}
 
 
 def bench_checkpoint(counts: bool = False) -> Path:
@@ -87,13 +155,14 @@ def random_ids(n: int, seed: int, vocab: int = 8000) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
-def pipeline(counts: bool = False, **options: Any):
+def pipeline(counts: bool = False, checkpoint: Optional[Path] = None, **options: Any):
+    """A pipeline on `checkpoint`, by default the BENCHMARKS.md model (`counts`: the small one)."""
     from rtpkv.model_factory import ModelConfig, ModelFactory
     from rtpkv.pipeline import Pipeline
 
     options.setdefault("kv_cache_mem_mb", 2048)
-    model = ModelFactory.from_huggingface(bench_checkpoint(counts), ModelConfig(**options),
-                                          show_progress=False)
+    model = ModelFactory.from_huggingface(checkpoint or bench_checkpoint(counts),
+                                          ModelConfig(**options), show_progress=False)
     return Pipeline(model, model.tokenizer)
 
 

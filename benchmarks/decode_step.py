@@ -9,11 +9,15 @@ calls); plus the gap between steps (the engine loop, waking up).
 
     python benchmarks/decode_step.py [--runs 3] [--dtype float32] [--weight-type auto]
                                      [--kv-cache-dtype auto] [--threads 2] [--layers]
-                                     [--scheduler-steps 1]
+                                     [--scheduler-steps 1] [--checkpoint DIR]
 
 With `--scheduler-steps N` (NUM_SCHEDULER_STEPS) a call of the engine runs up to N decode steps
 in one C call; each part of such a call is divided by the steps it ran, so the table stays per
 decode step (per token), and "the forward's Python" then holds the C loop's arg-max too.
+
+`--checkpoint` runs another checkpoint than the BENCHMARKS.md model (e.g. moe.py's mixture,
+whose path moe.py prints); a mixture's sparse layers count as GEMV (router, routing and experts
+are one C call).
 
 By default the model runs as it would in service: with the fused decoder where it applies
 (kernels/fused_decoder.py), whose C code times its own parts (FusedDecoder.seconds);
@@ -28,7 +32,8 @@ import statistics
 import time
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -72,13 +77,14 @@ def patched(obj: Any, name: str, clock: Clock, part: str):
         setattr(obj, name, original)
 
 
-def one_run(options: dict[str, Any], layers: bool) -> dict[str, float]:
+def one_run(options: dict[str, Any], layers: bool,
+            checkpoint: Optional[Path] = None) -> dict[str, float]:
     """Median milliseconds per part over the run's decode steps (+ 'step', 'between', 'other')."""
     from rtpkv.engine import engine as engine_module
     from rtpkv.model_factory import llama
 
     clock = Clock()
-    with pipeline(seq_size_per_block=32, **options) as pipe:
+    with pipeline(checkpoint=checkpoint, seq_size_per_block=32, **options) as pipe:
         engine, module = pipe.engine, pipe.engine.runner.module
         if layers:
             module.fused = None
@@ -151,14 +157,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--scheduler-steps", type=int, default=1,
                         help="NUM_SCHEDULER_STEPS: decode steps per call of the fused decoder")
+    parser.add_argument("--checkpoint", type=Path,
+                        help="a checkpoint directory (default: the BENCHMARKS.md model)")
     parser.add_argument("--layers", action="store_true",
                         help="run the layers one by one, not through the fused decoder")
     args = parser.parse_args()
     setup_threads(args.threads)
     options = dict(dtype=args.dtype, weight_type=args.weight_type,
                    kv_cache_dtype=args.kv_cache_dtype, num_scheduler_steps=args.scheduler_steps)
-    one_run(options, args.layers)   # warm-up: probes, first-call allocations
-    runs = [one_run(options, args.layers) for _ in range(args.runs)]
+    one_run(options, args.layers, args.checkpoint)   # warm-up: probes, first-call allocations
+    runs = [one_run(options, args.layers, args.checkpoint) for _ in range(args.runs)]
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     step = med["step"]
     rows = [(part, f"{med[part]:.3f}", f"{med[part] / step * 100:.1f}%")

@@ -17,28 +17,39 @@ script works (its figures mean nothing).
 Workload: one 128-token prompt alone, 64 new tokens, greedy, EOS ignored; decode tok/s is the
 tokens after the first over the time after the first (benchmarks/token_timing.py). Both rtpkv
 models run as in service: each decode step one C call (kernels/fused_decoder.py; the mixture's
-sparse layers through kernels/moe_experts.py). The checkpoints are built once into the user
+sparse layers through kernels/moe_experts.py). Every engine runs in a process of its own
+(rtpkv's in benchmarks/rtpkv_worker.py, driven as peers.py drives its peers: two pipelines in
+one process about halve each other's step). The checkpoints are built once into the user
 cache (their paths are printed). With `--llama-cpp` (the interpreter of a venv with
 llama-cpp-python) and `--llama-cpp-src` (a llama.cpp source tree: llama-cpp-python's sdist
 vendors one), each checkpoint is converted once to a float32 GGUF beside it by that tree's
-converter (benchmarks/gguf_convert.py), and llama.cpp decodes the same prompt on it (2 threads,
-as rtpkv); its greedy tokens are compared with rtpkv's, which shows the two run the same
+converter (benchmarks/gguf_convert.py; with `--weight-type int8` or `w8a8_int8` a Q8_0 GGUF:
+int8 weights on both sides), and llama.cpp decodes the same prompt on it (2 threads, as
+rtpkv); its greedy tokens are compared with rtpkv's, which shows the two run the same
 weights. Runs alternate between the engines; figures are medians. Ratios: each row's decode
 speed over rtpkv's dense Qwen3 (the 0.8x goal of the mixture) and, for llama.cpp's rows,
 rtpkv's on the same checkpoint over llama.cpp's (the 1.5x goal).
+
+The memory roof: each round also measures this host's read bandwidth with the same threads
+(common.read_bandwidth, a 1 GiB sum); each model's weight bytes a token
+(common.decode_bytes_per_token: attention, router, top-k experts, LM head, by part) times its
+tok/s is the bandwidth its decode implies, shown as a share of that roof. A speed that would
+need more than 100% cannot be reached by reading the weights once a token in that dtype.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from common import bench_parser, random_ids, setup_threads, table
-from token_timing import token_timing
+from common import (WAIT_POLICY_VARIABLES, WEIGHT_BYTES, bench_parser, decode_bytes_per_token,
+                    random_ids, read_bandwidth, setup_threads, table)
+from peers import PeerWorker
 
 PROMPT, NEW = 128, 64
 MOE, DENSE = "rtpkv mixture Qwen3-MoE", "rtpkv dense Qwen3"
@@ -68,13 +79,14 @@ def shapes(moe_shape: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {MOE: moe_shape, DENSE: dense_shape(moe_shape)}
 
 
-def gguf(checkpoint: Path, llama_cpp_src: str) -> Path:
-    """The checkpoint's float32 GGUF, converted once beside it by llama.cpp's converter."""
-    out = checkpoint / "model-f32.gguf"
+def gguf(checkpoint: Path, llama_cpp_src: str, outtype: str) -> Path:
+    """The checkpoint's GGUF in `outtype` (f32 or q8_0), converted once beside it by llama.cpp's
+    converter."""
+    out = checkpoint / f"model-{outtype}.gguf"
     if not out.exists():
-        tmp = checkpoint / "model-f32.gguf.part"
+        tmp = checkpoint / f"model-{outtype}.gguf.part"
         subprocess.run([sys.executable, str(Path(__file__).with_name("gguf_convert.py")),
-                        llama_cpp_src, str(checkpoint), str(tmp), "--outtype", "f32"],
+                        llama_cpp_src, str(checkpoint), str(tmp), "--outtype", outtype],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         tmp.replace(out)
     return out
@@ -101,16 +113,10 @@ def parameters(spec) -> tuple[int, int]:
     return total, active
 
 
-def decode_speed(pipe, prompt: list[int]) -> dict[str, Any]:
-    """Workload figures of one request: each token's arrival after submission; its tokens."""
-    t0 = time.perf_counter()
-    times, seen, tokens = [], 0, []
-    for res in pipe(prompt, top_k=1, ignore_eos=True, max_new_tokens=NEW):
-        while seen < len(res.output_ids):
-            times.append(time.perf_counter() - t0)
-            seen += 1
-        tokens = list(res.output_ids)
-    return {**token_timing(times), "outputs": [tokens]}
+def roof_line(label: str, bytes_per_token: float, bandwidth: float) -> str:
+    """What a model reads a token and the fastest decode the measured bandwidth allows it."""
+    return (f"{label}: {bytes_per_token / 1e6:.1f} MB of weights a token, at most "
+            f"{bandwidth / bytes_per_token:.0f} tok/s at the measured read bandwidth")
 
 
 def main() -> None:
@@ -126,74 +132,98 @@ def main() -> None:
         parser.error("--llama-cpp and --llama-cpp-src go together")
     setup_threads(args.threads)
 
-    from rtpkv.model_factory import ModelConfig, ModelFactory
+    from rtpkv.model_factory.spec import ModelSpec
     from rtpkv.model_factory.tiny import cached_tiny_checkpoint
-    from rtpkv.pipeline import Pipeline
 
     sitting = shapes(TINY_MOE_SHAPE if args.tiny else MOE_SHAPE)
     paths = {name: cached_tiny_checkpoint("moe-bench", show_progress=False, **shape)
              for name, shape in sitting.items()}
-    options = dict(dtype="float32", kv_cache_mem_mb=512, reuse_cache=False)
+    specs = {name: ModelSpec.from_config(json.loads((path / "config.json").read_text()))
+             for name, path in paths.items()}
+    options: dict[str, Any] = dict(dtype="float32", kv_cache_mem_mb=512, reuse_cache=False)
+    weights = "float32"
     if args.weight_type != "auto":
         options["weight_type"] = args.weight_type.upper()
-    engines: dict[str, Any] = {}
-    rows_info: dict[str, tuple[int, int, str]] = {}
+        weights = args.weight_type.lower()
+    env = {"OMP_NUM_THREADS": str(args.threads),
+           **{k: os.environ[k] for k in WAIT_POLICY_VARIABLES if k in os.environ}}
+    engines: dict[str, PeerWorker] = {}
+    rows_info: dict[str, tuple[int, int, float]] = {}   # parameters, active, bytes a token
     for name, path in paths.items():
-        model = ModelFactory.from_huggingface(path, ModelConfig(**options), show_progress=False)
-        engines[name] = Pipeline(model, model.tokenizer)
-        path_name = ("one C call a step" if model.module.fused is not None
-                     else "layers one by one")
-        rows_info[name] = (*parameters(model.spec), path_name)
+        engines[name] = PeerWorker(sys.executable, "rtpkv_worker.py",
+                                   [str(path), json.dumps(options), str(args.threads)], env,
+                                   ("d",))
+        rows_info[name] = (*parameters(specs[name]),
+                           sum(decode_bytes_per_token(specs[name], WEIGHT_BYTES[weights]).values()))
         print(f"{name} checkpoint: {path}")
-    spec = engines[MOE].model.spec
+    spec = specs[MOE]
     print(f"shape (Qwen3-30B-A3B scaled down): {spec.num_layers} layers, hidden "
           f"{spec.hidden_size}, {spec.num_heads} query and {spec.num_kv_heads} KV heads of "
           f"{spec.head_dim}, {spec.moe.num_experts} experts of "
           f"{spec.moe.expert_intermediate_size}, top {spec.moe.experts_per_token}, vocabulary "
           f"{spec.vocab_size}; dense: MLP {sitting[DENSE]['intermediate_size']}; "
-          f"{options.get('weight_type', 'float32')} weights, {args.threads} threads")
-    peers: dict[str, Any] = {}
+          f"{weights} weights, {args.threads} threads; each engine in a process of its own")
     same_weights: dict[str, str] = {}   # a llama.cpp row -> the rtpkv row of its checkpoint
+    peer_type = "float32" if weights == "float32" else "q8_0"   # int8 on both sides
     if args.llama_cpp:
-        from peers import PeerWorker
-
         for name, path in paths.items():
             label = name.replace("rtpkv", "llama.cpp")
-            file = gguf(path, args.llama_cpp_src)
+            file = gguf(path, args.llama_cpp_src, "f32" if peer_type == "float32" else "q8_0")
             print(f"{label}: {file}")
-            peers[label] = PeerWorker(args.llama_cpp, "peers_llamacpp.py",
-                                      [str(file), str(args.threads)], {}, ("d",))
-            rows_info[label] = (*rows_info[name][:2], "llama.cpp, float32 GGUF")
+            engines[label] = PeerWorker(args.llama_cpp, "peers_llamacpp.py",
+                                        [str(file), str(args.threads)],
+                                        {"OMP_NUM_THREADS": str(args.threads)}, ("d",))
+            rows_info[label] = (*rows_info[name][:2],
+                                sum(decode_bytes_per_token(specs[name],
+                                                           WEIGHT_BYTES[peer_type]).values()))
             same_weights[label] = name
+    paths_run = {label: ("one C call a step" if worker.ready()["fused"] else "layers one by one")
+                 if label in paths else f"llama.cpp, {peer_type} GGUF"
+                 for label, worker in engines.items()}
     prompt = random_ids(PROMPT, seed=11, vocab=spec.vocab_size)
-    for pipe in engines.values():   # warm-up: kernels built, GEMM probes run
-        decode_speed(pipe, prompt[:16])
-    results: dict[str, list[dict[str, Any]]] = {label: [] for label in [*engines, *peers]}
+    for worker in engines.values():   # warm-up: kernels built, first-call allocations
+        worker.run("d", {"prompt": prompt[:16], "new": 8})
+    results: dict[str, list[dict[str, Any]]] = {label: [] for label in engines}
+    bandwidths: list[float] = []
     labels = list(results)
     for run in range(args.runs):
+        bandwidths.append(read_bandwidth(args.threads, runs=3))
         for label in (labels if run % 2 == 0 else labels[::-1]):
-            if label in engines:
-                results[label].append(decode_speed(engines[label], prompt))
-            else:
-                results[label].append(peers[label].run("d", {"prompt": prompt, "new": NEW}))
-    for pipe in engines.values():
-        pipe.stop()
-    for peer in peers.values():
-        peer.close()
+            results[label].append(engines[label].run("d", {"prompt": prompt, "new": NEW}))
+    for worker in engines.values():
+        worker.close()
+    roof = statistics.median(bandwidths)
+    print(f"measured read bandwidth ({args.threads} threads, a 1 GiB sum; median of "
+          f"{len(bandwidths)} rounds): {roof / 1e9:.1f} GB/s")
+    for name in paths:
+        parts = decode_bytes_per_token(specs[name], WEIGHT_BYTES[weights])
+        print(roof_line(name, sum(parts.values()), roof) + " ("
+              + ", ".join(f"{part} {n / 1e6:.1f}" for part, n in parts.items()) + " MB)")
+    for label, name in same_weights.items():
+        if peer_type != weights:
+            print(roof_line(label, rows_info[label][2], roof))
     speeds = {label: statistics.median(r["decode_tok_s"] for r in runs)
               for label, runs in results.items()}
     rows = []
     for label, runs in results.items():
-        total, active, path_name = rows_info[label]
+        total, active, per_token = rows_info[label]
         rtpkv = same_weights.get(label)
-        rows.append([label, path_name, f"{total / 1e6:.1f}M", f"{active / 1e6:.1f}M",
-                     speeds[label], statistics.median(r["itl_p50"] for r in runs),
+        rows.append([label, paths_run[label], f"{total / 1e6:.1f}M", f"{active / 1e6:.1f}M",
+                     speeds[label], 1e3 / speeds[label],
+                     statistics.median(r["itl_p50"] for r in runs),
+                     per_token * speeds[label] / 1e9,
+                     f"{per_token * speeds[label] / roof * 100:.0f}%",
                      speeds[label] / speeds[DENSE],
                      speeds[rtpkv] / speeds[label] if rtpkv else "",
                      f"{agreeing_prefix(runs[0]['outputs'][0], results[rtpkv][0]['outputs'][0])}"
                      f"/{NEW}" if rtpkv else ""])
-    print(table(["engine", "path", "parameters", "active", "decode tok/s", "ITL p50 ms",
-                 "x rtpkv dense", "rtpkv x this", "greedy = rtpkv's"], rows))
+    print(table(["engine", "path", "parameters", "active", "decode tok/s", "ms/token",
+                 "ITL p50 ms", "GB/s implied", "% of roof", "x rtpkv dense", "rtpkv x this",
+                 "greedy = rtpkv's"], rows))
+    for label, rtpkv in same_weights.items():
+        print(f"1.5x {label} would be {1.5 * speeds[label]:.0f} tok/s: "
+              f"{1.5 * speeds[label] * rows_info[rtpkv][2] / roof * 100:.0f}% of the roof for "
+              f"{rtpkv}'s weights")
 
 
 if __name__ == "__main__":

@@ -119,8 +119,8 @@ class Rtpkv:
 
 
 class PeerWorker:
-    """A peer engine in a child process of its own interpreter (peers_vllm.py,
-    peers_llamacpp.py), kept for all runs of a dtype; `workloads` are those it runs."""
+    """An engine in a child process of its own interpreter (peers_vllm.py, peers_llamacpp.py,
+    rtpkv_worker.py), kept for all runs of a dtype; `workloads` are those it runs."""
 
     def __init__(self, python: str, script: str, argv: list[str], env: dict[str, str],
                  workloads: tuple[str, ...] = ("a", "b", "c", "d")):
@@ -133,7 +133,14 @@ class PeerWorker:
                                      env=env, cwd=tempfile.gettempdir())
         # (not the repository root: its kernels/ folder would shadow the `kernels` package
         # that transformers probes for)
-        self.ready = False  # it loads (and compiles) while rtpkv warms up
+        self.info: Optional[dict[str, Any]] = None  # its first line: it loads (and compiles)
+        # while rtpkv warms up
+
+    def ready(self) -> dict[str, Any]:
+        """The worker's first line, once it has loaded its model (waits for it)."""
+        if self.info is None:
+            self.info = self._read()
+        return self.info
 
     def _read(self) -> dict[str, Any]:
         for line in self.proc.stdout:
@@ -142,9 +149,7 @@ class PeerWorker:
         raise RuntimeError(f"the peer worker exited with status {self.proc.wait()}")
 
     def run(self, name: str, job: dict[str, Any]) -> dict[str, Any]:
-        if not self.ready:
-            self._read()
-            self.ready = True
+        self.ready()
         self.proc.stdin.write(json.dumps({"workload": name, **job}) + "\n")
         self.proc.stdin.flush()
         return self._read()

@@ -30,6 +30,7 @@ from rtpkv.kernels.activation import (clamped_swiglu, clamped_swiglu_and_mul, ge
 from rtpkv.kernels.norm import layer_norm_no_bias, rms_norm_float_weight
 from rtpkv.kernels.fused_decoder import FusedDecoder
 from rtpkv.kernels.gated_delta import sigmoid_gate_
+from rtpkv.kernels.huge_pages import into_huge_pages, kernel_weights
 from rtpkv.kernels.linear import InferenceLinear, linear_path
 from rtpkv.model_factory.gated_delta import INTERLEAVED_ARCHITECTURES, GatedDeltaNet
 from rtpkv.model_factory.moe import CLAMPED_SWIGLU_EXPERTS, SparseMoe
@@ -317,6 +318,13 @@ class CausalLM(nn.Module):
                 mlp.convert(convert)
         tied = self.spec.tie_word_embeddings
         self.lm_head = convert(self.lm_head, shared=tied)
+        # attention, dense MLPs and LM head in 2 MiB pages before the fused decoder takes their
+        # addresses (kernels/huge_pages.py; a mixture's layer moved its own in mlp.convert)
+        into_huge_pages(kernel_weights(
+            [self.lm_head] + [m for layer in self.model.layers for m in (
+                *(() if layer.recurrent else (layer.self_attn.qkv, layer.self_attn.o_proj)),
+                *(() if isinstance(layer.mlp, SparseMoe)
+                  else (getattr(layer.mlp, "gate_up", None), getattr(layer.mlp, "down_proj", None))))]))
         if kind:
             held = sum(m.nbytes for m in self.modules() if isinstance(m, kind.layer))
             log.info("WEIGHT_TYPE=%s: %d linear layers (the LM head included) held as %s: "

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rtpkv.errors import ConfigError
+from rtpkv.kernels.huge_pages import into_huge_pages, kernel_weights
 from rtpkv.kernels.moe_experts import ExpertKernel
 
 GPT_OSS = "GptOssForCausalLM"
@@ -249,7 +250,9 @@ class SparseMoe(nn.Module):
         """After loading: every expert's (and the shared expert's and its gate's) linear layers
         through `convert` (the model's GEMM path or int8 quantization), the router through
         `convert_router` (the float path: the choice of experts stays that of the float
-        weights); then the layer's C call where it runs on the C kernels."""
+        weights); the layer's weights into huge pages (kernels/huge_pages.py: a step reads a
+        different few experts each time); then the layer's C call where it runs on the C
+        kernels, which takes their addresses."""
         for expert in self.experts:
             expert.convert(convert)
         if self.shared_expert is not None:
@@ -257,6 +260,7 @@ class SparseMoe(nn.Module):
         if self.shared_expert_gate is not None:
             self.shared_expert_gate = convert(self.shared_expert_gate)
         self.gate = convert_router(self.gate)
+        into_huge_pages(kernel_weights(self.modules()))
         self.kernel = ExpertKernel.build(self)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

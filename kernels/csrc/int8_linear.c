@@ -152,3 +152,32 @@ void rtpkv_int8_linear(const float *x, int64_t m, int64_t k, const int8_t *q, co
     else
         gemv(x, m, k, q, s, n, group, bias, y);
 }
+
+/* `count` layers of one shape (k inputs, n outputs, no bias) in one parallel region: a
+ * mixture's experts, each over its own rows (layer i: x[i], m[i] rows, weights q[i] and scales
+ * s[i], into y[i]). Layers of fewer than `panel_rows` rows share the region's GEMV tiles; the
+ * others run one call each on the panel path. Every output is the chain rtpkv_int8_linear
+ * computes for it (both its paths compute the same chains): one team instead of one per layer,
+ * which for one-row calls costs more in fork and join than the tiles themselves. */
+void rtpkv_int8_linear_many(int64_t count, const float *const *x, const int64_t *m, int64_t k,
+                            const int8_t *const *q, const float *const *s, int64_t n,
+                            int64_t group, float *const *y, int64_t panel_rows) {
+    const int64_t tiles = (n + CHANNEL_MULTIPLE - 1) / CHANNEL_MULTIPLE;
+    const int64_t groups = (k + group - 1) / group;
+    int64_t *few = malloc((size_t)(count ? count : 1) * sizeof(int64_t)), nfew = 0;
+    if (!few) abort();
+    for (int64_t i = 0; i < count; i++) {
+        if (m[i] >= panel_rows)
+            panels(x[i], m[i], k, q[i], s[i], n, group, NULL, y[i]);
+        else if (m[i] > 0)
+            few[nfew++] = i;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < nfew * tiles; u++) {
+        const int64_t i = few[u / tiles], t = u % tiles;
+        for (int64_t r = 0; r < m[i]; r++)
+            gemv_tile(x[i] + r * k, q[i], s[i], k, group, groups, t * GEMV_BLOCKS, NULL,
+                      y[i] + r * n, n);
+    }
+    free(few);
+}

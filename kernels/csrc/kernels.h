@@ -34,6 +34,12 @@ void rtpkv_int8_linear(const float *x, int64_t m, int64_t k, const int8_t *q, co
                        int64_t n, int64_t group, const float *bias, float *y, int64_t panel_rows);
 void rtpkv_w8a8_linear(const float *x, int64_t m, int64_t k, const int8_t *qw, const float *sw,
                        int64_t n, const float *bias, float *y, int64_t many_rows_from);
+void rtpkv_int8_linear_many(int64_t count, const float *const *x, const int64_t *m, int64_t k,
+                            const int8_t *const *q, const float *const *s, int64_t n,
+                            int64_t group, float *const *y, int64_t panel_rows);
+void rtpkv_w8a8_linear_many(int64_t count, const float *const *x, const int64_t *m, int64_t k,
+                            const int8_t *const *qw, const float *const *sw, int64_t n,
+                            float *const *y, int64_t many_rows_from);
 
 /* A linear layer as its kernel holds it (kernels/fused_decoder.py's _Linear), and the kernel of
  * each weight type (LINEAR_*: kernels/weight_types.py's kernel_kind): the one dispatch the

@@ -10,7 +10,7 @@
  *
  * Experts: the (token, weight) pairs grouped by expert, their rows gathered; each expert's
  * gate_up projection, SiLU-and-mul and down projection over its rows (all experts' gate_up in
- * one parallel region, then all their down projections, on the float32 kernels); then each
+ * one parallel region, then all their down projections, on every weight type's kernel); then each
  * output row scaled by its routing weight and added onto its token's row of `out` (zeroed
  * here), experts in ascending order. A token's experts are thus added in
  * ascending expert order, onto zeros, each as one multiply then one add: the per-layer torch
@@ -86,24 +86,35 @@ static void expert(const moe_layer *m, const expert_layer *l, int64_t inter, con
     linear(m, &l->down, act, n, inter, m->hidden, y);
 }
 
+/* `count` of the experts' linear layers of one shape (K inputs, N outputs), layer i over x[i]
+ * (rows[i] rows) into y[i], in one parallel region on the layers' kernel (each kernel's _many
+ * function: the same outputs as one call per layer). */
+static void linear_many(const moe_layer *m, int64_t count, const float **x, const int64_t *rows,
+                        int64_t K, const void **w, const float **scale, int64_t N, float **y) {
+    switch (m->linear_kind) {
+    case LINEAR_INT8:
+        rtpkv_int8_linear_many(count, x, rows, K, (const int8_t *const *)w, scale, N,
+                               m->int8_group, y, m->panel_rows);
+        break;
+    case LINEAR_W8A8:
+        rtpkv_w8a8_linear_many(count, x, rows, K, (const int8_t *const *)w, scale, N, y,
+                               m->panel_rows);
+        break;
+    default:
+        rtpkv_linear_many(count, x, rows, K, w, N, y, m->linear_kind == LINEAR_BF16);
+    }
+}
+
 /* The chosen experts over the pairs' rows xs (grouped by expert: counts[e] rows from expert
- * e's start), into y. On the float32 and bf16-weight kernels all experts' gate_up projections
- * are one parallel region, SiLU-and-mul one, their down projections one (rtpkv_linear_many:
- * the same outputs as one call per expert); on the int8 kernels one call per expert. */
+ * e's start), into y: all experts' gate_up projections in one parallel region, SiLU-and-mul
+ * in one, their down projections in one, on every weight type's kernel. */
 static void experts(const moe_layer *m, const int64_t *counts, const float *xs, int64_t pairs,
                     float *gate_up, float *act, float *y) {
     const int64_t E = m->hidden, I = m->inter, NE = m->num_experts;
-    if (m->linear_kind != LINEAR_FP32 && m->linear_kind != LINEAR_BF16) {
-        for (int64_t e = 0, start = 0; e < NE; start += counts[e], e++)
-            if (counts[e])
-                expert(m, &m->experts[e], I, xs + start * E, counts[e], gate_up + start * 2 * I,
-                       act + start * I, y + start * E);
-        return;
-    }
-    const int bf16 = m->linear_kind == LINEAR_BF16;
-    const float **x = checked_malloc((size_t)NE * (2 * sizeof(float *) + sizeof(void *) +
+    const float **x = checked_malloc((size_t)NE * (3 * sizeof(float *) + sizeof(void *) +
                                                    sizeof(int64_t)));
-    float **out = (float **)(x + NE);
+    const float **scale = x + NE;
+    float **out = (float **)(scale + NE);
     const void **w = (const void **)(out + NE);
     int64_t *rows = (int64_t *)(w + NE), used = 0;
     for (int64_t e = 0, start = 0; e < NE; start += counts[e], e++) {
@@ -111,18 +122,20 @@ static void experts(const moe_layer *m, const int64_t *counts, const float *xs, 
         x[used] = xs + start * E;
         rows[used] = counts[e];
         w[used] = m->experts[e].gate_up.weight;
+        scale[used] = m->experts[e].gate_up.scale;
         out[used++] = gate_up + start * 2 * I;
     }
-    rtpkv_linear_many(used, x, rows, E, w, 2 * I, out, bf16);
+    linear_many(m, used, x, rows, E, w, scale, 2 * I, out);
     rtpkv_silu_and_mul(gate_up, act, pairs, I, 0);
     used = 0;
     for (int64_t e = 0, start = 0; e < NE; start += counts[e], e++) {
         if (!counts[e]) continue;
         x[used] = act + start * I;
         w[used] = m->experts[e].down.weight;
+        scale[used] = m->experts[e].down.scale;
         out[used++] = y + start * E;
     }
-    rtpkv_linear_many(used, x, rows, I, w, E, out, bf16);
+    linear_many(m, used, x, rows, I, w, scale, E, out);
     free(x);
 }
 

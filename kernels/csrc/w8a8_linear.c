@@ -223,3 +223,45 @@ void rtpkv_w8a8_linear(const float *x, int64_t m, int64_t k, const int8_t *qw, c
     free(sx);
     free(qx);
 }
+
+/* `count` layers of one shape (k inputs, n outputs, no bias) in one parallel region: a
+ * mixture's experts, each over its own rows (layer i: x[i], m[i] rows, weights qw[i] and scales
+ * sw[i], into y[i]). Layers of fewer than `many_rows_from` rows have their rows quantized as
+ * rtpkv_w8a8_linear quantizes them, then share the region's GEMV tiles; the others run one call
+ * each. Every output is the one rtpkv_w8a8_linear computes for it: one team instead of one per
+ * layer, which for one-row calls costs more in fork and join than the tiles themselves. */
+void rtpkv_w8a8_linear_many(int64_t count, const float *const *x, const int64_t *m, int64_t k,
+                            const int8_t *const *qw, const float *const *sw, int64_t n,
+                            float *const *y, int64_t many_rows_from) {
+    const int64_t kp = (k + GROUP - 1) / GROUP * GROUP, groups = kp / GROUP;
+    const int64_t tiles = (n + CHANNEL_MULTIPLE - 1) / CHANNEL_MULTIPLE;
+    int64_t rows = 0, nfew = 0;
+    for (int64_t i = 0; i < count; i++)
+        if (m[i] >= many_rows_from)
+            rtpkv_w8a8_linear(x[i], m[i], k, qw[i], sw[i], n, NULL, y[i], many_rows_from);
+        else
+            rows += m[i];
+    /* each few-row layer's first quantized row (in qx and sx) and index */
+    int64_t *few = malloc((size_t)(2 * (count ? count : 1)) * sizeof(int64_t));
+    int8_t *qx = malloc((size_t)(rows * kp) + 1);
+    float *sx = malloc((size_t)(rows * groups) * sizeof(float) + 1);
+    if (!few || !qx || !sx) abort();
+    int64_t *first = few + count;
+    for (int64_t i = 0, row = 0; i < count; i++) {
+        if (m[i] >= many_rows_from || m[i] <= 0) continue;
+        quantize_rows(x[i], m[i], k, kp, qx + row * kp, sx + row * groups);
+        first[nfew] = row;
+        few[nfew++] = i;
+        row += m[i];
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < nfew * tiles; u++) {
+        const int64_t j = u / tiles, i = few[j], b0 = (u % tiles) * TILE_BLOCKS;
+        for (int64_t r = 0; r < m[i]; r++)
+            tile(1, TILE_BLOCKS, qx + (first[j] + r) * kp, sx + (first[j] + r) * groups, kp,
+                 groups, qw[i], sw[i], b0, NULL, y[i] + r * n, n);
+    }
+    free(sx);
+    free(qx);
+    free(few);
+}

@@ -154,12 +154,14 @@ def test_the_layers_c_call_matches_the_torch_loop(checkpoints, monkeypatch, arch
 
 
 @needs_c_kernels
-@pytest.mark.parametrize("options", [{}, {"weight_type": "BF16"}, {"weight_type": "INT8"}])
+@pytest.mark.parametrize("options", [{}, {"weight_type": "BF16"}, {"weight_type": "INT8"},
+                                     {"weight_type": "W8A8_INT8"}])
 @pytest.mark.parametrize("rows", [1, 2, 45])
 def test_the_c_experts_give_the_bits_of_the_torch_loop(tmp_path, monkeypatch, options, rows):
     """A zero router and top_k = num_experts: every expert chosen at weight 1/4 exactly, so no
-    softmax bit nor tie can differ, and the C call's experts (on the float32 kernels all gate_up
-    projections in one parallel region, then all down projections) give the loop's bits."""
+    softmax bit nor tie can differ, and the C call's experts (on every weight type's kernel all
+    gate_up projections in one parallel region, then all down projections; experts of many
+    rows on the prefill tiles) give the loop's bits."""
     from rtpkv.model_factory.tiny import build_tiny_checkpoint
 
     monkeypatch.setenv("RTPKV_LINEAR", "avx2")
