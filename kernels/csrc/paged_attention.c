@@ -202,9 +202,11 @@ static inline void block_range(int64_t pos, int64_t lo, int64_t p, int64_t B, in
 
 /* ---- query rows in the lanes (tiles of 8 or more rows) ---------------------------------- */
 
-/* acc[g][j] = the header's partial chain p_c of query vector g and key j < NK of k. */
+/* acc[g][j] = the header's partial chain p_c of query vector g and key j < NK of k. `D` is a
+ * constant where the caller knows it (64), so the NK keys' broadcasts are one pointer plus
+ * fixed offsets and the loop unrolls. */
 static inline __attribute__((always_inline)) void qk_chain(
-        const float *qT, int64_t NQP, int64_t i0, const float *k, int64_t D, int c,
+        const float *qT, int64_t NQP, int64_t i0, const float *k, const int64_t D, int c,
         vec acc[2][NK_MAX], const int QV, const int NK) {
     for (int g = 0; g < QV; g++)
         for (int j = 0; j < NK; j++) acc[g][j] = vzero();
@@ -219,42 +221,55 @@ static inline __attribute__((always_inline)) void qk_chain(
 }
 
 /* sT[j][i0..] = scale * (q . k_j) for keys j < NK of k (rows of D floats), QV vectors of LANES
- * query rows, each dot product as the header's 8 partial chains and their tree (each pair
- * summed as it finishes, so few partial vectors are live); with `mx`, also its running maximum
- * over the keys (for blocks no row masks). */
+ * query rows, each dot product as the header's 8 partial chains and their tree. One chain at a
+ * time holds the registers (QV * NK accumulators, the query vectors and a broadcast); each is
+ * folded into the tree's partial sums as it finishes, and those wait in `part` (L1) between
+ * chains: t0 = p0 + p1; t0 = t0 + (p2 + p3); t1 = p4 + p5; score = t0 + (t1 + (p6 + p7)), the
+ * header's tree. With `mx`, also the scores' running maximum over the keys (for
+ * blocks no row masks). */
 static inline __attribute__((always_inline)) void qk_tile(
-        const float *qT, int64_t NQP, int64_t i0, const float *k, int64_t D, float *sT, vec scale,
-        const float *cap, float *mx, const int QV, const int NK) {
-    vec a[2][NK_MAX], b[2][NK_MAX], pair[2][NK_MAX], low[2][NK_MAX];
-#define CHAINS(c) qk_chain(qT, NQP, i0, k, D, c, a, QV, NK); qk_chain(qT, NQP, i0, k, D, c + 1, b, QV, NK)
+        const float *qT, int64_t NQP, int64_t i0, const float *k, const int64_t D, float *sT,
+        vec scale, const float *cap, float *mx, const int QV, const int NK) {
+    float part[3][2][NK_MAX][LANES] __attribute__((aligned(64)));
+    vec p[2][NK_MAX];
 #define EACH for (int g = 0; g < QV; g++) for (int j = 0; j < NK; j++)
-    CHAINS(0);
-    EACH pair[g][j] = vadd(a[g][j], b[g][j]);
-    CHAINS(2);
-    EACH low[g][j] = vadd(pair[g][j], vadd(a[g][j], b[g][j]));
-    CHAINS(4);
-    EACH pair[g][j] = vadd(a[g][j], b[g][j]);
-    CHAINS(6);
-    EACH low[g][j] = vmul(vadd(low[g][j], vadd(pair[g][j], vadd(a[g][j], b[g][j]))), scale);
-    if (cap) EACH low[g][j] = vsoftcap(low[g][j], vset1(*cap));
-#undef CHAINS
+#define PART(t) (&part[t][g][j][0])
+    for (int c = 0; c < 8; c++) {
+        qk_chain(qT, NQP, i0, k, D, c, p, QV, NK);
+        switch (c) {
+        case 0: EACH vst(PART(0), p[g][j]); break;                                /* p0 */
+        case 1: EACH vst(PART(0), vadd(vld(PART(0)), p[g][j])); break;             /* p0 + p1 */
+        case 2: case 4: EACH vst(PART(1), p[g][j]); break;                        /* p2; p4 */
+        case 3: EACH vst(PART(0), vadd(vld(PART(0)), vadd(vld(PART(1)), p[g][j]))); break;
+        case 5: EACH vst(PART(1), vadd(vld(PART(1)), p[g][j])); break;             /* p4 + p5 */
+        case 6: EACH vst(PART(2), p[g][j]); break;                                /* p6 */
+        default:
+            EACH {
+                vec x = vadd(vld(PART(0)), vadd(vld(PART(1)), vadd(vld(PART(2)), p[g][j])));
+                x = vmul(x, scale);
+                if (cap) x = vsoftcap(x, vset1(*cap));
+                p[g][j] = x;
+            }
+        }
+    }
+#undef PART
 #undef EACH
     for (int g = 0; g < QV; g++) {
         vec m = mx ? vld(mx + i0 + LANES * g) : vzero();
         for (int j = 0; j < NK; j++) {
-            vst(sT + j * NQP + i0 + LANES * g, low[g][j]);
-            if (mx) m = vmax(m, low[g][j]);
+            vst(sT + j * NQP + i0 + LANES * g, p[g][j]);
+            if (mx) m = vmax(m, p[g][j]);
         }
         if (mx) vst(mx + i0 + LANES * g, m);
     }
 }
-
 #define QK_CASE(qv, nk) \
     case (qv) * 16 + (nk): qk_tile(qT, NQP, i0, k, D, sT + j0 * NQP, scale, cap, mx, qv, nk); break;
 
 /* The scaled scores of the n keys of block kb; with `mx`, their running row maxima too. */
-static void qk_lanes(const float *qT, int64_t NQP, const float *kb, int64_t D, int64_t n, float *sT,
-                     vec scale, const float *cap, float *mx) {
+static inline __attribute__((always_inline)) void qk_lanes_d(
+        const float *qT, int64_t NQP, const float *kb, const int64_t D, int64_t n, float *sT,
+        vec scale, const float *cap, float *mx) {
     for (int64_t i0 = 0; i0 < NQP; i0 += 2 * LANES) {
         const int qv = NQP - i0 >= 2 * LANES ? 2 : 1;
         for (int64_t j0 = 0; j0 < n; j0 += NK_MAX) {
@@ -270,6 +285,13 @@ static void qk_lanes(const float *qT, int64_t NQP, const float *kb, int64_t D, i
             }
         }
     }
+}
+
+/* qk_lanes_d, with the head dimension a constant where it is 64 (the same arithmetic). */
+static void qk_lanes(const float *qT, int64_t NQP, const float *kb, int64_t D, int64_t n, float *sT,
+                     vec scale, const float *cap, float *mx) {
+    if (D == 64) qk_lanes_d(qT, NQP, kb, 64, n, sT, scale, cap, mx);
+    else qk_lanes_d(qT, NQP, kb, D, n, sT, scale, cap, mx);
 }
 
 /* accT[d][i0..] = accT * alpha, then + sum_{j < n} wT[j][i0..] * v[j][d], for columns
