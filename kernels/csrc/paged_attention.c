@@ -202,6 +202,14 @@ static inline void block_range(int64_t pos, int64_t lo, int64_t p, int64_t B, in
 
 /* ---- query rows in the lanes (tiles of 8 or more rows) ---------------------------------- */
 
+/* The width of the next of the fewest tiles of at most `widest` keys or columns that cover
+ * `left`, the tiles as even as they go (32 keys: 11, 11, 10, not 12, 12, 8): every tile keeps
+ * most of its accumulators busy. Which tile a key or column is in changes no arithmetic. */
+static inline int64_t balanced_width(int64_t left, int64_t widest) {
+    const int64_t tiles = (left + widest - 1) / widest;
+    return (left + tiles - 1) / tiles;
+}
+
 /* acc[g][j] = the header's partial chain p_c of query vector g and key j < NK of k. `D` is a
  * constant where the caller knows it (64), so the NK keys' broadcasts are one pointer plus
  * fixed offsets and the loop unrolls. */
@@ -272,8 +280,8 @@ static inline __attribute__((always_inline)) void qk_lanes_d(
         vec scale, const float *cap, float *mx) {
     for (int64_t i0 = 0; i0 < NQP; i0 += 2 * LANES) {
         const int qv = NQP - i0 >= 2 * LANES ? 2 : 1;
-        for (int64_t j0 = 0; j0 < n; j0 += NK_MAX) {
-            const int nk = n - j0 < NK_MAX ? (int)(n - j0) : NK_MAX;
+        for (int64_t j0 = 0, nk; j0 < n; j0 += nk) {
+            nk = balanced_width(n - j0, NK_MAX);
             const float *k = kb + j0 * D;
             switch (qv * 16 + nk) {
                 QK_CASE(1, 1) QK_CASE(1, 2) QK_CASE(1, 3) QK_CASE(1, 4) QK_CASE(1, 5) QK_CASE(1, 6)
@@ -324,8 +332,8 @@ static void pv_lanes(float *accT, const float *alpha, const float *wT, int64_t N
                      const float *vb, int64_t D, int64_t n) {
     for (int64_t i0 = 0; i0 < NQP; i0 += 2 * LANES) {
         const int qv = NQP - i0 >= 2 * LANES ? 2 : 1;
-        for (int64_t d0 = 0; d0 < D; d0 += ND_MAX) {
-            const int nd = D - d0 < ND_MAX ? (int)(D - d0) : ND_MAX;
+        for (int64_t d0 = 0, nd; d0 < D; d0 += nd) {
+            nd = balanced_width(D - d0, ND_MAX);
             switch (qv * 16 + nd) {
                 PV_CASE(1, 1) PV_CASE(1, 2) PV_CASE(1, 3) PV_CASE(1, 4) PV_CASE(1, 5) PV_CASE(1, 6)
                 PV_CASE(2, 1) PV_CASE(2, 2) PV_CASE(2, 3) PV_CASE(2, 4) PV_CASE(2, 5) PV_CASE(2, 6)
