@@ -79,7 +79,7 @@ static inline v8 exp_nonpos(v8 x) {
 typedef __m512 vec;
 typedef __m512i ivec;
 #define LANES 16
-#define NK_MAX 12   /* keys per score tile (2 query vectors: 24 accumulators) */
+#define QK_KEYS 6   /* keys per score tile (2 query vectors, 2 chains: 24 accumulators) */
 #define ND_MAX 12   /* value columns per value tile (2 query vectors) */
 #define vld _mm512_loadu_ps
 #define vst _mm512_storeu_ps
@@ -117,7 +117,7 @@ static inline vec keep_in_range(vec s, ivec from, ivec hi, int32_t j) {
 typedef __m256 vec;
 typedef __m256i ivec;
 #define LANES 8
-#define NK_MAX 6
+#define QK_KEYS 3
 #define ND_MAX 6
 #define vld _mm256_loadu_ps
 #define vst _mm256_storeu_ps
@@ -203,74 +203,76 @@ static inline void block_range(int64_t pos, int64_t lo, int64_t p, int64_t B, in
 /* ---- query rows in the lanes (tiles of 8 or more rows) ---------------------------------- */
 
 /* The width of the next of the fewest tiles of at most `widest` keys or columns that cover
- * `left`, the tiles as even as they go (32 keys: 11, 11, 10, not 12, 12, 8): every tile keeps
- * most of its accumulators busy. Which tile a key or column is in changes no arithmetic. */
+ * `left`, the tiles as even as they go (64 columns in tiles of 12: 11 x 4 + 10 x 2, not
+ * 12 x 5 + 4): every tile keeps most of its accumulators busy. Which tile a key or column is in changes no arithmetic. */
 static inline int64_t balanced_width(int64_t left, int64_t widest) {
     const int64_t tiles = (left + widest - 1) / widest;
     return (left + tiles - 1) / tiles;
 }
 
-/* acc[g][j] = the header's partial chain p_c of query vector g and key j < NK of k. `D` is a
- * constant where the caller knows it (64), so the NK keys' broadcasts are one pointer plus
- * fixed offsets and the loop unrolls. */
-static inline __attribute__((always_inline)) void qk_chain(
+/* acc[h][g][j] = the header's partial chains p_c (h = 0) and p_{c+1} (h = 1) of query vector g
+ * and key j < NK of k: two chains at a time, so each is added to its neighbour in registers.
+ * `D` is a constant where the caller knows it (64), so the NK keys' broadcasts are one pointer
+ * plus fixed offsets and the loop unrolls. */
+static inline __attribute__((always_inline)) void qk_chains(
         const float *qT, int64_t NQP, int64_t i0, const float *k, const int64_t D, int c,
-        vec acc[2][NK_MAX], const int QV, const int NK) {
-    for (int g = 0; g < QV; g++)
-        for (int j = 0; j < NK; j++) acc[g][j] = vzero();
+        vec acc[2][2][QK_KEYS], const int QV, const int NK) {
+    for (int h = 0; h < 2; h++)
+        for (int g = 0; g < QV; g++)
+            for (int j = 0; j < NK; j++) acc[h][g][j] = vzero();
     for (int64_t d = c; d < D; d += 8) {
-        vec qv[2];
-        for (int g = 0; g < QV; g++) qv[g] = vld(qT + d * NQP + i0 + LANES * g);
-        for (int j = 0; j < NK; j++) {
-            const vec kv = vset1(k[j * D + d]);
-            for (int g = 0; g < QV; g++) acc[g][j] = vfma(qv[g], kv, acc[g][j]);
-        }
+        vec qv[2][2];
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < QV; g++) qv[h][g] = vld(qT + (d + h) * NQP + i0 + LANES * g);
+        for (int j = 0; j < NK; j++)
+            for (int h = 0; h < 2; h++) {
+                const vec kv = vset1(k[j * D + d + h]);
+                for (int g = 0; g < QV; g++) acc[h][g][j] = vfma(qv[h][g], kv, acc[h][g][j]);
+            }
     }
 }
 
 /* sT[j][i0..] = scale * (q . k_j) for keys j < NK of k (rows of D floats), QV vectors of LANES
- * query rows, each dot product as the header's 8 partial chains and their tree. One chain at a
- * time holds the registers (QV * NK accumulators, the query vectors and a broadcast); each is
- * folded into the tree's partial sums as it finishes, and those wait in `part` (L1) between
- * chains: t0 = p0 + p1; t0 = t0 + (p2 + p3); t1 = p4 + p5; score = t0 + (t1 + (p6 + p7)), the
- * header's tree. With `mx`, also the scores' running maximum over the keys (for
- * blocks no row masks). */
+ * query rows, each dot product as the header's 8 partial chains and their tree. Two chains at a
+ * time hold the registers (2 * QV * NK accumulators, the query vectors and a broadcast) and are
+ * summed as they finish; the pairs' sums wait in `part` (L1) between them, in the header's
+ * order: t0 = p0 + p1; t0 = t0 + (p2 + p3); t1 = p4 + p5; score = t0 + (t1 + (p6 + p7)). With
+ * `mx`, also the scores' running maximum over the keys (for blocks no row masks). */
 static inline __attribute__((always_inline)) void qk_tile(
         const float *qT, int64_t NQP, int64_t i0, const float *k, const int64_t D, float *sT,
         vec scale, const float *cap, float *mx, const int QV, const int NK) {
-    float part[3][2][NK_MAX][LANES] __attribute__((aligned(64)));
-    vec p[2][NK_MAX];
+    float part[2][2][QK_KEYS][LANES] __attribute__((aligned(64)));
+    vec p[2][2][QK_KEYS];
 #define EACH for (int g = 0; g < QV; g++) for (int j = 0; j < NK; j++)
 #define PART(t) (&part[t][g][j][0])
-    for (int c = 0; c < 8; c++) {
-        qk_chain(qT, NQP, i0, k, D, c, p, QV, NK);
+#define PAIR vadd(p[0][g][j], p[1][g][j])
+    for (int c = 0; c < 8; c += 2) {
+        qk_chains(qT, NQP, i0, k, D, c, p, QV, NK);
         switch (c) {
-        case 0: EACH vst(PART(0), p[g][j]); break;                                /* p0 */
-        case 1: EACH vst(PART(0), vadd(vld(PART(0)), p[g][j])); break;             /* p0 + p1 */
-        case 2: case 4: EACH vst(PART(1), p[g][j]); break;                        /* p2; p4 */
-        case 3: EACH vst(PART(0), vadd(vld(PART(0)), vadd(vld(PART(1)), p[g][j]))); break;
-        case 5: EACH vst(PART(1), vadd(vld(PART(1)), p[g][j])); break;             /* p4 + p5 */
-        case 6: EACH vst(PART(2), p[g][j]); break;                                /* p6 */
+        case 0: EACH vst(PART(0), PAIR); break;
+        case 2: EACH vst(PART(0), vadd(vld(PART(0)), PAIR)); break;
+        case 4: EACH vst(PART(1), PAIR); break;
         default:
             EACH {
-                vec x = vadd(vld(PART(0)), vadd(vld(PART(1)), vadd(vld(PART(2)), p[g][j])));
-                x = vmul(x, scale);
+                vec x = vmul(vadd(vld(PART(0)), vadd(vld(PART(1)), PAIR)), scale);
                 if (cap) x = vsoftcap(x, vset1(*cap));
-                p[g][j] = x;
+                p[0][g][j] = x;
             }
         }
     }
+#undef PAIR
 #undef PART
 #undef EACH
     for (int g = 0; g < QV; g++) {
         vec m = mx ? vld(mx + i0 + LANES * g) : vzero();
         for (int j = 0; j < NK; j++) {
-            vst(sT + j * NQP + i0 + LANES * g, p[g][j]);
-            if (mx) m = vmax(m, p[g][j]);
+            vst(sT + j * NQP + i0 + LANES * g, p[0][g][j]);
+            if (mx) m = vmax(m, p[0][g][j]);
         }
         if (mx) vst(mx + i0 + LANES * g, m);
     }
 }
+
 #define QK_CASE(qv, nk) \
     case (qv) * 16 + (nk): qk_tile(qT, NQP, i0, k, D, sT + j0 * NQP, scale, cap, mx, qv, nk); break;
 
@@ -281,14 +283,12 @@ static inline __attribute__((always_inline)) void qk_lanes_d(
     for (int64_t i0 = 0; i0 < NQP; i0 += 2 * LANES) {
         const int qv = NQP - i0 >= 2 * LANES ? 2 : 1;
         for (int64_t j0 = 0, nk; j0 < n; j0 += nk) {
-            nk = balanced_width(n - j0, NK_MAX);
+            nk = balanced_width(n - j0, QK_KEYS);
             const float *k = kb + j0 * D;
             switch (qv * 16 + nk) {
-                QK_CASE(1, 1) QK_CASE(1, 2) QK_CASE(1, 3) QK_CASE(1, 4) QK_CASE(1, 5) QK_CASE(1, 6)
-                QK_CASE(2, 1) QK_CASE(2, 2) QK_CASE(2, 3) QK_CASE(2, 4) QK_CASE(2, 5) QK_CASE(2, 6)
-#if NK_MAX > 6
-                QK_CASE(1, 7) QK_CASE(1, 8) QK_CASE(1, 9) QK_CASE(1, 10) QK_CASE(1, 11) QK_CASE(1, 12)
-                QK_CASE(2, 7) QK_CASE(2, 8) QK_CASE(2, 9) QK_CASE(2, 10) QK_CASE(2, 11) QK_CASE(2, 12)
+                QK_CASE(1, 1) QK_CASE(1, 2) QK_CASE(1, 3) QK_CASE(2, 1) QK_CASE(2, 2) QK_CASE(2, 3)
+#if QK_KEYS > 3
+                QK_CASE(1, 4) QK_CASE(1, 5) QK_CASE(1, 6) QK_CASE(2, 4) QK_CASE(2, 5) QK_CASE(2, 6)
 #endif
             }
         }
