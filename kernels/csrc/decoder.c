@@ -125,7 +125,8 @@ static inline void linear(const decoder_model *m, const linear_layer *l, const f
 }
 
 /* The new tokens' K and V (rows of the qkv output) into the pool, q into its own rows; into an
- * int8 pool by the quantized write the per-layer path calls (fused_ops.c). */
+ * int8 pool by the quantized write the per-layer path calls (fused_ops.c). A prefill's rows are
+ * copied by every thread (each row to its own places). */
 static void scatter_qkv(const decoder_model *m, const decoder_layer *l, const attn_view *v,
                         decoder_step *s) {
     const int64_t D = m->head_dim, KVH = m->kv_heads, T = s->T;
@@ -133,6 +134,7 @@ static void scatter_qkv(const decoder_model *m, const decoder_layer *l, const at
     if (s->attn.kv_int8)
         rtpkv_write_kv_int8(s->qkv + q_size, s->qkv + q_size + kv_size, l->k_cache, l->v_cache,
                             v->write_rows, T, KVH, D, width, width, 0);
+#pragma omp parallel for schedule(static) if (T >= 64)
     for (int64_t t = 0; t < T; t++) {
         const float *row = s->qkv + t * width;
         memcpy(s->q + t * q_size, row, (size_t)q_size * sizeof(float));

@@ -29,8 +29,10 @@
  * call with few rows streams the weights once, 1 row x 4 panels or 2-3 rows x 2 panels (8-12
  * independent FMA chains); a call with more rows takes them in blocks of about 512 KiB of x
  * (L2-resident: a prefill's x is read from memory once, not once per panel), and the threads
- * split the block's panels, sweeping them 6 rows at a time: one panel at AVX2 (12
- * accumulators), four at AVX-512 (24 of its 32 registers; one where the panels are too few to
+ * split the panels, each thread the same share in every block (one parallel region a call: no
+ * thread waits for another between blocks, which on a busy host, where a thread can lose its
+ * core, cost far more than the blocks' work), sweeping them 6 rows at a time: one panel at AVX2
+ * (12 accumulators), four at AVX-512 (24 of its 32 registers; one where the panels are too few to
  * give each thread two groups). Neither the blocks nor the tiles change an output's chain.
  */
 #include <immintrin.h>
@@ -194,7 +196,7 @@ static inline __attribute__((always_inline)) void unit(
 }
 
 /* y = x W^T + b over the whole call: few rows by the streaming units, more in L2-sized row blocks
- * whose panels (up to SWEEP_PANELS a tile) the threads split. */
+ * whose panels (up to SWEEP_PANELS a tile) the threads split, the same share in every block. */
 static inline __attribute__((always_inline)) void linear(
         const int bf16, const float *x, int64_t M, int64_t K, const void *w, int64_t N,
         const float *bias, float *y) {
@@ -206,23 +208,30 @@ static inline __attribute__((always_inline)) void linear(
         return;
     }
     /* Blocks of rows that stay in L2 while every panel sweeps them (x is read once from memory,
-     * each panel once per block); the threads split the panels of a block. */
+     * each panel once per block). */
     const int64_t panels = (N + PANEL - 1) / PANEL, esize = bf16 ? 2 : 4;
     int64_t block = ROW_BLOCK_BYTES / (K * (int64_t)sizeof(float)) / TILE_ROWS * TILE_ROWS;
     if (block < TILE_ROWS) block = TILE_ROWS;
     /* wide tiles only where every thread still gets two groups of panels */
     const int64_t sweep = panels >= 2 * SWEEP_PANELS * omp_get_max_threads() ? SWEEP_PANELS : 1;
     const int64_t groups = (panels + sweep - 1) / sweep;
-    for (int64_t m0 = 0; m0 < M; m0 += block) {
-        const int64_t m1 = M - m0 < block ? M : m0 + block;
-#pragma omp parallel for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t p = g * sweep, np = panels - p < sweep ? panels - p : sweep;
-            const int64_t c0 = p * PANEL, ncols = N - c0 < np * PANEL ? N - c0 : np * PANEL;
-            for (int64_t m = m0; m < m1; m += TILE_ROWS) {
-                const int64_t mr = m1 - m < TILE_ROWS ? m1 - m : TILE_ROWS;
-                panel_rows(mr, np, bf16, x + m * K, K, (const char *)w + p * K * PANEL * esize,
-                           y + m * N + c0, N, bias ? bias + c0 : 0, ncols);
+    /* One parallel region: each thread owns the same share of the groups in every block, so no
+     * thread waits for another between blocks (each output is written by its group's owner). */
+#pragma omp parallel
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads;
+        for (int64_t m0 = 0; m0 < M; m0 += block) {
+            const int64_t m1 = M - m0 < block ? M : m0 + block;
+            for (int64_t g = g0; g < g1; g++) {
+                const int64_t p = g * sweep, np = panels - p < sweep ? panels - p : sweep;
+                const int64_t c0 = p * PANEL, ncols = N - c0 < np * PANEL ? N - c0 : np * PANEL;
+                for (int64_t m = m0; m < m1; m += TILE_ROWS) {
+                    const int64_t mr = m1 - m < TILE_ROWS ? m1 - m : TILE_ROWS;
+                    panel_rows(mr, np, bf16, x + m * K, K,
+                               (const char *)w + p * K * PANEL * esize, y + m * N + c0, N,
+                               bias ? bias + c0 : 0, ncols);
+                }
             }
         }
     }

@@ -79,7 +79,7 @@ static inline v8 exp_nonpos(v8 x) {
 typedef __m512 vec;
 typedef __m512i ivec;
 #define LANES 16
-#define NK_MAX 12   /* keys per score tile (2 query vectors: 24 accumulators) */
+#define QK_KEYS 6   /* keys per score tile (2 query vectors, 2 chains: 24 accumulators) */
 #define ND_MAX 12   /* value columns per value tile (2 query vectors) */
 #define vld _mm512_loadu_ps
 #define vst _mm512_storeu_ps
@@ -117,7 +117,7 @@ static inline vec keep_in_range(vec s, ivec from, ivec hi, int32_t j) {
 typedef __m256 vec;
 typedef __m256i ivec;
 #define LANES 8
-#define NK_MAX 6
+#define QK_KEYS 3
 #define ND_MAX 6
 #define vld _mm256_loadu_ps
 #define vst _mm256_storeu_ps
@@ -202,48 +202,72 @@ static inline void block_range(int64_t pos, int64_t lo, int64_t p, int64_t B, in
 
 /* ---- query rows in the lanes (tiles of 8 or more rows) ---------------------------------- */
 
-/* acc[g][j] = the header's partial chain p_c of query vector g and key j < NK of k. */
-static inline __attribute__((always_inline)) void qk_chain(
-        const float *qT, int64_t NQP, int64_t i0, const float *k, int64_t D, int c,
-        vec acc[2][NK_MAX], const int QV, const int NK) {
-    for (int g = 0; g < QV; g++)
-        for (int j = 0; j < NK; j++) acc[g][j] = vzero();
+/* The width of the next of the fewest tiles of at most `widest` keys or columns that cover
+ * `left`, the tiles as even as they go (64 columns in tiles of 12: 11 x 4 + 10 x 2, not
+ * 12 x 5 + 4): every tile keeps most of its accumulators busy. Which tile a key or column is in changes no arithmetic. */
+static inline int64_t balanced_width(int64_t left, int64_t widest) {
+    const int64_t tiles = (left + widest - 1) / widest;
+    return (left + tiles - 1) / tiles;
+}
+
+/* acc[h][g][j] = the header's partial chains p_c (h = 0) and p_{c+1} (h = 1) of query vector g
+ * and key j < NK of k: two chains at a time, so each is added to its neighbour in registers.
+ * `D` is a constant where the caller knows it (64), so the NK keys' broadcasts are one pointer
+ * plus fixed offsets and the loop unrolls. */
+static inline __attribute__((always_inline)) void qk_chains(
+        const float *qT, int64_t NQP, int64_t i0, const float *k, const int64_t D, int c,
+        vec acc[2][2][QK_KEYS], const int QV, const int NK) {
+    for (int h = 0; h < 2; h++)
+        for (int g = 0; g < QV; g++)
+            for (int j = 0; j < NK; j++) acc[h][g][j] = vzero();
     for (int64_t d = c; d < D; d += 8) {
-        vec qv[2];
-        for (int g = 0; g < QV; g++) qv[g] = vld(qT + d * NQP + i0 + LANES * g);
-        for (int j = 0; j < NK; j++) {
-            const vec kv = vset1(k[j * D + d]);
-            for (int g = 0; g < QV; g++) acc[g][j] = vfma(qv[g], kv, acc[g][j]);
-        }
+        vec qv[2][2];
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < QV; g++) qv[h][g] = vld(qT + (d + h) * NQP + i0 + LANES * g);
+        for (int j = 0; j < NK; j++)
+            for (int h = 0; h < 2; h++) {
+                const vec kv = vset1(k[j * D + d + h]);
+                for (int g = 0; g < QV; g++) acc[h][g][j] = vfma(qv[h][g], kv, acc[h][g][j]);
+            }
     }
 }
 
 /* sT[j][i0..] = scale * (q . k_j) for keys j < NK of k (rows of D floats), QV vectors of LANES
- * query rows, each dot product as the header's 8 partial chains and their tree (each pair
- * summed as it finishes, so few partial vectors are live); with `mx`, also its running maximum
- * over the keys (for blocks no row masks). */
+ * query rows, each dot product as the header's 8 partial chains and their tree. Two chains at a
+ * time hold the registers (2 * QV * NK accumulators, the query vectors and a broadcast) and are
+ * summed as they finish; the pairs' sums wait in `part` (L1) between them, in the header's
+ * order: t0 = p0 + p1; t0 = t0 + (p2 + p3); t1 = p4 + p5; score = t0 + (t1 + (p6 + p7)). With
+ * `mx`, also the scores' running maximum over the keys (for blocks no row masks). */
 static inline __attribute__((always_inline)) void qk_tile(
-        const float *qT, int64_t NQP, int64_t i0, const float *k, int64_t D, float *sT, vec scale,
-        const float *cap, float *mx, const int QV, const int NK) {
-    vec a[2][NK_MAX], b[2][NK_MAX], pair[2][NK_MAX], low[2][NK_MAX];
-#define CHAINS(c) qk_chain(qT, NQP, i0, k, D, c, a, QV, NK); qk_chain(qT, NQP, i0, k, D, c + 1, b, QV, NK)
+        const float *qT, int64_t NQP, int64_t i0, const float *k, const int64_t D, float *sT,
+        vec scale, const float *cap, float *mx, const int QV, const int NK) {
+    float part[2][2][QK_KEYS][LANES] __attribute__((aligned(64)));
+    vec p[2][2][QK_KEYS];
 #define EACH for (int g = 0; g < QV; g++) for (int j = 0; j < NK; j++)
-    CHAINS(0);
-    EACH pair[g][j] = vadd(a[g][j], b[g][j]);
-    CHAINS(2);
-    EACH low[g][j] = vadd(pair[g][j], vadd(a[g][j], b[g][j]));
-    CHAINS(4);
-    EACH pair[g][j] = vadd(a[g][j], b[g][j]);
-    CHAINS(6);
-    EACH low[g][j] = vmul(vadd(low[g][j], vadd(pair[g][j], vadd(a[g][j], b[g][j]))), scale);
-    if (cap) EACH low[g][j] = vsoftcap(low[g][j], vset1(*cap));
-#undef CHAINS
+#define PART(t) (&part[t][g][j][0])
+#define PAIR vadd(p[0][g][j], p[1][g][j])
+    for (int c = 0; c < 8; c += 2) {
+        qk_chains(qT, NQP, i0, k, D, c, p, QV, NK);
+        switch (c) {
+        case 0: EACH vst(PART(0), PAIR); break;
+        case 2: EACH vst(PART(0), vadd(vld(PART(0)), PAIR)); break;
+        case 4: EACH vst(PART(1), PAIR); break;
+        default:
+            EACH {
+                vec x = vmul(vadd(vld(PART(0)), vadd(vld(PART(1)), PAIR)), scale);
+                if (cap) x = vsoftcap(x, vset1(*cap));
+                p[0][g][j] = x;
+            }
+        }
+    }
+#undef PAIR
+#undef PART
 #undef EACH
     for (int g = 0; g < QV; g++) {
         vec m = mx ? vld(mx + i0 + LANES * g) : vzero();
         for (int j = 0; j < NK; j++) {
-            vst(sT + j * NQP + i0 + LANES * g, low[g][j]);
-            if (mx) m = vmax(m, low[g][j]);
+            vst(sT + j * NQP + i0 + LANES * g, p[0][g][j]);
+            if (mx) m = vmax(m, p[0][g][j]);
         }
         if (mx) vst(mx + i0 + LANES * g, m);
     }
@@ -253,23 +277,29 @@ static inline __attribute__((always_inline)) void qk_tile(
     case (qv) * 16 + (nk): qk_tile(qT, NQP, i0, k, D, sT + j0 * NQP, scale, cap, mx, qv, nk); break;
 
 /* The scaled scores of the n keys of block kb; with `mx`, their running row maxima too. */
-static void qk_lanes(const float *qT, int64_t NQP, const float *kb, int64_t D, int64_t n, float *sT,
-                     vec scale, const float *cap, float *mx) {
+static inline __attribute__((always_inline)) void qk_lanes_d(
+        const float *qT, int64_t NQP, const float *kb, const int64_t D, int64_t n, float *sT,
+        vec scale, const float *cap, float *mx) {
     for (int64_t i0 = 0; i0 < NQP; i0 += 2 * LANES) {
         const int qv = NQP - i0 >= 2 * LANES ? 2 : 1;
-        for (int64_t j0 = 0; j0 < n; j0 += NK_MAX) {
-            const int nk = n - j0 < NK_MAX ? (int)(n - j0) : NK_MAX;
+        for (int64_t j0 = 0, nk; j0 < n; j0 += nk) {
+            nk = balanced_width(n - j0, QK_KEYS);
             const float *k = kb + j0 * D;
             switch (qv * 16 + nk) {
-                QK_CASE(1, 1) QK_CASE(1, 2) QK_CASE(1, 3) QK_CASE(1, 4) QK_CASE(1, 5) QK_CASE(1, 6)
-                QK_CASE(2, 1) QK_CASE(2, 2) QK_CASE(2, 3) QK_CASE(2, 4) QK_CASE(2, 5) QK_CASE(2, 6)
-#if NK_MAX > 6
-                QK_CASE(1, 7) QK_CASE(1, 8) QK_CASE(1, 9) QK_CASE(1, 10) QK_CASE(1, 11) QK_CASE(1, 12)
-                QK_CASE(2, 7) QK_CASE(2, 8) QK_CASE(2, 9) QK_CASE(2, 10) QK_CASE(2, 11) QK_CASE(2, 12)
+                QK_CASE(1, 1) QK_CASE(1, 2) QK_CASE(1, 3) QK_CASE(2, 1) QK_CASE(2, 2) QK_CASE(2, 3)
+#if QK_KEYS > 3
+                QK_CASE(1, 4) QK_CASE(1, 5) QK_CASE(1, 6) QK_CASE(2, 4) QK_CASE(2, 5) QK_CASE(2, 6)
 #endif
             }
         }
     }
+}
+
+/* qk_lanes_d, with the head dimension a constant where it is 64 (the same arithmetic). */
+static void qk_lanes(const float *qT, int64_t NQP, const float *kb, int64_t D, int64_t n, float *sT,
+                     vec scale, const float *cap, float *mx) {
+    if (D == 64) qk_lanes_d(qT, NQP, kb, 64, n, sT, scale, cap, mx);
+    else qk_lanes_d(qT, NQP, kb, D, n, sT, scale, cap, mx);
 }
 
 /* accT[d][i0..] = accT * alpha, then + sum_{j < n} wT[j][i0..] * v[j][d], for columns
@@ -302,8 +332,8 @@ static void pv_lanes(float *accT, const float *alpha, const float *wT, int64_t N
                      const float *vb, int64_t D, int64_t n) {
     for (int64_t i0 = 0; i0 < NQP; i0 += 2 * LANES) {
         const int qv = NQP - i0 >= 2 * LANES ? 2 : 1;
-        for (int64_t d0 = 0; d0 < D; d0 += ND_MAX) {
-            const int nd = D - d0 < ND_MAX ? (int)(D - d0) : ND_MAX;
+        for (int64_t d0 = 0, nd; d0 < D; d0 += nd) {
+            nd = balanced_width(D - d0, ND_MAX);
             switch (qv * 16 + nd) {
                 PV_CASE(1, 1) PV_CASE(1, 2) PV_CASE(1, 3) PV_CASE(1, 4) PV_CASE(1, 5) PV_CASE(1, 6)
                 PV_CASE(2, 1) PV_CASE(2, 2) PV_CASE(2, 3) PV_CASE(2, 4) PV_CASE(2, 5) PV_CASE(2, 6)

@@ -81,6 +81,19 @@ def test_the_fused_decoder_gives_the_bits_of_the_layers(checkpoints, monkeypatch
     _check_bits(model, batch)
 
 
+@pytest.mark.parametrize("options", [{}, {"kv_cache_dtype": "int8"}], ids=["float32", "int8-kv"])
+def test_a_long_prefill_gives_the_bits_of_the_layers(checkpoints, monkeypatch, options):
+    """A chunk of 80 rows (the decoder writes q, K and V of a long chunk on every thread) and a
+    decode beside it."""
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
+    model = load(checkpoints("llama"), **options)
+    assert model.module.fused is not None
+    tables = [[(7 * i + 3) % 20 for i in range(20)], [21, 22]]
+    batch = attention_batch(tables, [(0, 80), (5, 1)], BLOCK, NUM_BLOCKS,
+                            model.module.spec.num_kv_heads)
+    _check_bits(model, batch)
+
+
 def _check_bits(model, batch, layer_batches=None):
     """The fused decoder's hidden states, K/V writes and logits are the layers' bits."""
     module = model.module

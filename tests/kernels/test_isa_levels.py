@@ -11,6 +11,7 @@ from attention_batches import attention_batch
 from conftest import load, needs_c_kernels, run
 from rtpkv.errors import ConfigError
 from rtpkv.kernels import cpu_build
+from rtpkv.kernels.activation import silu_and_mul
 from rtpkv.kernels.bf16_linear import Bf16Linear
 from rtpkv.kernels.cpu_attention import CpuPagedAttention
 from rtpkv.kernels.kv_quant import quantize_rows
@@ -93,6 +94,17 @@ def test_paged_attention_gives_the_same_bits_at_every_level(dtype, kv_int8, bloc
             first, *others = _on_every_level(
                 lambda: _paged_attention(*shape, block, window, dtype, kv_int8, softcap))
             assert all(torch.equal(first, other) for other in others), (shape, window, softcap)
+
+
+def test_silu_and_mul_gives_the_same_bits_at_every_level():
+    """Float32 SiLU-and-mul (16 lanes at avx512, the last 8 of a width that is not a multiple of
+    16 at 8), over values that reach exp's clamps, infinities and NaN."""
+    g = torch.Generator().manual_seed(0)
+    for inter in (48, 40, 8):
+        gate_up = torch.randn(5, 2 * inter, generator=g) * 40
+        gate_up[0, :6] = torch.tensor([-100.0, 100.0, 87.5, -88.5, float("inf"), float("nan")])
+        first, *others = _on_every_level(lambda: silu_and_mul(gate_up).view(torch.int32))
+        assert all(torch.equal(first, other) for other in others), inter   # NaN's bits too
 
 
 def test_bf16_weights_give_the_float32_kernels_bits_over_the_rounded_weights():
