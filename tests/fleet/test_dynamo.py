@@ -183,12 +183,15 @@ def test_a_killed_worker_stops_receiving_requests(fleet):
     survivor = fleet.replicas[0].url
 
     def routed_around() -> bool:
-        """The frontend has dropped the dead worker's registration: 16 requests in a row are
-        served (6 in a row once passed while it still routed some requests to the dead
-        worker: a 503 followed in one CI run of 6)."""
-        return all(httpx.post(fleet.router_url + "/v1/completions", timeout=60,
-                              json={"model": "qwen2", "prompt": text(500 + i), "max_tokens": 2}
-                              ).status_code == 200 for i in range(16))
+        """The frontend has dropped the dead worker's registration (its /health lists one
+        `generate` instance) and serves requests. Requests served in a row alone were not
+        enough: 16 once passed while the registration stood, and a later request got a 503."""
+        health = httpx.get(fleet.router_url + "/health", timeout=10).json()
+        alive = [i for i in health.get("instances", []) if i.get("endpoint") == "generate"]
+        return len(alive) == 1 and all(
+            httpx.post(fleet.router_url + "/v1/completions", timeout=60,
+                       json={"model": "qwen2", "prompt": text(500 + i), "max_tokens": 2}
+                       ).status_code == 200 for i in range(4))
     assert wait_until(routed_around, 90, 1.0)
     before = httpx.get(survivor + "/cache_status", timeout=10).json()["queries"]
     prompts = [text(600 + i) for i in range(6)]
