@@ -27,7 +27,8 @@ steps in one call of the fused decoder; tokens then reach the stream in bursts, 
 inter-token percentiles show).
 
 Both engines get the same checkpoint (the BENCHMARKS.md model), the same token ids, greedy
-decoding with EOS ignored, prefix reuse on, 2 threads. Runs alternate between the engines (and
+decoding with EOS ignored, prefix reuse on, 2 threads, the same token budget a step (4,096:
+vLLM's CPU default for its LLM class; rtpkv's own default is 2,048, vLLM's API server's). Runs alternate between the engines (and
 which goes first) so that drift in the machine's speed falls on both alike; figures are
 medians. vLLM runs in its own interpreter (`--vllm`), one engine process per dtype, with
 OMP_NUM_THREADS=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2
@@ -62,6 +63,9 @@ from token_timing import token_timing
 from rtpkv.model_factory.spec import ModelSpec
 
 A_NEW, B_NEW, C_NEW, D_NEW = 16, 32, 64, 128
+# vLLM's CPU default token budget a step for its LLM class (its API server's is 2,048, rtpkv's
+# default): rtpkv gets the same, so a's 2,064-token prompt is one step on both engines.
+VLLM_CHUNK_TOKENS = 4096
 VLLM_ENV = {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
             "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -82,7 +86,8 @@ class Rtpkv:
     """rtpkv in this process: a fresh pipeline per workload run (an empty cache)."""
 
     def __init__(self, dtype: str, block: int, **options: Any):
-        self.options = dict(dtype=dtype, seq_size_per_block=block, reuse_cache=True, **options)
+        self.options = dict(dtype=dtype, seq_size_per_block=block, reuse_cache=True,
+                            max_num_batched_tokens=VLLM_CHUNK_TOKENS, **options)
 
     def run(self, name: str, job: dict[str, Any], **overrides: Any) -> dict[str, Any]:
         with pipeline(**{**self.options, **overrides}) as pipe:
