@@ -29,10 +29,23 @@
  * lane: nothing is summed across lanes.
  *
  * With AVX-512 VNNI (RTPKV_ISA=avx512 on such a CPU) a step takes two blocks in one 64-byte
- * vector and one vpdpbusd per row does what vpmaddubsw, vpmaddwd and the add do (AVX-512 has no
- * vpsignb: x is negated under the mask of w's negative bytes). The sums are the same integers
- * (vpmaddubsw cannot saturate here: |w| and |x| are at most 127, a pair at most 32,258), so
- * both builds give the same bits.
+ * vector and one vpdpbusd per row does what vpmaddubsw, vpmaddwd and the add do. vpdpbusd
+ * multiplies unsigned by signed bytes: x goes in offset by 128 (x + 128 in [1, 255], one xor of
+ * the broadcast bytes) and one more vpdpbusd a vector, of 128s against the same weights, gives
+ * the offset's share 128 * sum(w), subtracted once a group (it does not depend on x: one per
+ * vector whatever the number of rows). Putting w's sign on x instead (AVX-512
+ * has no vpsignb: abs, a mask and a masked negation a vector, then the vpdpbusd per row) left
+ * the one-row GEMV at about 60% of the read roof. The sums are the same integers (vpmaddubsw
+ * cannot saturate here: |w| and |x| are at most 127, a pair at most 32,258; the offset sums stay
+ * below 2^20), so both builds give the same bits.
+ *
+ * The one-row GEMV tile (row_tile; decode, and the mixture's experts through
+ * rtpkv_w8a8_linear_many) unrolls a group's 8 steps over four accumulator sets (the vpdpbusd
+ * chains, not the port, bound it otherwise) and prefetches the next tile's scales: they are a
+ * separate array read as four short streams the hardware prefetchers pick up late, a miss each
+ * at every tile's start. In a C loop of the mixture bench's experts (8 layers x top 8 of 128,
+ * one token, weights from memory) these two and the offset took a step's experts from 0.55 ms
+ * to 0.42 ms (docs/BENCHMARKS.md).
  */
 #include <float.h>
 #include <immintrin.h>
@@ -71,48 +84,58 @@ static void prefetch_tile_start(const int8_t *qw, const float *sw, int64_t kp, i
         _mm_prefetch((const char *)(sw + at), _MM_HINT_T0);
 }
 
-/* Quantizes m rows of k floats into rows of kp int8 (kp: k rounded up to whole groups, zeros
- * after k) and their scales, groups per row. */
+/* Quantizes a row of k floats into kp int8 (kp: k rounded up to whole groups, zeros after k)
+ * and its scales, one a group. */
+static void quantize_row(const float *x, int64_t k, int64_t kp, int8_t *qx, float *sx) {
+    for (int64_t g = 0; g < kp / GROUP; g++) {
+        const int64_t k0 = g * GROUP, valid = k - k0 < GROUP ? k - k0 : GROUP;
+        float buf[GROUP];
+        const float *src = x + k0;
+        if (valid < GROUP) {   /* the last group, zero-padded */
+            memset(buf + valid, 0, (size_t)(GROUP - valid) * sizeof(float));
+            memcpy(buf, src, (size_t)valid * sizeof(float));
+            src = buf;
+        }
+        const __m256 sign = _mm256_set1_ps(-0.0f), finite = _mm256_set1_ps(FLT_MAX);
+        __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        for (int i = 0; i < GROUP; i += LANES) {
+            const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(src + i));
+            amax = _mm256_max_ps(amax, v);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, finite, _CMP_NLE_UQ));   /* NaN, inf */
+        }
+        float lanes[LANES];
+        _mm256_storeu_ps(lanes, amax);
+        float a = 0.0f;
+        for (int i = 0; i < LANES; i++) a = lanes[i] > a ? lanes[i] : a;
+        const float s = _mm256_movemask_ps(bad) ? NAN : a / 127.0f;
+        sx[g] = s;
+        int8_t *q = qx + k0;
+        if (!(s > 0.0f)) {   /* zeros, or NaN */
+            memset(q, 0, GROUP);
+            continue;
+        }
+        const __m256 sv = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f),
+                     hi = _mm256_set1_ps(127.0f);
+        __m256i ints[GROUP / LANES];
+        for (int i = 0; i < GROUP / LANES; i++) {
+            __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(src + i * LANES), sv),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            ints[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+        }
+        /* to bytes (within [-127, 127]: the saturating packs keep them), back in order */
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
+                                                 _mm256_packs_epi32(ints[2], ints[3]));
+        _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(
+            bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+}
+
+/* quantize_row over m rows of x. */
 static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t kp, int8_t *qx,
                           float *sx) {
-    const int64_t groups = kp / GROUP;
 #pragma omp parallel for schedule(static) if (m > 1)
-    for (int64_t r = 0; r < m; r++) {
-        float buf[GROUP];
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t k0 = g * GROUP, valid = k - k0 < GROUP ? k - k0 : GROUP;
-            if (valid < GROUP) memset(buf + valid, 0, (size_t)(GROUP - valid) * sizeof(float));
-            memcpy(buf, x + r * k + k0, (size_t)valid * sizeof(float));
-            const __m256 sign = _mm256_set1_ps(-0.0f), finite = _mm256_set1_ps(FLT_MAX);
-            __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-            for (int i = 0; i < GROUP; i += LANES) {
-                const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(buf + i));
-                amax = _mm256_max_ps(amax, v);
-                bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, finite, _CMP_NLE_UQ));   /* NaN, inf */
-            }
-            float lanes[LANES];
-            _mm256_storeu_ps(lanes, amax);
-            float a = 0.0f;
-            for (int i = 0; i < LANES; i++) a = lanes[i] > a ? lanes[i] : a;
-            const float s = _mm256_movemask_ps(bad) ? NAN : a / 127.0f;
-            sx[r * groups + g] = s;
-            int8_t *q = qx + r * kp + k0;
-            if (!(s > 0.0f)) {   /* zeros, or NaN */
-                memset(q, 0, GROUP);
-                continue;
-            }
-            const __m256 sv = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f),
-                         hi = _mm256_set1_ps(127.0f);
-            int32_t ints[GROUP];
-            for (int i = 0; i < GROUP; i += LANES) {
-                __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(buf + i), sv),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
-                _mm256_storeu_si256((__m256i *)(ints + i), _mm256_cvtps_epi32(v));
-            }
-            for (int i = 0; i < GROUP; i++) q[i] = (int8_t)ints[i];
-        }
-    }
+    for (int64_t r = 0; r < m; r++)
+        quantize_row(x + r * k, k, kp, qx + r * kp, sx + r * (kp / GROUP));
 }
 
 #ifdef VNNI512
@@ -350,29 +373,36 @@ void rtpkv_w8a8_linear_many(int64_t count, const float *const *x, const int64_t 
             rtpkv_w8a8_linear(x[i], m[i], k, qw[i], sw[i], n, NULL, y[i], many_rows_from);
         else
             rows += m[i];
-    /* each few-row layer's first quantized row (in qx and sx) and index */
+    /* each few-row layer's first quantized row (in qx and sx) and index; each row's source */
     int64_t *few = malloc((size_t)(2 * (count ? count : 1)) * sizeof(int64_t));
+    const float **source = malloc((size_t)(rows ? rows : 1) * sizeof(float *));
     int8_t *qx = malloc((size_t)(rows * kp) + 1);
     float *sx = malloc((size_t)(rows * groups) * sizeof(float) + 1);
-    if (!few || !qx || !sx) abort();
+    if (!few || !source || !qx || !sx) abort();
     int64_t *first = few + count;
     for (int64_t i = 0, row = 0; i < count; i++) {
         if (m[i] >= many_rows_from || m[i] <= 0) continue;
-        quantize_rows(x[i], m[i], k, kp, qx + row * kp, sx + row * groups);
         first[nfew] = row;
         few[nfew++] = i;
-        row += m[i];
+        for (int64_t r = 0; r < m[i]; r++) source[row++] = x[i] + r * k;
     }
-#pragma omp parallel for schedule(static)
-    for (int64_t u = 0; u < nfew * tiles; u++) {
-        const int64_t j = u / tiles, i = few[j], b0 = (u % tiles) * TILE_BLOCKS;
-        if (b0 == (tiles - 1) * TILE_BLOCKS && j + 1 < nfew)   /* the next layer's first tile */
-            prefetch_tile_start(qw[few[j + 1]], sw[few[j + 1]], kp, groups);
-        for (int64_t r = 0; r < m[i]; r++)
-            row_tile(qx + (first[j] + r) * kp, sx + (first[j] + r) * groups, kp, groups, qw[i],
-                     sw[i], b0, NULL, y[i] + r * n, n);
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            quantize_row(source[r], k, kp, qx + r * kp, sx + r * groups);
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < nfew * tiles; u++) {
+            const int64_t j = u / tiles, i = few[j], b0 = (u % tiles) * TILE_BLOCKS;
+            if (b0 == (tiles - 1) * TILE_BLOCKS && j + 1 < nfew)   /* the next layer's first tile */
+                prefetch_tile_start(qw[few[j + 1]], sw[few[j + 1]], kp, groups);
+            for (int64_t r = 0; r < m[i]; r++)
+                row_tile(qx + (first[j] + r) * kp, sx + (first[j] + r) * groups, kp, groups,
+                         qw[i], sw[i], b0, NULL, y[i] + r * n, n);
+        }
     }
     free(sx);
     free(qx);
+    free(source);
     free(few);
 }
