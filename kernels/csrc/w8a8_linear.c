@@ -302,10 +302,14 @@ static inline __attribute__((always_inline)) void tile(
             store_lanes(y + r * n, n, (b0 + b) * LANES, acc[r * B + b], bias);
 }
 
-/* One row against the TILE_BLOCKS blocks of tile b0 / TILE_BLOCKS (the GEMV). */
+/* One row against the TILE_BLOCKS blocks of tile b0 / TILE_BLOCKS (the GEMV), prefetching the
+ * next tile's scales as the VNNI row_tile does. */
 static inline __attribute__((always_inline)) void row_tile(
         const int8_t *qx, const float *sx, int64_t kp, int64_t groups, const int8_t *qw,
         const float *sw, int64_t b0, const float *bias, float *y, int64_t n) {
+    const float *next = sw + (b0 + TILE_BLOCKS) * groups * LANES;
+    for (int64_t at = 0; at < TILE_BLOCKS * groups * LANES; at += 64 / sizeof(float))
+        _mm_prefetch((const char *)(next + at), _MM_HINT_T0);
     tile(1, TILE_BLOCKS, qx, sx, kp, groups, qw, sw, b0, bias, y, n);
 }
 #endif
