@@ -44,8 +44,9 @@
  * chains, not the port, bound it otherwise) and prefetches the next tile's scales: they are a
  * separate array read as four short streams the hardware prefetchers pick up late, a miss each
  * at every tile's start. In a C loop of the mixture bench's experts (8 layers x top 8 of 128,
- * one token, weights from memory) these two and the offset took a step's experts from 0.55 ms
- * to 0.42 ms (docs/BENCHMARKS.md).
+ * one token, weights from memory, 2 threads) these, the offset and the many-layer call's
+ * quantization inside its parallel region took a step's experts to 0.77-0.80x of the time
+ * (docs/BENCHMARKS.md).
  */
 #include <float.h>
 #include <immintrin.h>
