@@ -29,10 +29,24 @@
  * lane: nothing is summed across lanes.
  *
  * With AVX-512 VNNI (RTPKV_ISA=avx512 on such a CPU) a step takes two blocks in one 64-byte
- * vector and one vpdpbusd per row does what vpmaddubsw, vpmaddwd and the add do (AVX-512 has no
- * vpsignb: x is negated under the mask of w's negative bytes). The sums are the same integers
- * (vpmaddubsw cannot saturate here: |w| and |x| are at most 127, a pair at most 32,258), so
- * both builds give the same bits.
+ * vector and one vpdpbusd per row does what vpmaddubsw, vpmaddwd and the add do. vpdpbusd
+ * multiplies unsigned by signed bytes: x goes in offset by 128 (x + 128 in [1, 255], one xor of
+ * the broadcast bytes) and one more vpdpbusd a vector, of 128s against the same weights, gives
+ * the offset's share 128 * sum(w), subtracted once a group (it does not depend on x: one per
+ * vector whatever the number of rows). Putting w's sign on x instead (AVX-512
+ * has no vpsignb: abs, a mask and a masked negation a vector, then the vpdpbusd per row) left
+ * the one-row GEMV at about 60% of the read roof. The sums are the same integers (vpmaddubsw
+ * cannot saturate here: |w| and |x| are at most 127, a pair at most 32,258; the offset sums stay
+ * below 2^20), so both builds give the same bits.
+ *
+ * The one-row GEMV tile (row_tile; decode, and the mixture's experts through
+ * rtpkv_w8a8_linear_many) unrolls a group's 8 steps over four accumulator sets (the vpdpbusd
+ * chains, not the port, bound it otherwise) and prefetches the next tile's scales: they are a
+ * separate array read as four short streams the hardware prefetchers pick up late, a miss each
+ * at every tile's start. In a C loop of the mixture bench's experts (8 layers x top 8 of 128,
+ * one token, weights from memory, 2 threads) these, the offset and the many-layer call's
+ * quantization inside its parallel region took a step's experts to 0.77-0.80x of the time
+ * (docs/BENCHMARKS.md).
  */
 #include <float.h>
 #include <immintrin.h>
@@ -61,50 +75,187 @@
 #define VNNI512 1
 #endif
 
-/* Quantizes m rows of k floats into rows of kp int8 (kp: k rounded up to whole groups, zeros
- * after k) and their scales, groups per row. */
-static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t kp, int8_t *qx,
-                          float *sx) {
-    const int64_t groups = kp / GROUP;
-#pragma omp parallel for schedule(static) if (m > 1)
-    for (int64_t r = 0; r < m; r++) {
+/* Prefetches the start of a layer's first tile: PREFETCH bytes of its weight stream (from there
+ * on the stream's own prefetches run ahead) and the tile's scales. The GEMV tiles of a layer
+ * prefetch within it; this is for the tile that follows the layer's last. */
+static void prefetch_tile_start(const int8_t *qw, const float *sw, int64_t kp, int64_t groups) {
+    const int64_t bytes = kp * TILE_BLOCKS * LANES < PREFETCH ? kp * TILE_BLOCKS * LANES : PREFETCH;
+    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch((const char *)qw + at, _MM_HINT_T0);
+    for (int64_t at = 0; at < TILE_BLOCKS * groups * LANES; at += 64 / sizeof(float))
+        _mm_prefetch((const char *)(sw + at), _MM_HINT_T0);
+}
+
+/* Quantizes a row of k floats into kp int8 (kp: k rounded up to whole groups, zeros after k)
+ * and its scales, one a group. */
+static void quantize_row(const float *x, int64_t k, int64_t kp, int8_t *qx, float *sx) {
+    for (int64_t g = 0; g < kp / GROUP; g++) {
+        const int64_t k0 = g * GROUP, valid = k - k0 < GROUP ? k - k0 : GROUP;
         float buf[GROUP];
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t k0 = g * GROUP, valid = k - k0 < GROUP ? k - k0 : GROUP;
-            if (valid < GROUP) memset(buf + valid, 0, (size_t)(GROUP - valid) * sizeof(float));
-            memcpy(buf, x + r * k + k0, (size_t)valid * sizeof(float));
-            const __m256 sign = _mm256_set1_ps(-0.0f), finite = _mm256_set1_ps(FLT_MAX);
-            __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-            for (int i = 0; i < GROUP; i += LANES) {
-                const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(buf + i));
-                amax = _mm256_max_ps(amax, v);
-                bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, finite, _CMP_NLE_UQ));   /* NaN, inf */
-            }
-            float lanes[LANES];
-            _mm256_storeu_ps(lanes, amax);
-            float a = 0.0f;
-            for (int i = 0; i < LANES; i++) a = lanes[i] > a ? lanes[i] : a;
-            const float s = _mm256_movemask_ps(bad) ? NAN : a / 127.0f;
-            sx[r * groups + g] = s;
-            int8_t *q = qx + r * kp + k0;
-            if (!(s > 0.0f)) {   /* zeros, or NaN */
-                memset(q, 0, GROUP);
-                continue;
-            }
-            const __m256 sv = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f),
-                         hi = _mm256_set1_ps(127.0f);
-            int32_t ints[GROUP];
-            for (int i = 0; i < GROUP; i += LANES) {
-                __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(buf + i), sv),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
-                _mm256_storeu_si256((__m256i *)(ints + i), _mm256_cvtps_epi32(v));
-            }
-            for (int i = 0; i < GROUP; i++) q[i] = (int8_t)ints[i];
+        const float *src = x + k0;
+        if (valid < GROUP) {   /* the last group, zero-padded */
+            memset(buf + valid, 0, (size_t)(GROUP - valid) * sizeof(float));
+            memcpy(buf, src, (size_t)valid * sizeof(float));
+            src = buf;
         }
+        const __m256 sign = _mm256_set1_ps(-0.0f), finite = _mm256_set1_ps(FLT_MAX);
+        __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        for (int i = 0; i < GROUP; i += LANES) {
+            const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(src + i));
+            amax = _mm256_max_ps(amax, v);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, finite, _CMP_NLE_UQ));   /* NaN, inf */
+        }
+        float lanes[LANES];
+        _mm256_storeu_ps(lanes, amax);
+        float a = 0.0f;
+        for (int i = 0; i < LANES; i++) a = lanes[i] > a ? lanes[i] : a;
+        const float s = _mm256_movemask_ps(bad) ? NAN : a / 127.0f;
+        sx[g] = s;
+        int8_t *q = qx + k0;
+        if (!(s > 0.0f)) {   /* zeros, or NaN */
+            memset(q, 0, GROUP);
+            continue;
+        }
+        const __m256 sv = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f),
+                     hi = _mm256_set1_ps(127.0f);
+        __m256i ints[GROUP / LANES];
+        for (int i = 0; i < GROUP / LANES; i++) {
+            __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(src + i * LANES), sv),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            ints[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+        }
+        /* to bytes (within [-127, 127]: the saturating packs keep them), back in order */
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
+                                                 _mm256_packs_epi32(ints[2], ints[3]));
+        _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(
+            bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     }
 }
 
+/* quantize_row over m rows of x. */
+static void quantize_rows(const float *x, int64_t m, int64_t k, int64_t kp, int8_t *qx,
+                          float *sx) {
+#pragma omp parallel for schedule(static) if (m > 1)
+    for (int64_t r = 0; r < m; r++)
+        quantize_row(x + r * k, k, kp, qx + r * kp, sx + r * (kp / GROUP));
+}
+
+#ifdef VNNI512
+/* Rows [0, R) of qx against blocks [b0, b0 + B) (B even), two blocks per 64-byte vector. x is
+ * offset to unsigned (x + 128, one xor of the broadcast bytes) for vpdpbusd's unsigned operand,
+ * and a second vpdpbusd of 128s against the same weights gives the offset's share, 128 * sum(w),
+ * subtracted at the group's end: two multiply-adds a vector, against abs, a mask, a masked
+ * negation and one multiply-add for putting w's sign on x. The group's steps alternate between
+ * two sets of accumulators, so twice as many dependency chains are in flight. The same integers,
+ * then the epilogue of the AVX2 tile in 16 lanes: the same bits. */
+static inline __attribute__((always_inline)) void tile(
+        const int R, const int B, const int8_t *qx, const float *sx, int64_t kp, int64_t groups,
+        const int8_t *qw, const float *sw, int64_t b0, const float *bias, float *y, int64_t n) {
+    const int P = B / 2;   /* block pairs: vectors a step */
+    __m512 acc[MANY_ROWS * TILE_BLOCKS / 2];
+    for (int i = 0; i < R * P; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i offset = _mm512_set1_epi8((char)0x80);
+    const int8_t *stream = qw + (b0 / TILE_BLOCKS) * kp * LANES * TILE_BLOCKS
+                           + (b0 % TILE_BLOCKS) * LANES * STEP;
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i dot[2][MANY_ROWS * TILE_BLOCKS / 2], shift[2][TILE_BLOCKS / 2];
+        for (int h = 0; h < 2; h++) {
+            for (int i = 0; i < R * P; i++) dot[h][i] = _mm512_setzero_si512();
+            for (int p = 0; p < P; p++) shift[h][p] = _mm512_setzero_si512();
+        }
+        for (int64_t k0 = g * GROUP; k0 < (g + 1) * GROUP; k0 += 2 * STEP) {
+            for (int h = 0; h < 2; h++) {
+                const int64_t k = k0 + h * STEP;
+                const int8_t *step = stream + k * TILE_BLOCKS * LANES;
+                _mm_prefetch((const char *)step + PREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)step + PREFETCH + 64, _MM_HINT_T0);
+                __m512i xu[MANY_ROWS];
+                for (int r = 0; r < R; r++) {
+                    uint32_t four;   /* 4 int8 inputs */
+                    memcpy(&four, qx + r * kp + k, sizeof four);
+                    xu[r] = _mm512_set1_epi32((int)(four ^ 0x80808080u));
+                }
+                for (int p = 0; p < P; p++) {
+                    const __m512i w = _mm512_loadu_si512((const void *)(step + 2 * p * LANES * STEP));
+                    shift[h][p] = _mm512_dpbusd_epi32(shift[h][p], offset, w);
+                    for (int r = 0; r < R; r++)
+                        dot[h][r * P + p] = _mm512_dpbusd_epi32(dot[h][r * P + p], xu[r], w);
+                }
+            }
+        }
+        for (int p = 0; p < P; p++) {
+            const __m512i off = _mm512_add_epi32(shift[0][p], shift[1][p]);
+            const float *s0 = sw + ((b0 + 2 * p) * groups + g) * LANES;
+            const __m512 s = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(s0)),
+                                                _mm256_loadu_ps(s0 + groups * LANES), 1);
+            for (int r = 0; r < R; r++) {
+                const __m512i isum = _mm512_sub_epi32(
+                    _mm512_add_epi32(dot[0][r * P + p], dot[1][r * P + p]), off);
+                const __m512 d = _mm512_mul_ps(s, _mm512_set1_ps(sx[r * groups + g]));
+                acc[r * P + p] = _mm512_add_ps(
+                    acc[r * P + p], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), d));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < P; p++) {
+            store_lanes(y + r * n, n, (b0 + 2 * p) * LANES, _mm512_castps512_ps256(acc[r * P + p]),
+                        bias);
+            store_lanes(y + r * n, n, (b0 + 2 * p + 1) * LANES,
+                        _mm512_extractf32x8_ps(acc[r * P + p], 1), bias);
+        }
+}
+
+/* One row against the TILE_BLOCKS blocks of tile b0 / TILE_BLOCKS (the GEMV): `tile` for R = 1,
+ * B = TILE_BLOCKS written out, a group's 8 steps unrolled over four sets of accumulators. */
+static inline __attribute__((always_inline)) void row_tile(
+        const int8_t *qx, const float *sx, int64_t kp, int64_t groups, const int8_t *qw,
+        const float *sw, int64_t b0, const float *bias, float *y, int64_t n) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    const __m512i offset = _mm512_set1_epi8((char)0x80);
+    const int8_t *stream = qw + (b0 / TILE_BLOCKS) * kp * LANES * TILE_BLOCKS;
+    const float *s0 = sw + b0 * groups * LANES;
+    /* the next tile's scales (a separate array: four short streams the prefetchers miss) */
+    for (int64_t at = 0; at < TILE_BLOCKS * groups * LANES; at += 64 / sizeof(float))
+        _mm_prefetch((const char *)(s0 + TILE_BLOCKS * groups * LANES + at), _MM_HINT_T0);
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i d[4][2], c[4][2];
+        for (int h = 0; h < 4; h++)
+            for (int p = 0; p < 2; p++) d[h][p] = c[h][p] = _mm512_setzero_si512();
+        const int8_t *step = stream + g * GROUP * TILE_BLOCKS * LANES;
+#pragma GCC unroll 8
+        for (int i = 0; i < GROUP / STEP; i++) {
+            _mm_prefetch((const char *)step + i * 128 + PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)step + i * 128 + PREFETCH + 64, _MM_HINT_T0);
+            uint32_t four;
+            memcpy(&four, qx + g * GROUP + i * STEP, sizeof four);
+            const __m512i xu = _mm512_set1_epi32((int)(four ^ 0x80808080u));
+            const __m512i w0 = _mm512_loadu_si512((const void *)(step + i * 128));
+            const __m512i w1 = _mm512_loadu_si512((const void *)(step + i * 128 + 64));
+            d[i % 4][0] = _mm512_dpbusd_epi32(d[i % 4][0], xu, w0);
+            d[i % 4][1] = _mm512_dpbusd_epi32(d[i % 4][1], xu, w1);
+            c[i % 4][0] = _mm512_dpbusd_epi32(c[i % 4][0], offset, w0);
+            c[i % 4][1] = _mm512_dpbusd_epi32(c[i % 4][1], offset, w1);
+        }
+        const __m512 xs = _mm512_set1_ps(sx[g]);
+        __m512 *acc[2] = {&acc0, &acc1};
+        for (int p = 0; p < 2; p++) {
+            const __m512i dot = _mm512_add_epi32(_mm512_add_epi32(d[0][p], d[1][p]),
+                                                 _mm512_add_epi32(d[2][p], d[3][p]));
+            const __m512i off = _mm512_add_epi32(_mm512_add_epi32(c[0][p], c[1][p]),
+                                                 _mm512_add_epi32(c[2][p], c[3][p]));
+            const float *sp = s0 + (2 * p * groups + g) * LANES;
+            const __m512 s = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(sp)),
+                                                _mm256_loadu_ps(sp + groups * LANES), 1);
+            *acc[p] = _mm512_add_ps(*acc[p], _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, off)), _mm512_mul_ps(s, xs)));
+        }
+    }
+    store_lanes(y, n, b0 * LANES, _mm512_castps512_ps256(acc0), bias);
+    store_lanes(y, n, (b0 + 1) * LANES, _mm512_extractf32x8_ps(acc0, 1), bias);
+    store_lanes(y, n, (b0 + 2) * LANES, _mm512_castps512_ps256(acc1), bias);
+    store_lanes(y, n, (b0 + 3) * LANES, _mm512_extractf32x8_ps(acc1, 1), bias);
+}
+#else
 /* Rows [0, R) of qx against blocks [b0, b0 + B): y rows at y + r * n. The weight of a step is
  * read once for the R rows; the float accumulators live in `acc` between groups. */
 static inline __attribute__((always_inline)) void tile(
@@ -118,12 +269,7 @@ static inline __attribute__((always_inline)) void tile(
                            + (b0 % TILE_BLOCKS) * LANES * STEP;
     for (int64_t g = 0; g < groups; g++) {
         __m256i isum[MANY_ROWS * TILE_BLOCKS];
-#ifdef VNNI512
-        __m512i isum2[MANY_ROWS * TILE_BLOCKS / 2];   /* blocks 2i, 2i + 1 of a row's B */
-        for (int i = 0; i < R * B / 2; i++) isum2[i] = _mm512_setzero_si512();
-#else
         for (int i = 0; i < R * B; i++) isum[i] = _mm256_setzero_si256();
-#endif
         for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += STEP) {
             __m256i xb[MANY_ROWS];
             for (int r = 0; r < R; r++) {
@@ -134,20 +280,6 @@ static inline __attribute__((always_inline)) void tile(
             const int8_t *step = stream + k * TILE_BLOCKS * LANES;
             _mm_prefetch((const char *)step + PREFETCH, _MM_HINT_T0);
             _mm_prefetch((const char *)step + PREFETCH + 64, _MM_HINT_T0);
-#ifdef VNNI512
-            for (int b = 0; b < B; b += 2) {   /* B is even: blocks b and b + 1 */
-                const __m512i w = _mm512_loadu_si512((const void *)(step + b * LANES * STEP));
-                const __m512i aw = _mm512_abs_epi8(w);
-                const __mmask64 negative = _mm512_movepi8_mask(w);
-                for (int r = 0; r < R; r++) {
-                    const __m512i xr = _mm512_broadcast_i32x4(_mm256_castsi256_si128(xb[r]));
-                    const __m512i sx = _mm512_mask_sub_epi8(xr, negative, _mm512_setzero_si512(),
-                                                            xr);
-                    isum2[(r * B + b) / 2] = _mm512_dpbusd_epi32(isum2[(r * B + b) / 2], aw, sx);
-                }
-            }
-            continue;
-#endif
             for (int b = 0; b < B; b++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(step + b * LANES * STEP));
                 const __m256i aw = _mm256_abs_epi8(w);
@@ -157,12 +289,6 @@ static inline __attribute__((always_inline)) void tile(
                 }
             }
         }
-#ifdef VNNI512
-        for (int i = 0; i < R * B / 2; i++) {
-            isum[2 * i] = _mm512_castsi512_si256(isum2[i]);
-            isum[2 * i + 1] = _mm512_extracti64x4_epi64(isum2[i], 1);
-        }
-#endif
         for (int b = 0; b < B; b++) {
             const __m256 s = _mm256_loadu_ps(sw + ((b0 + b) * groups + g) * LANES);
             for (int r = 0; r < R; r++) {
@@ -177,6 +303,18 @@ static inline __attribute__((always_inline)) void tile(
             store_lanes(y + r * n, n, (b0 + b) * LANES, acc[r * B + b], bias);
 }
 
+/* One row against the TILE_BLOCKS blocks of tile b0 / TILE_BLOCKS (the GEMV), prefetching the
+ * next tile's scales as the VNNI row_tile does. */
+static inline __attribute__((always_inline)) void row_tile(
+        const int8_t *qx, const float *sx, int64_t kp, int64_t groups, const int8_t *qw,
+        const float *sw, int64_t b0, const float *bias, float *y, int64_t n) {
+    const float *next = sw + (b0 + TILE_BLOCKS) * groups * LANES;
+    for (int64_t at = 0; at < TILE_BLOCKS * groups * LANES; at += 64 / sizeof(float))
+        _mm_prefetch((const char *)(next + at), _MM_HINT_T0);
+    tile(1, TILE_BLOCKS, qx, sx, kp, groups, qw, sw, b0, bias, y, n);
+}
+#endif
+
 static void few_rows(const int8_t *qx, const float *sx, int64_t m, int64_t kp, const int8_t *qw,
                      const float *sw, int64_t n, const float *bias, float *y) {
     const int64_t groups = kp / GROUP, tiles = (n + CHANNEL_MULTIPLE - 1) / CHANNEL_MULTIPLE;
@@ -184,8 +322,7 @@ static void few_rows(const int8_t *qx, const float *sx, int64_t m, int64_t kp, c
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t b0 = t * TILE_BLOCKS;
         for (int64_t r = 0; r < m; r++)
-            tile(1, TILE_BLOCKS, qx + r * kp, sx + r * groups, kp, groups, qw, sw, b0, bias,
-                 y + r * n, n);
+            row_tile(qx + r * kp, sx + r * groups, kp, groups, qw, sw, b0, bias, y + r * n, n);
     }
 }
 
@@ -241,27 +378,36 @@ void rtpkv_w8a8_linear_many(int64_t count, const float *const *x, const int64_t 
             rtpkv_w8a8_linear(x[i], m[i], k, qw[i], sw[i], n, NULL, y[i], many_rows_from);
         else
             rows += m[i];
-    /* each few-row layer's first quantized row (in qx and sx) and index */
+    /* each few-row layer's first quantized row (in qx and sx) and index; each row's source */
     int64_t *few = malloc((size_t)(2 * (count ? count : 1)) * sizeof(int64_t));
+    const float **source = malloc((size_t)(rows ? rows : 1) * sizeof(float *));
     int8_t *qx = malloc((size_t)(rows * kp) + 1);
     float *sx = malloc((size_t)(rows * groups) * sizeof(float) + 1);
-    if (!few || !qx || !sx) abort();
+    if (!few || !source || !qx || !sx) abort();
     int64_t *first = few + count;
     for (int64_t i = 0, row = 0; i < count; i++) {
         if (m[i] >= many_rows_from || m[i] <= 0) continue;
-        quantize_rows(x[i], m[i], k, kp, qx + row * kp, sx + row * groups);
         first[nfew] = row;
         few[nfew++] = i;
-        row += m[i];
+        for (int64_t r = 0; r < m[i]; r++) source[row++] = x[i] + r * k;
     }
-#pragma omp parallel for schedule(static)
-    for (int64_t u = 0; u < nfew * tiles; u++) {
-        const int64_t j = u / tiles, i = few[j], b0 = (u % tiles) * TILE_BLOCKS;
-        for (int64_t r = 0; r < m[i]; r++)
-            tile(1, TILE_BLOCKS, qx + (first[j] + r) * kp, sx + (first[j] + r) * groups, kp,
-                 groups, qw[i], sw[i], b0, NULL, y[i] + r * n, n);
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            quantize_row(source[r], k, kp, qx + r * kp, sx + r * groups);
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < nfew * tiles; u++) {
+            const int64_t j = u / tiles, i = few[j], b0 = (u % tiles) * TILE_BLOCKS;
+            if (b0 == (tiles - 1) * TILE_BLOCKS && j + 1 < nfew)   /* the next layer's first tile */
+                prefetch_tile_start(qw[few[j + 1]], sw[few[j + 1]], kp, groups);
+            for (int64_t r = 0; r < m[i]; r++)
+                row_tile(qx + (first[j] + r) * kp, sx + (first[j] + r) * groups, kp, groups,
+                         qw[i], sw[i], b0, NULL, y[i] + r * n, n);
+        }
     }
     free(sx);
     free(qx);
+    free(source);
     free(few);
 }
