@@ -43,22 +43,16 @@ def _library() -> Optional[ctypes.CDLL]:
 
 
 @dataclass(frozen=True)
-class Mamba2Weights:
-    """A mixer's constants between its projections, float32 and contiguous."""
+class Mamba2Shape:
+    """A Mamba2 mixer's dimensions and what follows from them (the in projection's width, the
+    per-sequence states' shapes): one definition for the layer (model_factory/mamba2.py's
+    Mamba2Spec) and its constants here."""
 
     heads: int
     head_dim: int
     state: int
     groups: int
-    conv_weight: torch.Tensor            # (conv channels, kernel)
-    conv_bias: Optional[torch.Tensor]    # (conv channels,)
-    dt_bias: torch.Tensor                # (heads,)
-    A: torch.Tensor                      # (heads,): -exp(A_log), as transformers computes it
-    D: torch.Tensor                      # (heads,)
-    norm_weight: torch.Tensor            # (heads * head_dim,)
-    norm_eps: float
-    dt_min: float                        # softplus(dt + dt_bias) is clamped to [dt_min, dt_max]
-    dt_max: float
+    kernel: int                          # the causal convolution's width
 
     @property
     def inner(self) -> int:
@@ -67,10 +61,6 @@ class Mamba2Weights:
     @property
     def conv_channels(self) -> int:
         return self.inner + 2 * self.groups * self.state
-
-    @property
-    def kernel(self) -> int:
-        return self.conv_weight.shape[1]
 
     @property
     def projection_size(self) -> int:
@@ -83,6 +73,21 @@ class Mamba2Weights:
 
     def ssm_state_shape(self) -> tuple[int, int, int]:
         return (self.heads, self.head_dim, self.state)
+
+
+@dataclass(frozen=True)
+class Mamba2Weights(Mamba2Shape):
+    """A mixer's constants between its projections, float32 and contiguous."""
+
+    conv_weight: torch.Tensor            # (conv channels, kernel)
+    conv_bias: Optional[torch.Tensor]    # (conv channels,)
+    dt_bias: torch.Tensor                # (heads,)
+    A: torch.Tensor                      # (heads,): -exp(A_log), as transformers computes it
+    D: torch.Tensor                      # (heads,)
+    norm_weight: torch.Tensor            # (heads * head_dim,)
+    norm_eps: float
+    dt_min: float                        # softplus(dt + dt_bias) is clamped to [dt_min, dt_max]
+    dt_max: float
 
 
 Saves = Optional[Sequence[Sequence[tuple[int, int]]]]

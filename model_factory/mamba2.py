@@ -18,38 +18,19 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from rtpkv.kernels.mamba2 import Mamba2Weights, mix
+from rtpkv.kernels.mamba2 import Mamba2Shape, Mamba2Weights, mix
 from rtpkv.model_factory.recurrent import RecurrentBatch, StateSpec
 
 
 @dataclass(frozen=True)
-class Mamba2Spec:
-    """A hybrid's Mamba2 layers' dimensions and options (model_factory/granite.py reads them
-    from config.json)."""
+class Mamba2Spec(Mamba2Shape):
+    """A hybrid's Mamba2 layers' dimensions (Mamba2Shape) and options (model_factory/
+    granite.py reads them from config.json)."""
 
-    heads: int
-    head_dim: int
-    state: int
-    groups: int
-    kernel: int
     conv_bias: bool
     proj_bias: bool
     dt_min: float        # time_step_limit: softplus(dt + dt_bias) is clamped to it
     dt_max: float
-
-    @property
-    def inner(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def conv_channels(self) -> int:
-        return self.inner + 2 * self.groups * self.state
-
-    def conv_state_shape(self) -> tuple[int, int]:
-        return (self.conv_channels, self.kernel - 1)
-
-    def ssm_state_shape(self) -> tuple[int, int, int]:
-        return (self.heads, self.head_dim, self.state)
 
 
 class GatedNorm(nn.Module):
@@ -66,8 +47,7 @@ class Mamba2Mixer(nn.Module):
         self.spec = spec
         self.norm_eps = norm_eps
         channels = spec.conv_channels
-        self.in_proj = nn.Linear(hidden_size, spec.inner + channels + spec.heads,
-                                 bias=spec.proj_bias)
+        self.in_proj = nn.Linear(hidden_size, spec.projection_size, bias=spec.proj_bias)
         self.conv1d = nn.Conv1d(channels, channels, spec.kernel, groups=channels,
                                 padding=spec.kernel - 1, bias=spec.conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(spec.heads))
@@ -89,7 +69,7 @@ class Mamba2Mixer(nn.Module):
             return t.detach().float().contiguous()
 
         self.weights = Mamba2Weights(
-            s.heads, s.head_dim, s.state, s.groups, f32(self.conv1d.weight[:, 0, :]),
+            s.heads, s.head_dim, s.state, s.groups, s.kernel, f32(self.conv1d.weight[:, 0, :]),
             None if self.conv1d.bias is None else f32(self.conv1d.bias), f32(self.dt_bias),
             -torch.exp(f32(self.A_log)), f32(self.D), f32(self.norm.weight), self.norm_eps,
             s.dt_min, s.dt_max)
