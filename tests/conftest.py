@@ -320,6 +320,18 @@ def random_prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 600, (n,), generator=g).tolist()
 
 
+def chat_turns(pipe: Pipeline, turns: int, seed: int = 3) -> list[tuple[int, Any]]:
+    """A greedy chat of `turns` turns, each 11 new prompt tokens after the previous answer:
+    (tokens computed, response) per turn: the prompt and every new token but the last."""
+    history, outs = [], []
+    for turn in range(turns):
+        history += random_prompt(11, seed + turn)
+        res = run(pipe, history, max_new_tokens=7, return_logits=True)
+        outs.append((len(history) + 6, res))
+        history += res.output_ids
+    return outs
+
+
 def run(pipe: Pipeline, prompt, **config: Any):
     """Run to completion; returns the last response."""
     config.setdefault("top_k", 1)
@@ -329,6 +341,15 @@ def run(pipe: Pipeline, prompt, **config: Any):
         pass
     assert res is not None and res.finished
     return res
+
+
+def run_together(pipe: Pipeline, prompts, **config: Any) -> list:
+    """Every prompt submitted before any is read, so they share the engine's steps; the last
+    response of each (greedy, EOS ignored, as `run`)."""
+    config.setdefault("top_k", 1)
+    config.setdefault("ignore_eos", True)
+    streams = [pipe(p, **config) for p in prompts]
+    return [list(stream)[-1] for stream in streams]
 
 
 def idle_in_use(pipe: Pipeline) -> int:

@@ -7,7 +7,7 @@ no checkpoint or live slot is left behind by a finished or cancelled request."""
 import pytest
 import torch
 
-from conftest import run
+from conftest import chat_turns, random_prompt, run
 from prometheus_client import generate_latest
 
 from rtpkv.cache.prefix_index import KeyChain
@@ -19,22 +19,6 @@ B, STEP = 4, 2               # a checkpoint every 8 tokens
 OPTIONS = dict(seq_size_per_block=B, linear_step=STEP, max_num_batched_tokens=16)
 
 
-def _tokens(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 600, (n,), generator=g).tolist()
-
-
-def _chat(pipe, turns=4, seed=3):
-    """(tokens computed, response) per turn: the prompt and every new token but the last."""
-    history, outs = [], []
-    for turn in range(turns):
-        history += _tokens(11, seed + turn)
-        res = run(pipe, history, max_new_tokens=7, return_logits=True)
-        outs.append((len(history) + 6, res))
-        history += res.output_ids
-    return outs
-
-
 def _same(a, b):
     assert a.output_ids == b.output_ids
     assert torch.equal(a.logits, b.logits)
@@ -44,8 +28,8 @@ def _same(a, b):
 def test_reuse_gives_the_bits_of_no_reuse_and_ends_on_the_last_saved_state(
         checkpoints, make_pipeline, arch):
     path = checkpoints(arch)
-    plain = _chat(make_pipeline(path, **OPTIONS))
-    reused = _chat(make_pipeline(path, reuse_cache=True, **OPTIONS))
+    plain = chat_turns(make_pipeline(path, **OPTIONS), 4)
+    reused = chat_turns(make_pipeline(path, reuse_cache=True, **OPTIONS), 4)
     for (_, a), (_, b) in zip(plain, reused):
         _same(a, b)
     assert reused[0][1].aux_info["reuse_len"] == 0
@@ -60,8 +44,8 @@ def test_reuse_gives_the_bits_of_no_reuse_and_ends_on_the_last_saved_state(
 
 def test_a_batch_with_hits_gives_the_bits_of_each_request_alone(checkpoints, make_pipeline):
     path = checkpoints("qwen3_5")
-    shared = _tokens(29, 7)
-    prompts = [shared + _tokens(n, 10 + n) for n in (3, 12, 21)]
+    shared = random_prompt(29, 7)
+    prompts = [shared + random_prompt(n, 10 + n) for n in (3, 12, 21)]
     alone = make_pipeline(path, reuse_cache=True, **OPTIONS)
     run(alone, shared + [5], max_new_tokens=1)
     singles = [run(alone, p, max_new_tokens=6, return_logits=True) for p in prompts]
@@ -90,7 +74,7 @@ def _saved(pipe, prompt):
 
 def test_a_state_saved_inside_a_chunk_has_the_bits_of_one_pass(checkpoints, make_pipeline):
     path = checkpoints("qwen3_next")
-    prompt = _tokens(45, 9)
+    prompt = random_prompt(45, 9)
     chunked = make_pipeline(path, reuse_cache=True, **OPTIONS)             # 16-token chunks
     whole = make_pipeline(path, reuse_cache=True,
                           **{**OPTIONS, "max_num_batched_tokens": 256})   # one pass
@@ -108,24 +92,24 @@ def test_checkpoints_are_evicted_and_nothing_leaks(checkpoints, make_pipeline):
     pipe = make_pipeline(path, reuse_cache=True, **small)
     plain = make_pipeline(path, **small)
     for seed in range(8):
-        prompt = _tokens(37, 20 + seed)
+        prompt = random_prompt(37, 20 + seed)
         _same(run(pipe, prompt, max_new_tokens=3, return_logits=True),
               run(plain, prompt, max_new_tokens=3, return_logits=True))
-    stream = pipe(_tokens(60, 40), top_k=1, ignore_eos=True, max_new_tokens=100)
+    stream = pipe(random_prompt(60, 40), top_k=1, ignore_eos=True, max_new_tokens=100)
     next(iter(stream))
     stream.close()
-    run(pipe, _tokens(9, 41), max_new_tokens=2)
+    run(pipe, random_prompt(9, 41), max_new_tokens=2)
     stats = pipe.cache_stats()["state_group"]
     assert stats["checkpoints"] == 20 and stats["evictions"] > 0
     assert stats["checkpoints_in_use"] == 0 and stats["live_slots_free"] == 2
     # the newest prompt's saved state still hits
-    again = run(pipe, _tokens(37, 27), max_new_tokens=3)
+    again = run(pipe, random_prompt(37, 27), max_new_tokens=3)
     assert again.aux_info["reuse_len"] == 32
 
 
 def test_a_salt_shares_no_state(checkpoints, make_pipeline):
     pipe = make_pipeline(checkpoints("qwen3_5"), reuse_cache=True, **OPTIONS)
-    prompt = _tokens(30, 50)
+    prompt = random_prompt(30, 50)
     run(pipe, prompt, max_new_tokens=2, cache_salt="a")
     assert run(pipe, prompt, max_new_tokens=2, cache_salt="b").aux_info["reuse_len"] == 0
     assert run(pipe, prompt, max_new_tokens=2, cache_salt="a").aux_info["reuse_len"] == 24
@@ -150,7 +134,7 @@ def test_a_task_prompt_pins_the_state_at_its_end(checkpoints, make_pipeline):
 def test_saved_states_are_events_of_a_mamba_group(checkpoints, make_pipeline):
     pipe = make_pipeline(checkpoints("qwen3_5"), reuse_cache=True,
                          kv_cache_event_buffer_max_size=1000, **OPTIONS)
-    run(pipe, _tokens(20, 70), max_new_tokens=1)
+    run(pipe, random_prompt(20, 70), max_new_tokens=1)
     stored = [e for e in pipe.engine.events.drain() if e["type"] == "stored"]
     states = [e for e in stored if e["kv_cache_spec_kind"] == "mamba"]
     blocks = [e for e in stored if e["kv_cache_spec_kind"] == "full_attention"]
@@ -182,11 +166,11 @@ def test_a_host_tier_hit_is_cut_back_to_the_last_saved_state_on_the_device(check
                   memory_cache_size_mb=4)
     pipe = make_pipeline(path, reuse_cache=True, **tiered)
     plain = make_pipeline(path, **OPTIONS)
-    prompt = _tokens(35, 80)             # 8 whole blocks, states after blocks 1, 3, 5, 7
+    prompt = random_prompt(35, 80)             # 8 whole blocks, states after blocks 1, 3, 5, 7
     run(pipe, prompt, max_new_tokens=1)
     for seed in range(3):                # blocks without states, taking the pool's 16 blocks
-        run(pipe, _tokens(50, 81 + seed), max_new_tokens=1, reuse_cache=False)
-    again = prompt + _tokens(6, 90)
+        run(pipe, random_prompt(50, 81 + seed), max_new_tokens=1, reuse_cache=False)
+    again = prompt + random_prompt(6, 90)
     res = run(pipe, again, max_new_tokens=4, return_logits=True)
     _same(res, run(plain, again, max_new_tokens=4, return_logits=True))
     assert res.aux_info["reuse_len"] == 32
@@ -197,8 +181,8 @@ def test_a_host_tier_hit_is_cut_back_to_the_last_saved_state_on_the_device(check
 @pytest.mark.parametrize("mode", [dict(dtype="bfloat16"), dict(weight_type="INT8")])
 def test_reuse_stays_exact_in_bfloat16_and_with_int8_weights(checkpoints, make_pipeline, mode):
     path = checkpoints("qwen3_next")
-    plain = _chat(make_pipeline(path, **mode, **OPTIONS), turns=3)
-    reused = _chat(make_pipeline(path, reuse_cache=True, **mode, **OPTIONS), turns=3)
+    plain = chat_turns(make_pipeline(path, **mode, **OPTIONS), turns=3)
+    reused = chat_turns(make_pipeline(path, reuse_cache=True, **mode, **OPTIONS), turns=3)
     for (_, a), (_, b) in zip(plain, reused):
         _same(a, b)
     assert reused[-1][1].aux_info["reuse_len"] > 0
@@ -208,8 +192,8 @@ def test_paused_requests_resume_from_their_saved_states(checkpoints, make_pipeli
     """MAX_UTILIZATION on a small pool pauses requests (their live slots and planned states
     given back) and resumes them from what they saved: the answers of each request alone."""
     path = checkpoints("qwen3_5")
-    shared = _tokens(20, 100)
-    prompts = [shared + _tokens(9, 101 + i) for i in range(6)]
+    shared = random_prompt(20, 100)
+    prompts = [shared + random_prompt(9, 101 + i) for i in range(6)]
     alone = make_pipeline(path, **OPTIONS)
     expected = [run(alone, p, max_new_tokens=24, return_logits=True) for p in prompts]
     pipe = make_pipeline(path, reuse_cache=True, capacity_scheduler_policy="MAX_UTILIZATION",
@@ -226,7 +210,7 @@ def test_paused_requests_resume_from_their_saved_states(checkpoints, make_pipeli
 
 def test_saved_states_are_on_metrics(checkpoints, make_pipeline):
     pipe = make_pipeline(checkpoints("qwen3_5"), reuse_cache=True, **OPTIONS)
-    run(pipe, _tokens(20, 110), max_new_tokens=1)
+    run(pipe, random_prompt(20, 110), max_new_tokens=1)
     metrics = ServerMetrics(pipe.cache_stats, lambda: 0, "m")
     text = generate_latest(metrics.registry).decode()
     assert 'rtpkv_recurrent_states{state="cached"} 2.0' in text

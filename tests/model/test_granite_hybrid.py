@@ -7,7 +7,7 @@ hold is refused by name; no state slot nor checkpoint outlives its request."""
 import pytest
 import torch
 
-from conftest import random_prompt, run
+from conftest import chat_turns, random_prompt, run, run_together
 from rtpkv.cache.prefix_index import KeyChain
 from rtpkv.errors import ConfigError
 from rtpkv.kernels import mamba2
@@ -53,25 +53,14 @@ B, STEP = 4, 2               # a checkpoint every 8 tokens
 CHECKPOINTED = dict(seq_size_per_block=B, linear_step=STEP, max_num_batched_tokens=16)
 
 
-def _chat(pipe, turns=3, seed=3):
-    """(tokens computed, response) per turn: the prompt and every new token but the last."""
-    history, outs = [], []
-    for turn in range(turns):
-        history += random_prompt(11, seed + turn)
-        res = run(pipe, history, max_new_tokens=7, return_logits=True)
-        outs.append((len(history) + 6, res))
-        history += res.output_ids
-    return outs
-
-
 @pytest.mark.parametrize("arch", ["granite_hybrid", "granite_hybrid_dense"])
 def test_reuse_from_saved_states_gives_the_bits_of_no_reuse(checkpoints, make_pipeline, arch):
     """A chat: each turn hits the last boundary the previous turn saved (inside its answer:
     states are saved as decode steps cross boundaries too), and its tokens and logits are the
     bits of a run without reuse."""
     path = checkpoints(arch)
-    plain = _chat(make_pipeline(path, **CHECKPOINTED))
-    reused = _chat(make_pipeline(path, reuse_cache=True, **CHECKPOINTED))
+    plain = chat_turns(make_pipeline(path, **CHECKPOINTED), 3)
+    reused = chat_turns(make_pipeline(path, reuse_cache=True, **CHECKPOINTED), 3)
     for (_, a), (_, b) in zip(plain, reused):
         assert a.output_ids == b.output_ids and torch.equal(a.logits, b.logits)
     assert reused[0][1].aux_info["reuse_len"] == 0
@@ -134,16 +123,14 @@ def test_the_torch_reference_keeps_reuse_and_batching_exact(checkpoints, make_pi
     reference: reuse on still gives the bits of reuse off, batched the bits of alone."""
     monkeypatch.setattr(mamba2, "_library", lambda: None)
     path = checkpoints("granite_hybrid_dense")
-    plain = _chat(make_pipeline(path, **CHECKPOINTED), turns=2)
+    plain = chat_turns(make_pipeline(path, **CHECKPOINTED), 2)
     reused = make_pipeline(path, reuse_cache=True, **CHECKPOINTED)
-    for (_, a), (_, b) in zip(plain, _chat(reused, turns=2)):
+    for (_, a), (_, b) in zip(plain, chat_turns(reused, 2)):
         assert a.output_ids == b.output_ids and torch.equal(a.logits, b.logits)
     prompts = [random_prompt(13, 30), random_prompt(21, 31)]
     alone = [run(reused, p, max_new_tokens=4, return_logits=True) for p in prompts]
-    streams = [reused(p, top_k=1, ignore_eos=True, max_new_tokens=4, return_logits=True)
-               for p in prompts]
-    for res, stream in zip(alone, streams):
-        together = list(stream)[-1]
+    for res, together in zip(alone, run_together(reused, prompts, max_new_tokens=4,
+                                                 return_logits=True)):
         assert together.output_ids == res.output_ids
         assert torch.equal(together.logits, res.logits)
 
@@ -151,8 +138,8 @@ def test_the_torch_reference_keeps_reuse_and_batching_exact(checkpoints, make_pi
 @pytest.mark.parametrize("mode", [dict(dtype="bfloat16"), dict(weight_type="INT8")])
 def test_reuse_stays_exact_in_bfloat16_and_with_int8_weights(checkpoints, make_pipeline, mode):
     path = checkpoints("granite_hybrid")
-    plain = _chat(make_pipeline(path, **mode, **CHECKPOINTED), turns=2)
-    reused = _chat(make_pipeline(path, reuse_cache=True, **mode, **CHECKPOINTED), turns=2)
+    plain = chat_turns(make_pipeline(path, **mode, **CHECKPOINTED), 2)
+    reused = chat_turns(make_pipeline(path, reuse_cache=True, **mode, **CHECKPOINTED), 2)
     for (_, a), (_, b) in zip(plain, reused):
         assert a.output_ids == b.output_ids and torch.equal(a.logits, b.logits)
     assert reused[-1][1].aux_info["reuse_len"] > 0
@@ -167,9 +154,7 @@ def test_a_batch_with_hits_gives_the_bits_of_each_request_alone(checkpoints, mak
         pipe = make_pipeline(path, reuse_cache=True, **CHECKPOINTED)
         run(pipe, shared + [5], max_new_tokens=1)   # saves the states after 8, 16 and 24 tokens
         if batched:
-            streams = [pipe(p, top_k=1, ignore_eos=True, max_new_tokens=6, return_logits=True)
-                       for p in prompts]
-            results.append([list(stream)[-1] for stream in streams])
+            results.append(run_together(pipe, prompts, max_new_tokens=6, return_logits=True))
         else:
             results.append([run(pipe, p, max_new_tokens=6, return_logits=True) for p in prompts])
     for alone, together in zip(*results):

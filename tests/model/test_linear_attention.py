@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import c_kernels_missing, hf_reference, random_prompt, run
+from conftest import c_kernels_missing, hf_reference, random_prompt, run, run_together
 from rtpkv.errors import ConfigError
 from rtpkv.kernels import gated_delta as gd
 from rtpkv.model_factory.spec import ModelSpec
@@ -114,10 +114,8 @@ def test_greedy_tokens_and_logits_match_transformers(checkpoints, make_pipeline,
         tokens, logits = hf_reference(hf, prompt, 8)
         assert res.output_ids == tokens
         torch.testing.assert_close(res.logits, logits, atol=1e-4, rtol=0)
-    streams = [pipe(p, top_k=1, ignore_eos=True, max_new_tokens=8, return_logits=True)
-               for p in prompts]
-    for res, stream in zip(alone, streams):
-        together = list(stream)[-1]
+    for res, together in zip(alone, run_together(pipe, prompts, max_new_tokens=8,
+                                                 return_logits=True)):
         assert together.output_ids == res.output_ids
         assert torch.equal(together.logits, res.logits)
     states = pipe.engine.cache.state_group.states
