@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -75,37 +76,39 @@ def kernel_paths(module) -> str:
 
 
 def read_bandwidth(threads: int, gib: float = 1.0, runs: int = 5) -> float:
-    """This host's memory read bandwidth (bytes/s) with `threads` threads: the median of `runs`
-    timed sums of a float32 buffer of `gib` GiB (far larger than any L3, so every pass reads
-    memory), torch's vectorised reduction being one sequential read per thread. The buffer is
-    in 2 MiB pages where Linux gives them (kernels/huge_pages.py, as a model's weights are), so
-    no page walk slows the read. A decode step that reads its weights once can go no faster
-    than its bytes over this (the roof). Measured in a child process: a multi-threaded torch op
-    on this process's thread would start a second OpenMP team beside a pipeline's engine
-    thread's, and with more team threads than cores libgomp stops spinning between parallel
-    regions, which halved an in-process decode afterwards (418 -> 188 tok/s on the bench model)."""
-    out = subprocess.run([sys.executable, "-c", _READ_BANDWIDTH, str(threads), str(gib),
-                          str(runs)], check=True, capture_output=True, text=True).stdout
+    """This host's memory read bandwidth (bytes/s) with `threads` threads, measured by
+    `read_bandwidth_here` in a child process: a multi-threaded torch op on this process's
+    thread would start a second OpenMP team beside a pipeline's engine thread's, and with more
+    team threads than cores libgomp stops spinning between parallel regions, which halved an
+    in-process decode afterwards (418 -> 188 tok/s on the bench model)."""
+    code = (f"from common import read_bandwidth_here; "
+            f"print(read_bandwidth_here({threads}, {gib}, {runs}))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, cwd=Path(__file__).parent).stdout
     return float(out.split()[-1])
 
 
-_READ_BANDWIDTH = """
-import mmap, statistics, sys, time
-import torch
-from rtpkv.kernels.huge_pages import huge_page_buffer
-threads, gib, runs = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
-torch.set_num_threads(threads)
-nbytes = int(gib * 2**30) // 4 * 4
-buffer = (huge_page_buffer(nbytes) if hasattr(mmap, "MADV_HUGEPAGE")
-          else torch.empty(nbytes, dtype=torch.uint8)).view(torch.float32)
-buffer.fill_(1.0)   # first touch and the team's start off the clock
-seconds = []
-for _ in range(runs):
-    t0 = time.perf_counter()
-    buffer.sum()
-    seconds.append(time.perf_counter() - t0)
-print(nbytes / statistics.median(seconds))
-"""
+def read_bandwidth_here(threads: int, gib: float, runs: int) -> float:
+    """The median of `runs` timed sums of a float32 buffer of `gib` GiB (far larger than any
+    L3, so every pass reads memory), torch's vectorised reduction being one sequential read
+    per thread, in 2 MiB pages where Linux gives them (kernels/huge_pages.py, as a model's
+    weights are), so no page walk slows the read. A decode step that reads its weights once
+    can go no faster than its bytes over this (the roof)."""
+    import mmap
+
+    from rtpkv.kernels.huge_pages import huge_page_buffer
+
+    torch.set_num_threads(threads)
+    nbytes = int(gib * 2**30) // 4 * 4
+    buffer = (huge_page_buffer(nbytes) if hasattr(mmap, "MADV_HUGEPAGE")
+              else torch.empty(nbytes, dtype=torch.uint8)).view(torch.float32)
+    buffer.fill_(1.0)   # first touch and the team's start off the clock
+    seconds = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        buffer.sum()
+        seconds.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(seconds)
 
 
 # bytes a weight takes per weight type: rtpkv's int8 types keep a float32 scale per 32 inputs,
