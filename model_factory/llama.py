@@ -318,13 +318,12 @@ class CausalLM(nn.Module):
                 mlp.convert(convert)
         tied = self.spec.tie_word_embeddings
         self.lm_head = convert(self.lm_head, shared=tied)
-        # attention, dense MLPs and LM head in 2 MiB pages before the fused decoder takes their
-        # addresses (kernels/huge_pages.py; a mixture's layer moved its own in mlp.convert)
-        into_huge_pages(kernel_weights(
-            [self.lm_head] + [m for layer in self.model.layers for m in (
-                *(() if layer.recurrent else (layer.self_attn.qkv, layer.self_attn.o_proj)),
-                *(() if isinstance(layer.mlp, SparseMoe)
-                  else (getattr(layer.mlp, "gate_up", None), getattr(layer.mlp, "down_proj", None))))]))
+        # every other C-kernel weight in 2 MiB pages before the fused decoder takes their
+        # addresses (kernels/huge_pages.py; a mixture's layer moved its own in mlp.convert,
+        # before its C call took theirs)
+        in_mixtures = {id(m) for moe in self.modules() if isinstance(moe, SparseMoe)
+                       for m in moe.modules()}
+        into_huge_pages(kernel_weights(m for m in self.modules() if id(m) not in in_mixtures))
         if kind:
             held = sum(m.nbytes for m in self.modules() if isinstance(m, kind.layer))
             log.info("WEIGHT_TYPE=%s: %d linear layers (the LM head included) held as %s: "

@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rtpkv.kernels.huge_pages import ALIGN, HUGE_PAGE, huge_page_buffer, into_huge_pages
+from conftest import load, needs_c_kernels
+from rtpkv.kernels.huge_pages import (ALIGN, HUGE_PAGE, huge_page_buffer, into_huge_pages,
+                                      kernel_weights)
 
 pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"),
                                 reason="madvise(MADV_HUGEPAGE) is Linux's")
@@ -47,3 +49,16 @@ def test_a_huge_page_buffer_starts_on_a_huge_page_zeroed():
     assert buffer.data_ptr() % HUGE_PAGE == 0 and not buffer.any()
     buffer[-1] = 7   # writable to its last byte
     assert buffer[-1] == 7
+
+
+@needs_c_kernels
+def test_a_loaded_models_kernel_weights_sit_in_one_huge_page_mapping(llama_path):
+    """CausalLM.prepare moves every C-kernel weight (attention, MLP, LM head): they start on a
+    huge page and span no more than their sizes rounded to cache lines, back to back."""
+    modules = load(llama_path).module.modules()
+    held = [getattr(layer, name) for layer, name in kernel_weights(modules)]
+    assert len(held) >= 5
+    sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in held]
+    start = min(t.data_ptr() for t in held)
+    end = max(t.data_ptr() + size for t, size in zip(held, sizes))
+    assert start % HUGE_PAGE == 0 and end - start == sum(sizes)
