@@ -38,7 +38,8 @@ kv_aware's, 0 failed requests; at 4 replicas, hit rate >= 2x round_robin's.
                   dynamo-credit0 dynamo-credit0.5 dynamo-credit1 dynamo-credit2
                   dynamo-credit4 dynamo-credit8 dynamo-credit4-decay1 dynamo-credit4-requests4
                   dynamo-credit2-prefill0.5 dynamo-credit2-output-blocks
-                  dynamo-credit2-no-prefill-tokens dynamo-credit1-temp dynamo-credit2-temp]
+                  dynamo-credit2-no-prefill-tokens dynamo-credit1-temp dynamo-credit2-temp
+                  dynamo-credit2-sessions dynamo-credit2-sessions-soft]
         [--model-size counts|prefill] [--connections fresh|kept]
     python benchmarks/fleet.py --trace PATH --simulate KV_TOKENS... [--requests N] [--replicas ...]
 
@@ -92,19 +93,36 @@ DYNAMO_SETUPS = {"dynamo-credit0": {"overlap_score_credit": 0.0},
                  "dynamo-credit2-output-blocks": {"overlap_score_credit": 2.0},
                  "dynamo-credit2-no-prefill-tokens": {"overlap_score_credit": 2.0},
                  "dynamo-credit1-temp": {"overlap_score_credit": 1.0},
-                 "dynamo-credit2-temp": {"overlap_score_credit": 2.0}}
+                 "dynamo-credit2-temp": {"overlap_score_credit": 2.0},
+                 "dynamo-credit2-sessions": {"overlap_score_credit": 2.0},
+                 "dynamo-credit2-sessions-soft": {"overlap_score_credit": 2.0}}
 # output-blocks: a request's output counts as load as it grows; no-prefill-tokens: prompt
-# tokens in flight do not count as load (what is left weighs cached blocks against decoding)
+# tokens in flight do not count as load (what is left weighs cached blocks against decoding);
+# sessions: Dynamo's session affinity (the client's `x-dynamo-session-id`, its conversation):
+# a conversation's first request is placed by the cost function, its later turns go to the
+# same worker (hard); soft: unless that worker is busy, its prompt tokens in flight above
+# SOFT_AFFINITY_BUSY_TOKENS, when the cost function places the turn as it would any request
+# (Dynamo answers 529 while every worker is busy: at 2,048, one step's budget, 2-8 of 1,000
+# requests were refused at speedup 16-32 in trials; at two steps' budget none)
+SESSION_TTL_S = 600   # kv_aware+sessions and dynamo-*-sessions: the bindings' idle lifetime
+SOFT_AFFINITY_BUSY_TOKENS = 4096
+DYNAMO_SESSIONS = ("--router-session-affinity-ttl-secs", str(SESSION_TTL_S))
 DYNAMO_FRONTEND_ARGS = {"dynamo-credit2-output-blocks": ("--router-track-output-blocks",),
-                        "dynamo-credit2-no-prefill-tokens": ("--no-router-track-prefill-tokens",)}
+                        "dynamo-credit2-no-prefill-tokens": ("--no-router-track-prefill-tokens",),
+                        "dynamo-credit2-sessions": DYNAMO_SESSIONS,
+                        "dynamo-credit2-sessions-soft": (
+                            *DYNAMO_SESSIONS, "--router-session-affinity-mode", "soft",
+                            "--active-prefill-tokens-threshold",
+                            str(SOFT_AFFINITY_BUSY_TOKENS))}
 SETUPS = ("round_robin", "round_robin+redis", "cache_aware", "kv_aware", "kv_aware+sessions",
           *DYNAMO_SETUPS)
-# What the goals need (round_robin, kv_aware), the credit sweep, and the knob that did best
-# beside credit 2 in trials on the shared machine (the other knobs' hit rates were within
-# run-to-run noise of it or below), sized for ~7 minutes a replica count at the default loads
-# on an idle 2-core machine.
+# What the goals need (round_robin, kv_aware), the credit sweep, the knob that did best beside
+# credit 2 in trials on the shared machine (the other knobs' hit rates were within run-to-run
+# noise of it or below) and session affinity both ways, sized for ~9 minutes a replica count
+# at the default loads on an idle 2-core machine.
 DEFAULT_SETUPS = ("round_robin", "kv_aware", "dynamo-credit0", "dynamo-credit1",
-                  "dynamo-credit2", "dynamo-credit2-no-prefill-tokens")
+                  "dynamo-credit2", "dynamo-credit2-no-prefill-tokens", "dynamo-credit2-sessions",
+                  "dynamo-credit2-sessions-soft")
 # The counting model (what a cache does with a request does not depend on the model) with
 # Qwen2's byte-level tokenizer, whose every id it can emit: Dynamo's frontend detokenizes the
 # replies, and fails a stream whose decoded text changes behind what it sent, which random
@@ -120,7 +138,6 @@ PREFILL_CHECKPOINT = dict(FLEET_CHECKPOINT, hidden_size=256, intermediate_size=7
 MODEL_SIZES = {"counts": ("fleet", FLEET_CHECKPOINT),
                "prefill": ("fleet-prefill", PREFILL_CHECKPOINT)}
 CEILING = "alone (ceiling)"
-SESSION_TTL_S = 600   # kv_aware+sessions: vllm-router's --kv-aware-session-affinity-ttl-secs
 LOWEST_TOKEN_ID = 100   # prompt ids are drawn above the tokenizer's special tokens
 # The ceiling's clients, back to back: a request's nearest earlier one with a shared prefix
 # (beyond the first id, which all share) is at least 5 requests back in the whole trace (35 in
@@ -172,8 +189,9 @@ def load_trace(path: Path, requests: int, tokens_per_id: int, max_ids: int,
 async def replay(url: str, model: str, trace: list[Request], concurrency: int,
                  timeout: float, speedup: Optional[float] = None, keep_alive: bool = False
                  ) -> dict[str, Any]:
-    """Streams one completion per trace request, with its conversation in `x-session-id` as a
-    chat client would send it (only a router set up for sessions reads it). Closed loop
+    """Streams one completion per trace request, with its conversation in `x-session-id` (as
+    vllm-router reads it) and `x-dynamo-session-id` (Dynamo's) as a chat client would send it
+    (only a router set up for sessions reads it). Closed loop
     (`speedup` None): `concurrency` clients take the requests in order, one at a time each.
     Open loop: each request is sent at its arrival time divided by `speedup`. TTFT is the time
     from sending to the first chunk with text. Each request on a connection of its own unless
@@ -193,7 +211,8 @@ async def replay(url: str, model: str, trace: list[Request], concurrency: int,
         usage = None
         try:
             async with http.stream("POST", url + "/v1/completions", json=body,
-                                   headers={"x-session-id": req.session}) as res:
+                                   headers={"x-session-id": req.session,
+                                            "x-dynamo-session-id": req.session}) as res:
                 if res.status_code != 200:
                     failed += 1
                     errors[f"{res.status_code} {(await res.aread())[:160]!r}"] += 1

@@ -19,8 +19,9 @@ This module is that worker, on Dynamo's Python backend API (`dynamo.common.backe
 - Host-memory and disk blocks are published under the tier names Dynamo maps
   (KV_EVENTS_MEDIUMS=tiers unless set), so its router weighs them with its host and disk
   hit weights rather than as device blocks.
-- Registered with the pool's capacity (`total_kv_blocks`), block size, context length and
-  CONCURRENCY_LIMIT; the frontend reads the tokenizer and chat template from a card directory
+- Registered with the pool's capacity (`total_kv_blocks`), block size, context length,
+  CONCURRENCY_LIMIT and the prompt tokens a step takes (MAX_NUM_BATCHED_TOKENS: the router's
+  busy and queue thresholds are fractions of it); the frontend reads the tokenizer and chat template from a card directory
   (the checkpoint's own when it has `tokenizer.json` and a template; else one written here
   with rtpkv's fallback template, so the frontend renders a chat as `rtpkv serve` does).
 - A request's sampling options, stop conditions, EOS ids, cache salt and max tokens become a
@@ -272,7 +273,8 @@ def _engine_class() -> type:
                 llm=LlmRegistration(context_length=config.max_seq_len,
                                     kv_cache_block_size=config.seq_size_per_block,
                                     total_kv_blocks=self.pipeline.engine.num_blocks,
-                                    max_num_seqs=config.concurrency_limit))
+                                    max_num_seqs=config.concurrency_limit,
+                                    max_num_batched_tokens=config.max_num_batched_tokens))
 
         def _load(self) -> Any:
             from rtpkv.config import Settings

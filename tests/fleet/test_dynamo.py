@@ -1,8 +1,10 @@
 """Two `rtpkv dynamo-worker`s behind NVIDIA Dynamo's frontend and KV router (ai-dynamo,
 file discovery, everything on loopback), started once for the module: a prefix (salted or not)
-goes to the worker that holds it, not with the overlap credit at 0; a task prompt pinned before
-the router subscribed is credited; greedy outputs equal one pipeline's; a client that leaves
-cancels its request; a refused field is named; a killed worker gets no more requests."""
+goes to the worker that holds it, not with the overlap credit at 0; with session affinity a
+conversation stays on one worker; each worker registers its pool, step budget and concurrency;
+a task prompt pinned before the router subscribed is credited; greedy outputs equal one
+pipeline's; a client that leaves cancels its request; a refused field is named; a killed worker
+gets no more requests."""
 
 from __future__ import annotations
 
@@ -149,6 +151,37 @@ def test_with_the_overlap_credit_at_0_the_holder_is_not_preferred(fleet):
     fleet.start_router("dynamo", "kv")   # the default credit for the tests after this one
 
 
+def test_with_session_affinity_a_conversation_stays_on_its_first_worker(fleet):
+    """Dynamo's session affinity (`--router-session-affinity-ttl-secs`, the client's
+    `x-dynamo-session-id`) keeps a conversation's turns on the worker its first turn went to,
+    even at credit 0, where the same turns without it spread over both workers (the test
+    above); the turns share no text, so no cached block pulls them either."""
+    fleet.start_router("dynamo", "kv", dynamo_policy={"overlap_score_credit": 0.0},
+                       router_args=("--router-session-affinity-ttl-secs", "600"))
+    try:
+        for i, session in enumerate(("chat-a", "chat-b", "chat-c")):
+            workers = {served_by(fleet, text(500 + 10 * i + turn),
+                                 headers={"x-dynamo-session-id": session})[0]
+                       for turn in range(5)}
+            assert len(workers) == 1, (session, workers)
+    finally:
+        fleet.start_router("dynamo", "kv")
+
+
+def test_each_worker_registers_its_pool_its_step_budget_and_its_concurrency(fleet):
+    """The frontend's router sizes its load model from a worker's registration (the model card
+    under the discovery directory): the pool's blocks, the prompt tokens a step takes
+    (`max_num_batched_tokens`, which `--active-prefill-tokens-threshold-frac` and the router's
+    queue threshold are fractions of) and CONCURRENCY_LIMIT."""
+    cards = [json.loads(p.read_text()) for p in (fleet.discovery_dir / "v1" / "mdc").iterdir()]
+    assert len(cards) == len(fleet.replicas)
+    for card in cards:
+        runtime = card["card_json"]["runtime_config"]
+        assert runtime["total_kv_blocks"] * B == 8192   # the fixture's KV_CACHE_MAX_TOKENS
+        assert runtime["max_num_seqs"] == 8             # CONCURRENCY_LIMIT
+        assert runtime["max_num_batched_tokens"] == 2048   # MAX_NUM_BATCHED_TOKENS' default
+
+
 def test_a_llama_chat_through_the_frontend_is_rendered_as_rtpkv_renders_it(checkpoints,
                                                                            tmp_path):
     """A tokenizer that adds a BOS (Llama's): the card's template starts with it, so the
@@ -201,3 +234,4 @@ def test_a_killed_worker_stops_receiving_requests(fleet):
     sent = sum(len(r["token_ids"]) for r in httpx.post(
         survivor + "/v1/completions/render", json={"prompt": prompts}, timeout=30).json())
     assert after - before == sent   # every one of them was served by the survivor
+
