@@ -29,7 +29,12 @@ class _Layer(ctypes.Structure):
     _fields_ = [("num_experts", _I), ("top_k", _I), ("hidden", _I), ("inter", _I),
                 ("linear_kind", _I), ("int8_group", _I), ("panel_rows", _I),
                 ("experts", ctypes.POINTER(_Expert)), ("router", _P), ("normalize", _I),
-                ("shared_inter", _I), ("shared", _Expert), ("shared_gate", LinearArgs)]
+                ("shared_inter", _I), ("shared", _Expert), ("shared_gate", LinearArgs),
+                ("router_bias", _P), ("softmax_after_top_k", _I), ("activation", _I),
+                ("alpha", ctypes.c_float), ("limit", ctypes.c_float)]
+
+# the experts' activations (MLP.kind) the C call computes, as its `activation`
+_ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 
 
 _SIGNATURES: Signatures = {"rtpkv_moe_forward": ([_P, _P, _I, _P], None)}
@@ -54,36 +59,41 @@ class ExpertKernel:
         self.hidden = first.in_features
         self.table = (_Expert * len(moe.experts))(*(_expert(e) for e in moe.experts))
         kind, panel_rows = LINEAR_KINDS[first.path]
-        shared = moe.shared_expert
+        shared, gate = moe.shared_expert, moe.shared_expert_gate
+        expert = moe.experts[0]
+        clamped = expert.kind == "clamped_swiglu"
         self.layer = _Layer(
             len(moe.experts), moe.top_k, self.hidden, first.out_features // 2, kind,
             first.group_size if isinstance(first, Int8Linear) else 0, panel_rows, self.table,
             moe.gate.packed.data_ptr(), int(moe.normalize_top_k),
             0 if shared is None else shared.gate_up.out_features // 2,
             _Expert() if shared is None else _expert(shared),
-            LinearArgs() if shared is None else linear_args(moe.shared_expert_gate))
+            LinearArgs() if gate is None else linear_args(gate), fused_ops.ptr(moe.gate.bias),
+            int(moe.softmax_after_top_k), _ACTIVATIONS[expert.kind],
+            expert.alpha if clamped else 0.0, expert.limit if clamped else 0.0)
         self.address = ctypes.addressof(self.layer)
 
     @classmethod
     def build(cls, moe: Any) -> Optional["ExpertKernel"]:
         """The kernel of sparse layer `moe`, or None where the per-layer torch path must run it:
         a linear layer off the C kernels (oneDNN, native, bfloat16), experts on different ones,
-        a router off the float32 C kernel, a bias anywhere, routing other than a softmax over
-        every expert then top-k (gpt-oss's and Granite's softmax after the top-k), a shared
-        expert without a gate (Granite's), experts other than SwiGLU ones (MLP.kind "silu"), an
-        intermediate size the C SiLU-and-mul does not take, or no compiler."""
-        if moe.softmax_after_top_k or (moe.shared_expert is not None
-                                       and moe.shared_expert_gate is None):
-            return None
+        a router off the float32 C kernel, experts other than SwiGLU (MLP.kind "silu") or
+        gpt-oss's clamped SwiGLU ones, a shared expert other than SwiGLU, a bias on the shared
+        expert or its gate, or an intermediate size the C activations do not take, or no
+        compiler. Routing either way (softmax then top-k, or gpt-oss's and Granite's top-k then
+        softmax), router and expert biases (gpt-oss's) and an ungated shared expert (Granite's)
+        are the C call's."""
         mlps = [*moe.experts, *([] if moe.shared_expert is None else [moe.shared_expert])]
         linears = [m for e in mlps for m in (e.gate_up, e.down_proj)]
-        if moe.shared_expert is not None:
+        if moe.shared_expert_gate is not None:
             linears.append(moe.shared_expert_gate)
         first = linears[0]
         if (len({m.path for m in linears}) != 1 or first.path not in LINEAR_KINDS
-                or getattr(moe.gate, "path", None) != "avx2" or moe.gate.bias is not None
-                or any(getattr(e, "kind", None) != "silu" for e in mlps)
-                or any(m.bias is not None for m in linears)
+                or getattr(moe.gate, "path", None) != "avx2"
+                or len({getattr(e, "kind", None) for e in moe.experts}) != 1
+                or getattr(moe.experts[0], "kind", None) not in _ACTIVATIONS
+                or any(getattr(e, "kind", None) != "silu" for e in mlps[len(moe.experts):])
+                or any(m.bias is not None for m in linears[2 * len(moe.experts):])
                 or any((e.gate_up.out_features // 2) % fused_ops.ROW_MULTIPLE for e in mlps)):
             return None
         lib = _library()

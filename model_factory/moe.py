@@ -53,7 +53,7 @@ MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCa
 _SHARED_EXPERT_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")
 GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"   # a mixture where num_local_experts > 0
 
-# the experts' activation: "silu" (SwiGLU, the C expert call's) or "clamped_swiglu" (gpt-oss)
+# the experts' activation, both the C expert call's: "silu" (SwiGLU), "clamped_swiglu" (gpt-oss)
 SILU_EXPERTS = "silu"
 CLAMPED_SWIGLU_EXPERTS = "clamped_swiglu"
 

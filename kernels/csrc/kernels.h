@@ -15,6 +15,8 @@ void rtpkv_head_norm(float *x, int64_t T, int64_t stride, int64_t heads, int64_t
 void rtpkv_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int bf16);
 void rtpkv_gelu_tanh_and_mul(const void *gate_up, void *out, int64_t rows, int64_t inter,
                              int bf16);
+void rtpkv_clamped_swiglu(const void *gate_up, void *out, int64_t rows, int64_t inter,
+                          float alpha, float limit, int bf16);
 void rtpkv_rope(void *q, void *k, int64_t tokens, int64_t q_heads, int64_t k_heads,
                 int64_t q_stride, int64_t k_stride, int64_t dim, const void *cos, const void *sin,
                 const int64_t *positions, int bf16);
@@ -92,10 +94,19 @@ typedef struct {
     const expert_layer *experts;   /* (num_experts,) */
     const float *router;           /* hidden -> num_experts, float32 panels (fp32_linear.c) */
     int64_t normalize;             /* renormalise the chosen experts' weights to sum to 1 */
-    int64_t shared_inter;          /* Qwen2-MoE's shared expert's intermediate size; 0: none */
+    int64_t shared_inter;          /* the shared expert's intermediate size; 0: none */
     expert_layer shared;
-    linear_layer shared_gate;      /* hidden -> 1 */
+    linear_layer shared_gate;      /* hidden -> 1; weight NULL: the shared expert ungated
+                                      (Granite's) */
+    const float *router_bias;      /* num_experts, padded to whole panels (gpt-oss's); NULL */
+    int64_t softmax_after_top_k;   /* the weights a softmax over the top_k logits (gpt-oss,
+                                      Granite), not the top_k of a softmax over all */
+    int64_t activation;            /* MOE_SILU or MOE_CLAMPED_SWIGLU (gpt-oss's, with its
+                                      alpha and limit) */
+    float alpha, limit;
 } moe_layer;
+
+enum { MOE_SILU, MOE_CLAMPED_SWIGLU };
 
 /* moe_experts.c: out (T, hidden) = the layer's MLP output of x (T, hidden). */
 void rtpkv_moe_forward(const moe_layer *m, const float *x, int64_t T, float *out);

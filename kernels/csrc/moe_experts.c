@@ -3,13 +3,15 @@
  * layer's attention and its next one (the fused decoder, csrc/decoder.c, calls this too).
  *
  * Routing, row by row as transformers computes it: the router's logits (the float32 kernel of
- * fp32_linear.c), a float32 softmax, the top_k largest probabilities (ties to the lower expert
- * index, torch.topk's choice), optionally renormalised to sum to 1. The float32 softmax's
+ * fp32_linear.c, with gpt-oss's bias), a float32 softmax, the top_k largest probabilities (ties
+ * to the lower expert index, torch.topk's choice), optionally renormalised to sum to 1; or, for
+ * gpt-oss and Granite, the top_k largest logits, then their softmax. The float32 softmax's
  * exp and sum are libm's and sequential, so a weight can differ from torch's in its last bit:
  * the same experts, the same output within float32 rounding (tests/model/test_moe.py).
  *
  * Experts: the (token, weight) pairs grouped by expert, their rows gathered; each expert's
- * gate_up projection, SiLU-and-mul and down projection over its rows (all experts' gate_up in
+ * gate_up projection, SiLU-and-mul (or gpt-oss's clamped SwiGLU) and down projection, with their
+ * biases where they have them, over its rows (all experts' gate_up in
  * one parallel region, then all their down projections, on every weight type's kernel); then each
  * output row scaled by its routing weight and added onto its token's row of `out` (zeroed
  * here), experts in ascending order. A token's experts are thus added in
@@ -17,7 +19,8 @@
  * loop's order (model_factory/moe.py), on the kernels its linear layers run (fp32_linear.c with
  * its bf16-weight variant, int8_linear.c, w8a8_linear.c, fused_ops.c), so a token's output
  * depends on its own row only, whatever else shares the call. Then Qwen2-MoE's shared expert:
- * out + sigmoid(gate(x)) * shared(x), the sigmoid in double, rounded to float32.
+ * out + sigmoid(gate(x)) * shared(x), the sigmoid in double, rounded to float32; Granite's,
+ * ungated: out + shared(x).
  */
 #include <math.h>
 #include <stdint.h>
@@ -37,10 +40,32 @@ static inline void linear(const moe_layer *m, const linear_layer *l, const float
     rtpkv_linear(m->linear_kind, l, x, T, K, N, y, m->int8_group, m->panel_rows);
 }
 
-/* Row t's experts and weights (top_k each) from its router logits (num_experts). */
+/* Row t's experts and weights (top_k each) from its router logits (num_experts): the top_k
+ * largest probabilities of a softmax over every expert, optionally renormalised; or
+ * (softmax_after_top_k) a softmax over the top_k largest logits. Ties go to the lower expert
+ * index (torch.topk's choice). */
 static void route_row(const moe_layer *m, const float *logits, float *probs, int64_t *chosen,
                       float *weights) {
     const int64_t NE = m->num_experts, K = m->top_k;
+    if (m->softmax_after_top_k) {
+        for (int64_t e = 0; e < NE; e++) probs[e] = 0.0f;   /* 1: taken */
+        for (int64_t k = 0; k < K; k++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < NE; e++)
+                if (probs[e] == 0.0f && (best < 0 || logits[e] > logits[best])) best = e;
+            chosen[k] = best;
+            weights[k] = logits[best];
+            probs[best] = 1.0f;
+        }
+        const float top = weights[0];   /* the largest */
+        float sum = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            weights[k] = expf(weights[k] - top);
+            sum += weights[k];
+        }
+        for (int64_t k = 0; k < K; k++) weights[k] = weights[k] / sum;
+        return;
+    }
     float top = logits[0];
     for (int64_t e = 1; e < NE; e++)
         if (logits[e] > top) top = logits[e];
@@ -77,13 +102,32 @@ static void add_scaled(float *out, const float *y, const int64_t *rows, const fl
     }
 }
 
+/* The experts' activation over n rows of gate_up (gate then up, inter each) into act: SiLU(gate)
+ * * up, or gpt-oss's clamped SwiGLU (fused_ops.c, the kernels of the torch path's MLPs). */
+static void activate(const moe_layer *m, const float *gate_up, float *act, int64_t n,
+                     int64_t inter) {
+    if (m->activation == MOE_CLAMPED_SWIGLU)
+        rtpkv_clamped_swiglu(gate_up, act, n, inter, m->alpha, m->limit, 0);
+    else
+        rtpkv_silu_and_mul(gate_up, act, n, inter, 0);
+}
+
 /* A gated MLP (gate_up, SiLU-and-mul, down) of `inter` over n rows of xs into y, through
- * gate_up (n * 2 * inter floats) and act (n * inter). */
+ * gate_up (n * 2 * inter floats) and act (n * inter): the shared expert, always SwiGLU. */
 static void expert(const moe_layer *m, const expert_layer *l, int64_t inter, const float *xs,
                    int64_t n, float *gate_up, float *act, float *y) {
     linear(m, &l->gate_up, xs, n, m->hidden, 2 * inter, gate_up);
     rtpkv_silu_and_mul(gate_up, act, n, inter, 0);
     linear(m, &l->down, act, n, inter, m->hidden, y);
+}
+
+/* y[r] = y[r] + bias over n rows of N: every linear kernel adds its bias to a finished sum as
+ * one float addition (fp32_linear.c's tile, vec_math.h's store_lanes), so this gives the bits
+ * of a call with the bias; the _many kernels take none. */
+static void add_bias(float *y, int64_t n, int64_t N, const float *bias) {
+    if (!bias) return;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t j = 0; j < N; j++) y[r * N + j] = y[r * N + j] + bias[j];
 }
 
 /* `count` of the experts' linear layers of one shape (K inputs, N outputs), layer i over x[i]
@@ -126,7 +170,9 @@ static void experts(const moe_layer *m, const int64_t *counts, const float *xs, 
         out[used++] = gate_up + start * 2 * I;
     }
     linear_many(m, used, x, rows, E, w, scale, 2 * I, out);
-    rtpkv_silu_and_mul(gate_up, act, pairs, I, 0);
+    for (int64_t e = 0, start = 0; e < NE; start += counts[e], e++)
+        add_bias(gate_up + start * 2 * I, counts[e], 2 * I, m->experts[e].gate_up.bias);
+    activate(m, gate_up, act, pairs, I);
     used = 0;
     for (int64_t e = 0, start = 0; e < NE; start += counts[e], e++) {
         if (!counts[e]) continue;
@@ -136,6 +182,8 @@ static void experts(const moe_layer *m, const int64_t *counts, const float *xs, 
         out[used++] = y + start * E;
     }
     linear_many(m, used, x, rows, I, w, scale, E, out);
+    for (int64_t e = 0, start = 0; e < NE; start += counts[e], e++)
+        add_bias(y + start * E, counts[e], E, m->experts[e].down.bias);
     free(x);
 }
 
@@ -148,7 +196,7 @@ void rtpkv_moe_forward(const moe_layer *m, const float *x, int64_t T, float *out
     int64_t *chosen = ints, *pair_tokens = ints + pairs, *counts = ints + 2 * pairs,
             *fill = counts + NE;
 
-    rtpkv_fp32_linear(x, T, E, m->router, NE, NULL, logits);
+    rtpkv_fp32_linear(x, T, E, m->router, NE, m->router_bias, logits);
     for (int64_t t = 0; t < T; t++)
         route_row(m, logits + t * NE, probs, chosen + t * K, weights + t * K);
 
@@ -179,10 +227,12 @@ void rtpkv_moe_forward(const moe_layer *m, const float *x, int64_t T, float *out
         float *shared = checked_malloc((size_t)(T * (E + 3 * SI + 1)) * sizeof(float));
         float *ys = shared, *gate = ys + T * E, *work = gate + T;
         expert(m, &m->shared, SI, x, T, work, work + T * 2 * SI, ys);
-        linear(m, &m->shared_gate, x, T, E, 1, gate);
+        if (m->shared_gate.weight) linear(m, &m->shared_gate, x, T, E, 1, gate);
         for (int64_t t = 0; t < T; t++) {
             const double v = gate[t];
-            const float g = (float)(v >= 0 ? 1.0 / (1.0 + exp(-v)) : exp(v) / (1.0 + exp(v)));
+            /* ungated (Granite's): 1 * ys is ys exactly */
+            const float g = !m->shared_gate.weight ? 1.0f
+                            : (float)(v >= 0 ? 1.0 / (1.0 + exp(-v)) : exp(v) / (1.0 + exp(v)));
             for (int64_t j = 0; j < E; j++) {
                 const float scaled = g * ys[t * E + j];
                 out[t * E + j] = out[t * E + j] + scaled;

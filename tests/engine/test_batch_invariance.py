@@ -3,9 +3,9 @@ forward, nor on where its prefill chunk starts. So prefix reuse, chunked prefill
 give bit-identical greedy tokens and logits, in bfloat16 as in float32, with int8 weights
 (WEIGHT_TYPE=INT8 and W8A8_INT8) and with the int8 KV cache (KV_CACHE_DTYPE=int8) in both, for
 Llama, for Qwen3 (whose q/k norm runs on strided views of the fused qkv output) and for the
-mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral: tokens grouped by expert, each token's
-experts added in a fixed order; where the experts run on the C linear kernels, in one C call
-per layer)."""
+mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: tokens grouped by expert, each
+token's experts added in a fixed order; where the experts run on the C linear kernels, in one C
+call per layer)."""
 
 import pytest
 import torch
@@ -16,6 +16,10 @@ MODES = {"bfloat16": dict(dtype="bfloat16"), "float32": dict(dtype="float32"),
          "int8-kv": dict(dtype="float32", kv_cache_dtype="int8"),
          "bf16-int8-kv": dict(dtype="bfloat16", int8_kv_cache=True)}
 ARCHS = ["llama", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"]
+# and gpt-oss (biased router, softmax after the top-k, clamped SwiGLU experts, sinks) in the
+# modes whose experts run in the C call: float32 and the int8 weights
+CASES = [(mode, arch) for arch in ARCHS for mode in MODES] + [
+    (mode, "gpt_oss") for mode in ("float32", "int8", "w8a8")]
 
 
 def _prompts(n=4, length=21, seed=5):
@@ -51,8 +55,7 @@ def _assert_identical(a, b):
         assert torch.equal(x.logits, y.logits)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,arch", CASES)
 def test_reuse_on_and_off_give_identical_tokens_and_logits(make_pipeline, checkpoints, mode, arch):
     path = checkpoints(arch)
     plain = _conversation(make_pipeline(path, **MODES[mode], seq_size_per_block=4))
@@ -62,8 +65,7 @@ def test_reuse_on_and_off_give_identical_tokens_and_logits(make_pipeline, checkp
     _assert_identical(plain, reused)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,arch", CASES)
 def test_chunked_and_unchunked_prefill_are_identical(make_pipeline, checkpoints, mode, arch):
     path = checkpoints(arch)
     prompts = _prompts()
@@ -73,8 +75,7 @@ def test_chunked_and_unchunked_prefill_are_identical(make_pipeline, checkpoints,
     _assert_identical(whole, chunked)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,arch", CASES)
 def test_alone_and_in_a_batch_are_identical(make_pipeline, checkpoints, mode, arch):
     path = checkpoints(arch)
     prompts = _prompts(n=6)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import load, needs_c_kernels
+from conftest import HYBRID_ARCHITECTURES, load, needs_c_kernels
 from rtpkv.errors import ConfigError
 from rtpkv.model_factory.moe import MoeSpec, SparseMoe, checkpoint_name, checkpoint_tensors
 from rtpkv.model_factory.spec import ModelSpec
@@ -133,12 +133,15 @@ def test_a_tokens_output_does_not_depend_on_the_others(checkpoints, arch, option
 
 
 @needs_c_kernels
-@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "qwen3_moe", "gpt_oss",
+                                  "granite_hybrid"])
 @pytest.mark.parametrize("options", [{}, {"weight_type": "INT8"}, {"weight_type": "W8A8_INT8"},
                                      {"weight_type": "BF16"}])
 def test_the_layers_c_call_matches_the_torch_loop(checkpoints, monkeypatch, arch, options):
-    """Router, routing, experts and shared expert in C: the torch path's experts and order, the
-    softmax's last bit libm's rather than torch's."""
+    """Router, routing, experts and shared expert in C (gpt-oss's biased router, softmax after
+    the top-k, biased experts and clamped SwiGLU; Granite's softmax after the top-k and ungated
+    shared expert): the torch path's experts and order, the softmax's last bit libm's rather
+    than torch's."""
     monkeypatch.setenv("RTPKV_LINEAR", "avx2")
     module = load(checkpoints(arch), **options).module
     layers = [layer.mlp for layer in module.model.layers if isinstance(layer.mlp, SparseMoe)]
@@ -153,24 +156,39 @@ def test_the_layers_c_call_matches_the_torch_loop(checkpoints, monkeypatch, arch
         torch.testing.assert_close(fused, loop, rtol=1e-5, atol=1e-6)
 
 
+# every expert of 4 chosen for every token: Mixtral; gpt-oss with its clamp biting at limit 1;
+# Granite 4.0-H with its ungated shared expert
+EVERY_EXPERT = dict(moe=dict(num_local_experts=4, num_experts_per_tok=4))
+EVERY_EXPERT_CHECKPOINTS = {
+    "mixtral": dict(architecture="MixtralForCausalLM", intermediate_size=64, **EVERY_EXPERT),
+    "gpt_oss": dict(architecture="GptOssForCausalLM", intermediate_size=64, sliding_window=32,
+                    config_overrides=dict(swiglu_limit=1.0), **EVERY_EXPERT),
+    "granite_hybrid": dict(HYBRID_ARCHITECTURES["granite_hybrid"], config_overrides=dict(
+        HYBRID_ARCHITECTURES["granite_hybrid"]["config_overrides"], num_experts_per_tok=4))}
+
+
 @needs_c_kernels
+@pytest.mark.parametrize("arch", list(EVERY_EXPERT_CHECKPOINTS))
 @pytest.mark.parametrize("options", [{}, {"weight_type": "BF16"}, {"weight_type": "INT8"},
                                      {"weight_type": "W8A8_INT8"}])
 @pytest.mark.parametrize("rows", [1, 2, 45])
-def test_the_c_experts_give_the_bits_of_the_torch_loop(tmp_path, monkeypatch, options, rows):
-    """A zero router and top_k = num_experts: every expert chosen at weight 1/4 exactly, so no
-    softmax bit nor tie can differ, and the C call's experts (on every weight type's kernel all
-    gate_up projections in one parallel region, then all down projections; experts of many
-    rows on the prefill tiles) give the loop's bits."""
+def test_the_c_experts_give_the_bits_of_the_torch_loop(tmp_path, monkeypatch, arch, options,
+                                                       rows):
+    """A zero router (and router bias) and top_k = num_experts: every expert chosen at weight
+    1/4 exactly, so no softmax bit nor tie can differ, and the C call's experts (on every weight
+    type's kernel all gate_up projections in one parallel region, then all down projections;
+    experts of many rows on the prefill tiles; gpt-oss's expert biases and clamped SwiGLU,
+    Granite's ungated shared expert) give the loop's bits."""
     from rtpkv.model_factory.tiny import build_tiny_checkpoint
 
     monkeypatch.setenv("RTPKV_LINEAR", "avx2")
-    path = build_tiny_checkpoint(tmp_path, "MixtralForCausalLM", intermediate_size=64,
-                                 moe=dict(num_local_experts=4, num_experts_per_tok=4))
+    path = build_tiny_checkpoint(tmp_path, **EVERY_EXPERT_CHECKPOINTS[arch])
     module = load(path, **options).module
     x = torch.randn(rows, module.spec.hidden_size, generator=torch.Generator().manual_seed(5))
     for layer in (layer.mlp for layer in module.model.layers):
         layer.gate.packed.zero_()
+        if layer.gate.bias is not None:
+            layer.gate.bias.zero_()
         with torch.inference_mode():
             fused = layer(x)
             kernel, layer.kernel = layer.kernel, None
@@ -180,18 +198,21 @@ def test_the_c_experts_give_the_bits_of_the_torch_loop(tmp_path, monkeypatch, op
 
 
 @needs_c_kernels
-def test_the_c_routing_breaks_ties_to_the_lower_expert(checkpoints, monkeypatch, tmp_path):
-    """Experts with identical router rows tie on every token: the C call takes the lower
-    indices among them (torch.topk's choice there is its sort's, unspecified), the same for a
-    token alone or in any batch."""
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_the_c_routing_breaks_ties_to_the_lower_expert(checkpoints, monkeypatch, tmp_path, arch):
+    """Experts with identical router rows (and biases) tie on every token: the C call takes the
+    lower indices among them (torch.topk's choice there is its sort's, unspecified), the same
+    for a token alone or in any batch; ranked by probability (Mixtral) or by logit (gpt-oss)."""
     import shutil
 
     monkeypatch.setenv("RTPKV_LINEAR", "avx2")
-    path = checkpoints("mixtral")
+    path = checkpoints(arch)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for layer in hf.model.layers:
-        router = layer.mlp.gate.weight.data
-        router[3] = router[1] = router[0]
+        router = getattr(layer.mlp, "gate", None) or layer.mlp.router
+        for param in (router.weight, getattr(router, "bias", None)):
+            if param is not None:
+                param.data[3] = param.data[1] = param.data[0]
     hf.save_pretrained(tmp_path)
     for name in path.iterdir():
         if name.name.startswith("tokenizer"):
@@ -202,10 +223,15 @@ def test_the_c_routing_breaks_ties_to_the_lower_expert(checkpoints, monkeypatch,
         assert layer.kernel is not None
         with torch.inference_mode():
             fused = layer(x)
-            probs = torch.softmax(layer.gate(x), dim=-1)
-            weights, experts = torch.sort(probs, dim=-1, descending=True, stable=True)
+            scores = layer.gate(x)
+            if not layer.softmax_after_top_k:
+                scores = torch.softmax(scores, dim=-1)
+            weights, experts = torch.sort(scores, dim=-1, descending=True, stable=True)
             weights, experts = weights[:, :layer.top_k], experts[:, :layer.top_k]
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            if layer.softmax_after_top_k:
+                weights = torch.softmax(weights, dim=-1)
+            else:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
             assert (experts[:, :2] == torch.tensor([0, 1])).all(dim=-1).any()   # a tie taken
             flat = experts.flatten()
             order = torch.argsort(flat, stable=True)
