@@ -62,7 +62,7 @@ class _Layer(ctypes.Structure):
                 ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("gelu", _I),
                 ("qkv", LinearArgs),
                 ("o", LinearArgs), ("gate_up", LinearArgs), ("down", LinearArgs), ("moe", _P),
-                ("k_cache", _P), ("v_cache", _P)]
+                ("k_cache", _P), ("v_cache", _P), ("sinks", _P)]
 
 
 class _Model(ctypes.Structure):
@@ -121,17 +121,17 @@ def runs_plan(plan: Any) -> bool:
     plain or (1 + w) (the same RMSNorm over a weight holding 1 + w), SwiGLU or GeGLU, any softmax
     scale, q/k norms or none, any of the plan's RoPE tables and any window (each layer's
     attention metadata gives its window and its KV cache group's tables); and an embedding
-    scale, and Gemma 2's soft-caps of attention scores (the paged kernel's, as the per-layer
-    path's cpu-paged backend computes them) and of the logits (activation.soft_cap's C kernel).
-    It needs one epsilon for every norm: a plan with norms of two is refused whole, as is one
-    with what the C code has no op for (recurrent layers, attention output gates, attention
-    sinks, Cohere's LayerNorm, parallel block and logit scale, layers without RoPE, Granite's
-    residual scale and logits divisor)."""
+    scale, Gemma 2's soft-caps of attention scores (the paged kernel's, as the per-layer
+    path's cpu-paged backend computes them) and of the logits (activation.soft_cap's C kernel),
+    and gpt-oss's attention sinks (the paged kernel's too). It needs one epsilon for every norm:
+    a plan with norms of two is refused whole, as is one with what the C code has no op for
+    (recurrent layers, attention output gates, Cohere's LayerNorm, parallel block and logit
+    scale, layers without RoPE, Granite's residual scale and logits divisor)."""
     eps = plan.final_norm.eps
     return (all(layer.mlp in MLP_KINDS and layer.norm.eps == eps
                 and layer.mixer == "attention" and not layer.attention.output_gate
                 and not layer.parallel and not layer.norm.centered
-                and not layer.attention.sinks and layer.attention.rope is not None
+                and layer.attention.rope is not None
                 and layer.residual_scale is None
                 for layer in plan.layers)
             and not plan.final_norm.centered and plan.logit_scale is None
@@ -256,6 +256,8 @@ class FusedDecoder:
                     entry.gate_up = linear_args(mlp.gate_up)
                     entry.down = linear_args(mlp.down_proj)
                 entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+                if plan.attention.sinks:
+                    entry.sinks = attn.sinks.data_ptr()
             cached = self._table = (key, table)
         return cached[1]
 

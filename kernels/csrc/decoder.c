@@ -44,6 +44,7 @@ typedef struct {                   /* one decoder layer, fixed at load */
                                       place of gate_up and down; NULL: the dense MLP */
     void *k_cache, *v_cache;       /* the layer's pool: (KVH * S, D) floats, or int8 rows of
                                       D values and a float32 scale (attn.kv_int8) */
+    const float *sinks;            /* (heads,) attention sinks (gpt-oss); NULL: none */
 } decoder_layer;
 
 typedef struct {
@@ -184,6 +185,7 @@ void rtpkv_decoder_forward(const decoder_model *m, decoder_step *s) {
         s->attn.window = v->window;
         s->attn.scale = l->scale;
         s->attn.softcap = l->softcap;
+        s->attn.sinks = l->sinks;
         s->attn.q = s->q;
         s->attn.k_cache = l->k_cache;
         s->attn.v_cache = l->v_cache;

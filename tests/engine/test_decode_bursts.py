@@ -71,10 +71,11 @@ def test_bursts_give_the_tokens_of_single_steps(make_pipeline, steps):
 
 
 @pytest.mark.parametrize("arch,options", [("qwen3_moe", {}), ("qwen2_moe", {"weight_type": "INT8"}),
-                                          ("mixtral", {"kv_cache_dtype": "int8"})])
+                                          ("mixtral", {"kv_cache_dtype": "int8"}), ("gpt_oss", {}),
+                                          ("gpt_oss", {"weight_type": "W8A8_INT8"})])
 def test_mixtures_of_experts_run_in_bursts(make_pipeline, checkpoints, arch, options):
-    """The fused decoder's sparse layers (one C call each, router included): bursts give each
-    request's tokens alone, batched."""
+    """The fused decoder's sparse layers (one C call each, router included; gpt-oss's with its
+    attention sinks): bursts give each request's tokens alone, batched."""
     prompts = [_ids(30 + 19 * i, 20 + i) for i in range(3)]
     path = checkpoints(arch)
     _, alone = _outputs(make_pipeline, 1, prompts, max_new_tokens=16, path=path, **options)

@@ -69,6 +69,9 @@ def _forward(module, batch, kv, fused, layer_batches=None):
     ("gemma2", {}, None),     # and soft-caps of attention scores and logits
     ("gemma2", {"kv_cache_dtype": "int8", "weight_type": "INT8"}, 6),
     ("gemma2", {"weight_type": "W8A8_INT8"}, None),
+    ("gpt_oss", {}, None),    # attention sinks, q/k/v/o biases, YaRN, gpt-oss's experts
+    ("gpt_oss", {"weight_type": "INT8"}, 6),
+    ("gpt_oss", {"kv_cache_dtype": "int8", "weight_type": "W8A8_INT8"}, None),
 ])
 def test_the_fused_decoder_gives_the_bits_of_the_layers(checkpoints, monkeypatch, arch, options,
                                                         window):
@@ -152,17 +155,17 @@ def test_the_layers_run_one_by_one_where_one_leaves_the_c_kernels(checkpoints, m
 
 
 def test_the_c_decoder_refuses_any_plan_it_does_not_compute(checkpoints):
-    """runs_plan: Llama's and Gemma 2/3's plans run in C, and so does any layer's own window,
-    RoPE table, scale, soft-cap, norm kind or MLP kind; a norm of another epsilon, an MLP kind
-    it has no kernel for, attention sinks, Cohere's centered norm or parallel block, a layer
-    without RoPE, a recurrent mixer, an attention output gate or a residual scale in any one
-    layer refuses the whole plan, as does a logit scale or divisor (gpt-oss's and Cohere2's
-    plans are refused)."""
+    """runs_plan: Llama's, Gemma 2/3's and gpt-oss's plans run in C, and so does any layer's own
+    window, RoPE table, scale, soft-cap, attention sinks, norm kind or MLP kind; a norm of
+    another epsilon, an MLP kind it has no kernel for, Cohere's centered norm or parallel block,
+    a layer without RoPE, a recurrent mixer, an attention output gate or a residual scale in any
+    one layer refuses the whole plan, as does a logit scale or divisor (Cohere2's plan is
+    refused)."""
     llama, gemma2, gemma3, gpt_oss, cohere2 = (
         model_plan(load(checkpoints(arch)).module.spec)
         for arch in ("llama", "gemma2", "gemma3", "gpt_oss", "cohere2"))
-    assert runs_plan(llama) and runs_plan(gemma2) and runs_plan(gemma3)
-    assert not runs_plan(gpt_oss) and not runs_plan(cohere2)
+    assert runs_plan(llama) and runs_plan(gemma2) and runs_plan(gemma3) and runs_plan(gpt_oss)
+    assert not runs_plan(cohere2)
     layer, attention = llama.layers[0], llama.layers[0].attention
     taken = [replace(layer, attention=replace(attention, window=32)),
              replace(layer, attention=replace(attention, qk_norm=True)),
@@ -170,14 +173,14 @@ def test_the_c_decoder_refuses_any_plan_it_does_not_compute(checkpoints):
              replace(layer, norm=replace(layer.norm, offset=True)),
              replace(layer, attention=replace(attention, scale=0.2)),
              replace(layer, attention=replace(attention, rope=LOCAL_ROPE)),
-             replace(layer, attention=replace(attention, softcap=5.0))]
+             replace(layer, attention=replace(attention, softcap=5.0)),
+             replace(layer, attention=replace(attention, sinks=True))]
     for first in taken:
         assert runs_plan(replace(llama, layers=(first,) + llama.layers[1:]))
     assert runs_plan(replace(llama, embedding_scale=8.0, final_softcap=30.0))
     refused = [replace(layer, norm=replace(layer.norm, eps=layer.norm.eps * 2)),
                replace(layer, mlp="relu"), replace(layer, parallel=True),
                replace(layer, norm=replace(layer.norm, centered=True)),
-               replace(layer, attention=replace(attention, sinks=True)),
                replace(layer, attention=replace(attention, rope=None)),
                replace(layer, mixer=GATED_DELTA), replace(layer, mixer=MAMBA2),
                replace(layer, attention=replace(attention, output_gate=True)),
