@@ -229,10 +229,11 @@ void rtpkv_moe_forward(const moe_layer *m, const float *x, int64_t T, float *out
         expert(m, &m->shared, SI, x, T, work, work + T * 2 * SI, ys);
         if (m->shared_gate.weight) linear(m, &m->shared_gate, x, T, E, 1, gate);
         for (int64_t t = 0; t < T; t++) {
-            const double v = gate[t];
-            /* ungated (Granite's): 1 * ys is ys exactly */
-            const float g = !m->shared_gate.weight ? 1.0f
-                            : (float)(v >= 0 ? 1.0 / (1.0 + exp(-v)) : exp(v) / (1.0 + exp(v)));
+            float g = 1.0f;   /* ungated (Granite's): 1 * ys is ys exactly */
+            if (m->shared_gate.weight) {
+                const double v = gate[t];
+                g = (float)(v >= 0 ? 1.0 / (1.0 + exp(-v)) : exp(v) / (1.0 + exp(v)));
+            }
             for (int64_t j = 0; j < E; j++) {
                 const float scaled = g * ys[t * E + j];
                 out[t * E + j] = out[t * E + j] + scaled;
