@@ -79,7 +79,14 @@ class Engine:
             log.info("engine threads: %d of torch's %d (the CPUs this process may use: affinity "
                      "and cgroup quota)", self._threads, torch.get_num_threads())
         self._step_failed = RateLimitedLog(log, logging.ERROR)
-        self.heap = HeapTrimmer(config.rtpkv_malloc_trim_s, libc_malloc_trim())
+        malloc_trim = libc_malloc_trim()
+
+        def give_back() -> None:   # the kept scratch first, so a heap one's pages go back too
+            self.runner.release_scratch()
+            if malloc_trim is not None:
+                malloc_trim()
+
+        self.heap = HeapTrimmer(config.rtpkv_malloc_trim_s, give_back)
         log.info("attention window: %s, attention backend: %s", self.window.describe(),
                  model.module.attention_name)
         self._thread = threading.Thread(target=self._loop, name="rtpkv-engine", daemon=True)
