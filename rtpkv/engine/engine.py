@@ -87,11 +87,11 @@ class Engine:
             log.info("engine threads: %d of torch's %d (the CPUs this process may use: affinity "
                      "and cgroup quota)", self._threads, torch.get_num_threads())
         self._step_failed = RateLimitedLog(log, logging.ERROR)
-        malloc_trim = libc_malloc_trim()
+        malloc_trim, runner = libc_malloc_trim(), self.runner
 
         def give_back() -> None:   # the kept scratch first, so a heap one's pages go back too
-            self.runner.release_scratch()
-            if malloc_trim is not None:
+            runner.release_scratch()   # (the runner, not self: no cycle keeping a stopped
+            if malloc_trim is not None:   # engine's KV pool alive until the next collection)
                 malloc_trim()
 
         self.heap = HeapTrimmer(config.rtpkv_malloc_trim_s, give_back)
