@@ -387,3 +387,21 @@ def test_top_level_imports():
     assert {"Pipeline", "ModelFactory", "ModelConfig"} <= set(dir(rtpkv))
     with pytest.raises(AttributeError, match="Pipline"):
         rtpkv.Pipline
+
+
+def test_the_engine_yields_its_core_after_each_first_token_only(make_pipeline, monkeypatch):
+    """A step that gives a request its first token ends with the engine thread yielding its
+    core, so the stream's reader runs before the next step (rtpkv/engine/engine.py); decode
+    steps after it do not yield."""
+    import rtpkv.engine.engine as engine_module
+
+    yields = []
+    monkeypatch.setattr(engine_module, "yield_core", lambda: yields.append(1))
+    pipe = make_pipeline()
+    first = run(pipe, PROMPT, max_new_tokens=6)
+    assert len(first.output_ids) == 6 and len(yields) == 1
+    streams = [pipe(p, generate_config={"top_k": 1, "ignore_eos": True, "max_new_tokens": 4})
+               for p in (PROMPT, PROMPT + " and yours")]
+    for s in streams:
+        list(s)
+    assert 2 <= len(yields) <= 3   # one per step that gave a first token: the two may share one

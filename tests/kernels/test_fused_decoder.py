@@ -13,6 +13,7 @@ import torch
 from attention_batches import attention_batch
 from conftest import ARCHITECTURES, load, run
 
+from rtpkv.kernels import fused_decoder
 from rtpkv.kernels.fused_decoder import runs_plan
 from rtpkv.kernels.kv_quant import quantize_rows
 from rtpkv.model_factory.plan import GATED_DELTA, LOCAL_ROPE, MAMBA2, model_plan
@@ -302,3 +303,43 @@ def test_bad_ids_and_rows_never_reach_the_c_call(checkpoints, monkeypatch, bad):
     with pytest.raises(IndexError, match="past the RoPE table"):
         module.forward_logits([5, 6], [0, module.cos.shape[0]], kv, meta, [1])
     assert all(not k.any() and not v.any() for k, v in kv)
+
+
+@pytest.mark.parametrize("huge", [False, True], ids=["heap", "huge-pages"])
+def test_a_kept_scratch_gives_the_bits_of_a_fresh_one(checkpoints, monkeypatch, huge):
+    """A thread keeps its forward scratch, grown to the largest forward's (in 2 MiB pages from
+    HUGE_SCRATCH_BYTES on): a forward on the rows a longer one left (poisoned with NaN here)
+    gives the logits and the KV of one on a fresh scratch, and release_scratch gives it back."""
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
+    if huge:
+        monkeypatch.setattr(fused_decoder, "HUGE_SCRATCH_BYTES", 0)
+    module = load(checkpoints("llama")).module
+    spec, fused = module.spec, module.fused
+    assert fused is not None
+    g = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim, generator=g),
+           torch.randn(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim, generator=g))
+          for _ in range(spec.num_layers)]
+    ids = torch.randint(3, spec.vocab_size, (81,), generator=g).tolist()
+
+    def logits(batch, pool):
+        with torch.inference_mode():
+            return module.forward_logits(ids[:len(batch.positions)], batch.positions, pool,
+                                         module.attention_metadata(batch), ROWS)
+
+    long = attention_batch([[(7 * i + 3) % 20 for i in range(20)], [21, 22]], [(0, 80), (5, 1)],
+                           BLOCK, NUM_BLOCKS, spec.num_kv_heads)
+    small = attention_batch(TABLES, SEQS, BLOCK, NUM_BLOCKS, spec.num_kv_heads)
+    logits(long, [(k.clone(), v.clone()) for k, v in kv])
+    kept = fused._buffers.floats
+    with torch.inference_mode():
+        kept.fill_(float("nan"))
+    on_kept = [(k.clone(), v.clone()) for k, v in kv]
+    from_kept = logits(small, on_kept)
+    assert fused._buffers.floats is kept   # the longer forward's, reused
+    fused.release_scratch()
+    assert fused._buffers.floats is None
+    on_fresh = [(k.clone(), v.clone()) for k, v in kv]
+    assert torch.equal(from_kept, logits(small, on_fresh))
+    for (k1, v1), (k2, v2) in zip(on_kept, on_fresh):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
