@@ -24,7 +24,7 @@ import ctypes
 import mmap
 import threading
 from array import array
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Iterable, Optional, Protocol, Sequence
 
 import torch
 
@@ -105,6 +105,16 @@ HUGE_SCRATCH_BYTES = 2 * HUGE_PAGE
 # the linear layers' path -> (LINEAR_* of csrc/kernels.h, the fewest rows of its prefill tiles)
 LINEAR_KINDS = {"avx2": (0, 0), **{t.layer.path: (t.kernel_kind, t.panel_rows)
                                    for t in weight_types.REGISTRY.values()}}
+
+
+def kernel_weights(layers: Iterable[Any]) -> list[tuple[Any, str]]:
+    """(layer, name) of each tensor the C kernels read a weight from, for `layers` on a C kernel
+    path (LINEAR_KINDS): float32 or bf16 panels (`packed`, `q`), int8 blocks and
+    their scales (`q`, `scale`). Other layers (oneDNN's own packed format, torch's) give none."""
+    return [(layer, name) for layer in layers if getattr(layer, "path", None) in LINEAR_KINDS
+            for name in ("packed", "q", "scale")
+            if isinstance(getattr(layer, name, None), torch.Tensor)]
+
 
 _SIGNATURES: Signatures = {
     "rtpkv_decoder_forward": ([ctypes.POINTER(_Model), ctypes.POINTER(_Step)], None),

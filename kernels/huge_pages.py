@@ -17,7 +17,7 @@ order are unchanged (a copy), so every output keeps its bits.
 from __future__ import annotations
 
 import mmap
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -59,14 +59,3 @@ def into_huge_pages(holders: Sequence[tuple[Any, str]]) -> bool:
         setattr(obj, name, new)
         offset += size
     return True
-
-
-def kernel_weights(layers: Iterable[Any]) -> list[tuple[Any, str]]:
-    """(layer, name) of each tensor the C kernels read a weight from, for `layers` on a C kernel
-    path (fused_decoder.LINEAR_KINDS): float32 or bf16 panels (`packed`, `q`), int8 blocks and
-    their scales (`q`, `scale`). Other layers (oneDNN's own packed format, torch's) give none."""
-    from rtpkv.kernels.fused_decoder import LINEAR_KINDS
-
-    return [(layer, name) for layer in layers if getattr(layer, "path", None) in LINEAR_KINDS
-            for name in ("packed", "q", "scale")
-            if isinstance(getattr(layer, name, None), torch.Tensor)]

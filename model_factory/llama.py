@@ -28,9 +28,9 @@ from rtpkv.kernels import weight_types
 from rtpkv.kernels.activation import (clamped_swiglu, clamped_swiglu_and_mul, gelu_tanh_and_mul,
                                      soft_cap)
 from rtpkv.kernels.norm import layer_norm_no_bias, rms_norm_float_weight
-from rtpkv.kernels.fused_decoder import FusedDecoder
+from rtpkv.kernels.fused_decoder import FusedDecoder, kernel_weights
 from rtpkv.kernels.gated_delta import sigmoid_gate_
-from rtpkv.kernels.huge_pages import into_huge_pages, kernel_weights
+from rtpkv.kernels.huge_pages import into_huge_pages
 from rtpkv.kernels.linear import InferenceLinear, linear_path
 from rtpkv.model_factory.gated_delta import INTERLEAVED_ARCHITECTURES, GatedDeltaNet
 from rtpkv.model_factory.moe import CLAMPED_SWIGLU_EXPERTS, SparseMoe

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from rtpkv.errors import ConfigError
-from rtpkv.kernels.huge_pages import into_huge_pages, kernel_weights
+from rtpkv.kernels.fused_decoder import kernel_weights
+from rtpkv.kernels.huge_pages import into_huge_pages
 from rtpkv.kernels.moe_experts import ExpertKernel
 
 GPT_OSS = "GptOssForCausalLM"

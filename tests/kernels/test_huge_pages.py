@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import load, needs_c_kernels
-from rtpkv.kernels.huge_pages import (ALIGN, HUGE_PAGE, huge_page_buffer, into_huge_pages,
-                                      kernel_weights)
+from rtpkv.kernels.fused_decoder import kernel_weights
+from rtpkv.kernels.huge_pages import ALIGN, HUGE_PAGE, huge_page_buffer, into_huge_pages
 
 pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"),
                                 reason="madvise(MADV_HUGEPAGE) is Linux's")
