@@ -95,11 +95,12 @@ class _Burst(ctypes.Structure):
                 ("stop_start", _P), ("stop_ids", _P)]
 
 
-# A thread's scratch is kept from one forward to the next, grown to the largest forward's
-# (`release_scratch` gives it back: the engine's, at each heap trim), and from this size on is
-# in 2 MiB pages (kernels/huge_pages.py). A 2,064-row prefill's, 69 MB, allocated per forward in
-# 4 KiB pages, took ~17,000 page faults a step and an unmap (about 15 ms on the benchmark EPYC,
-# 4% of the step); in 2 MiB pages the faults cost ~1 ms, and a kept one none.
+# A thread's scratch is kept from one forward to the next, for the thread's life, grown to the
+# largest forward's (at most a step's token budget of rows: ~33 KB a row on the benchmark
+# model), and from this size on is in 2 MiB pages (kernels/huge_pages.py). A 2,064-row
+# prefill's, 69 MB, allocated per forward in 4 KiB pages, took ~17,000 page faults a step and an
+# unmap (about 15 ms on the benchmark EPYC, 4% of the step); given back at each heap trim and
+# allocated again, the next cold 2,064-token prefill took 9-25 ms longer than on a kept one.
 HUGE_SCRATCH_BYTES = 2 * HUGE_PAGE
 
 # the linear layers' path -> (LINEAR_* of csrc/kernels.h, the fewest rows of its prefill tiles)
@@ -202,7 +203,7 @@ class FusedDecoder:
         # the last layer table made, with the addresses of the K/V caches it points into
         self._table: Optional[tuple[tuple[int, ...], ctypes.Array]] = None
         # each thread's float32 buffer for `logits` (residual, final hidden and scratch rows),
-        # kept from one forward to the next (`release_scratch`)
+        # kept from one forward to the next (HUGE_SCRATCH_BYTES)
         self._buffers = threading.local()
         # float64 (3,): when set, each forward adds the wall seconds of its linear layers,
         # attention with the KV write, and elementwise kernels (SECONDS_* in csrc/decoder.c;
@@ -327,10 +328,6 @@ class FusedDecoder:
                 buffer = torch.empty(floats, dtype=torch.float32)
             self._buffers.floats = buffer
         return buffer
-
-    def release_scratch(self) -> None:
-        """Gives back the calling thread's kept scratch (the next forward allocates one)."""
-        self._buffers.floats = None
 
     def forward(self, residual: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -200,8 +200,7 @@ class RuntimeConfig(BaseModel):
     # runs every step eagerly
     enforce_eager: bool = False
     # seconds between malloc_trim(0) calls from the engine thread (rtpkv.engine.heap_trim), which
-    # keep glibc's freed activations from staying resident under load, each after dropping the
-    # fused decoder's kept forward scratch; 0: off (the scratch is kept for good)
+    # keep glibc's freed activations from staying resident under load; 0: off
     rtpkv_malloc_trim_s: float = Field(10.0, ge=0)
     # int8 linear layers: rtp-llm's weight-only int8 (rtpkv.kernels.int8_linear), WEIGHT_TYPE=INT8
     # or INT8_MODE=1 (its older alias); or int8 weights and activations

@@ -87,14 +87,7 @@ class Engine:
             log.info("engine threads: %d of torch's %d (the CPUs this process may use: affinity "
                      "and cgroup quota)", self._threads, torch.get_num_threads())
         self._step_failed = RateLimitedLog(log, logging.ERROR)
-        malloc_trim, runner = libc_malloc_trim(), self.runner
-
-        def give_back() -> None:   # the kept scratch first, so a heap one's pages go back too
-            runner.release_scratch()   # (the runner, not self: no cycle keeping a stopped
-            if malloc_trim is not None:   # engine's KV pool alive until the next collection)
-                malloc_trim()
-
-        self.heap = HeapTrimmer(config.rtpkv_malloc_trim_s, give_back)
+        self.heap = HeapTrimmer(config.rtpkv_malloc_trim_s, libc_malloc_trim())
         log.info("attention window: %s, attention backend: %s", self.window.describe(),
                  model.module.attention_name)
         self._thread = threading.Thread(target=self._loop, name="rtpkv-engine", daemon=True)

@@ -7,9 +7,8 @@ a new size are served from an arena (glibc's dynamic mmap threshold moves up to 
 block freed, up to 32 MiB), and an arena returns memory only from its top, so freed buffers of
 other sizes stay resident. `malloc_trim(0)` releases every whole free page of every arena. It
 runs at most every `RTPKV_MALLOC_TRIM_S` seconds and only after the engine has stepped since
-the last trim; a no-op where the C library has no `malloc_trim` (musl, macOS). The engine's
-trim first drops the fused decoder's kept forward scratch (kernels/fused_decoder.py), which the
-next forward allocates again.
+the last trim; a no-op where the C library has no `malloc_trim` (musl, macOS). The fused
+decoder's forward scratch is not the arenas' (kernels/fused_decoder.py keeps it).
 """
 
 from __future__ import annotations

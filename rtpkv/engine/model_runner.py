@@ -58,12 +58,6 @@ class ModelRunner:
         released blocks a burst's later steps would need tables without)."""
         return self.module.fused is not None and self.window is None
 
-    def release_scratch(self) -> None:
-        """Gives back the calling thread's kept forward scratch (the fused decoder's; the
-        engine's at each heap trim)."""
-        if self.module.fused is not None:
-            self.module.fused.release_scratch()
-
     def batch(self, chunks: list[ScheduledChunk]) -> tuple[list[int], AttentionBatch]:
         """Token ids and the attention backend's view of `chunks`, in this order."""
         B = self.block_size
