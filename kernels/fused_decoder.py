@@ -329,6 +329,13 @@ class FusedDecoder:
             self._buffers.floats = buffer
         return buffer
 
+    def reserve(self, rows: int) -> None:
+        """This thread's scratch for forwards of up to `rows` rows, its pages touched now: the
+        engine reserves a step's token budget when it starts (as vLLM's profile run sizes its
+        activations), so no request pays the first mapping of a long prefill's scratch."""
+        with torch.inference_mode():
+            self._buffer(rows * (self.scratch_width + 2 * self.hidden)).zero_()
+
     def forward(self, residual: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 metas: Sequence[CpuMetadata]) -> torch.Tensor:

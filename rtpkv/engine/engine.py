@@ -214,6 +214,7 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
         torch.set_num_threads(self._threads)  # thread counts are per OS thread
+        self.runner.reserve_scratch(self.config.max_num_batched_tokens)
         failures = 0
         while not self._stopped.is_set():
             try:

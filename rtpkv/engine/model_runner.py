@@ -58,6 +58,12 @@ class ModelRunner:
         released blocks a burst's later steps would need tables without)."""
         return self.module.fused is not None and self.window is None
 
+    def reserve_scratch(self, rows: int) -> None:
+        """The calling thread's forward scratch for steps of up to `rows` tokens, mapped now
+        (the fused decoder's; FusedDecoder.reserve)."""
+        if self.module.fused is not None:
+            self.module.fused.reserve(rows)
+
     def batch(self, chunks: list[ScheduledChunk]) -> tuple[list[int], AttentionBatch]:
         """Token ids and the attention backend's view of `chunks`, in this order."""
         B = self.block_size

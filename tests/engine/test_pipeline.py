@@ -405,3 +405,18 @@ def test_the_engine_yields_its_core_after_each_first_token_only(make_pipeline, m
     for s in streams:
         list(s)
     assert 2 <= len(yields) <= 3   # one per step that gave a first token: the two may share one
+
+
+def test_the_engine_reserves_a_steps_scratch_on_its_thread_when_it_starts(make_pipeline,
+                                                                          monkeypatch):
+    """The engine thread maps the fused decoder's scratch for a step's token budget before any
+    request (rtpkv/engine/engine.py), so no request pays it."""
+    from rtpkv.engine.model_runner import ModelRunner
+
+    reserved = []
+    reserve = ModelRunner.reserve_scratch
+    monkeypatch.setattr(ModelRunner, "reserve_scratch", lambda self, rows: reserved.append(
+        (rows, threading.current_thread().name)) or reserve(self, rows))
+    pipe = make_pipeline(max_num_batched_tokens=512)
+    assert len(run(pipe, PROMPT, max_new_tokens=2).output_ids) == 2
+    assert reserved == [(512, "rtpkv-engine")]

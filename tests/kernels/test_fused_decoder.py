@@ -305,6 +305,27 @@ def test_bad_ids_and_rows_never_reach_the_c_call(checkpoints, monkeypatch, bad):
     assert all(not k.any() and not v.any() for k, v in kv)
 
 
+def test_a_reserved_scratch_serves_every_forward_up_to_its_rows(checkpoints, monkeypatch):
+    """FusedDecoder.reserve(rows) maps this thread's scratch for forwards of up to `rows` rows:
+    a forward of that many keeps it; one longer replaces it with a larger one."""
+    monkeypatch.setenv("RTPKV_LINEAR", "avx2")
+    module = load(checkpoints("llama")).module
+    spec, fused = module.spec, module.fused
+    kv = [(torch.zeros(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim),
+           torch.zeros(spec.num_kv_heads * NUM_BLOCKS * BLOCK, spec.head_dim))
+          for _ in range(spec.num_layers)]
+    batch = attention_batch(TABLES, SEQS, BLOCK, NUM_BLOCKS, spec.num_kv_heads)
+    rows = len(batch.positions)
+    fused.reserve(rows)
+    reserved = fused._buffers.floats
+    with torch.inference_mode():
+        module.forward_logits(list(range(3, 3 + rows)), batch.positions, kv,
+                              module.attention_metadata(batch), ROWS)
+    assert fused._buffers.floats is reserved
+    fused.reserve(rows + 1)
+    assert fused._buffers.floats.numel() > reserved.numel()
+
+
 @pytest.mark.parametrize("huge", [False, True], ids=["heap", "huge-pages"])
 def test_a_kept_scratch_gives_the_bits_of_a_fresh_one(checkpoints, monkeypatch, huge):
     """A thread keeps its forward scratch, grown to the largest forward's (in 2 MiB pages from
