@@ -90,8 +90,12 @@ class Engine:
         self.heap = HeapTrimmer(config.rtpkv_malloc_trim_s, libc_malloc_trim())
         log.info("attention window: %s, attention backend: %s", self.window.describe(),
                  model.module.attention_name)
+        # the engine thread maps its forward scratch for a step's token budget before the
+        # engine is handed out, so that start-up, not the first long prompt, pays it
+        self._reserved = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rtpkv-engine", daemon=True)
         self._thread.start()
+        self._reserved.wait()
 
     # ------------------------------------------------------------------ API (any thread)
     def submit(self, req: Request) -> Request:
@@ -214,7 +218,12 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
         torch.set_num_threads(self._threads)  # thread counts are per OS thread
-        self.runner.reserve_scratch(self.config.max_num_batched_tokens)
+        try:
+            self.runner.reserve_scratch(self.config.max_num_batched_tokens)
+        except (MemoryError, OSError):   # each forward maps what it needs instead
+            log.warning("could not reserve the forward scratch at start", exc_info=True)
+        finally:
+            self._reserved.set()
         failures = 0
         while not self._stopped.is_set():
             try:
