@@ -56,12 +56,14 @@ def step_times(layer: SparseMoe, tokens: torch.Tensor, c_call: bool) -> float:
     """The median time of one token through `layer`, over `tokens` (one a step)."""
     kernel, layer.kernel = layer.kernel, (layer.kernel if c_call else None)
     times = []
-    with torch.inference_mode():
-        for token in tokens:
-            start = time.perf_counter()
-            layer(token[None])
-            times.append(time.perf_counter() - start)
-    layer.kernel = kernel
+    try:
+        with torch.inference_mode():
+            for token in tokens:
+                start = time.perf_counter()
+                layer(token[None])
+                times.append(time.perf_counter() - start)
+    finally:
+        layer.kernel = kernel
     return statistics.median(times)
 
 

@@ -21,8 +21,8 @@ This module is that worker, on Dynamo's Python backend API (`dynamo.common.backe
   hit weights rather than as device blocks.
 - Registered with the pool's capacity (`total_kv_blocks`), block size, context length,
   CONCURRENCY_LIMIT and the prompt tokens a step takes (MAX_NUM_BATCHED_TOKENS: the router's
-  busy and queue thresholds are fractions of it); the frontend reads the tokenizer and chat template from a card directory
-  (the checkpoint's own when it has `tokenizer.json` and a template; else one written here
+  busy and queue thresholds are fractions of it); the frontend reads the tokenizer and chat
+  template from a card directory (the checkpoint's own when it has `tokenizer.json` and a template; else one written here
   with rtpkv's fallback template, so the frontend renders a chat as `rtpkv serve` does).
 - A request's sampling options, stop conditions, EOS ids, cache salt and max tokens become a
   `GenerateConfig`; what rtpkv cannot honour is refused by name. `cached_tokens` in the usage

@@ -234,4 +234,3 @@ def test_a_killed_worker_stops_receiving_requests(fleet):
     sent = sum(len(r["token_ids"]) for r in httpx.post(
         survivor + "/v1/completions/render", json={"prompt": prompts}, timeout=30).json())
     assert after - before == sent   # every one of them was served by the survivor
-
